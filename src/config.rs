@@ -1,0 +1,636 @@
+//! The sidecar's configuration file (`/etc/calimero/fleet-sidecar.toml` by default).
+//!
+//! Two levels, as in ripgrep's low/high args: [`RawConfig`] is exactly what the TOML says
+//! (unknown keys are an error that names the key), and [`Config`] is the validated form with
+//! strong types (`Url`, `Duration`, paths) that the daemon runs on. Loading touches only the
+//! config file itself: nothing here reads merod's files, sysfs, or the network.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+use url::Url;
+
+use crate::mrtd::TdxConfig;
+use crate::reconcile::LeavePolicy;
+
+/// Where the daemon looks for its config file unless `--config` says otherwise.
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/calimero/fleet-sidecar.toml";
+/// merod's admin API when neither `[merod].admin_url` nor merod's `[server].listen` says.
+pub const DEFAULT_ADMIN_URL: &str = "http://127.0.0.1:2528";
+
+/// A secret string (the fleet token). Its `Debug` prints `[redacted]` and it has no
+/// `Display`, so it cannot slip into a log line or an error message by formatting.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that must send it (the `X-Fleet-Token` header).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl<'de> Deserialize<'de> for Secret {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d).map(Secret)
+    }
+}
+
+/// The config file as written, before validation. Every key is optional except
+/// `mdma_url`; an unknown key is an error naming it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RawConfig {
+    /// MDMA base URL; must be `https://` (plain `http://` only for a loopback host).
+    pub mdma_url: Option<String>,
+    /// Sent as `X-Fleet-Token` when set.
+    pub fleet_token: Option<Secret>,
+    /// A PEM file with extra trust roots for MDMA's TLS, added to the system roots.
+    pub mdma_ca_file: Option<PathBuf>,
+    /// Time between polls (humantime, e.g. "1s"). Default 1 s.
+    #[serde(default = "defaults::poll_interval", with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// The persisted confirmed/admitted sets.
+    #[serde(default = "defaults::state_file")]
+    pub state_file: PathBuf,
+    /// Log lines are appended here as well as written to stderr.
+    #[serde(default = "defaults::log_file")]
+    pub log_file: PathBuf,
+    /// Polls a namespace must be absent from before it is left (default 3; 1 = the reference).
+    #[serde(default = "defaults::leave_after_polls")]
+    pub leave_after_polls: u32,
+    /// Withdrawals in one poll that, if also more than half of those held, hold every leave.
+    #[serde(default = "defaults::mass_drop_min")]
+    pub mass_drop_min: usize,
+    /// How long a mass withdrawal must persist before its leaves go ahead (default 10 min).
+    #[serde(default = "defaults::mass_drop_hold", with = "humantime_serde")]
+    pub mass_drop_hold: Duration,
+    /// Upper bound on leaves started in any 60 s window (default 10).
+    #[serde(default = "defaults::max_leaves_per_minute")]
+    pub max_leaves_per_minute: u32,
+    /// Joins running at once (default 4).
+    #[serde(default = "defaults::max_concurrent_joins")]
+    pub max_concurrent_joins: usize,
+    /// Deadline of one `fleet-join` call (default 90 s).
+    #[serde(default = "defaults::join_timeout", with = "humantime_serde")]
+    pub join_timeout: Duration,
+    /// Deadline of one leave call (default 60 s).
+    #[serde(default = "defaults::leave_timeout", with = "humantime_serde")]
+    pub leave_timeout: Duration,
+    /// The `[merod]` table.
+    #[serde(default)]
+    pub merod: RawMerod,
+    /// The `[tdx]` table: where the MRTD is read from.
+    #[serde(default)]
+    pub tdx: TdxConfig,
+}
+
+/// The `[merod]` table as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RawMerod {
+    /// merod's home; the PeerId is read from `{home}/{node}/config.toml`.
+    pub home: PathBuf,
+    /// The node's name under `home`.
+    pub node: String,
+    /// merod's admin API base URL; default from `[server].listen[0]` of that config.toml.
+    pub admin_url: Option<String>,
+}
+
+impl Default for RawMerod {
+    fn default() -> Self {
+        Self {
+            home: PathBuf::from("/mnt/data/calimero"),
+            node: "default".to_owned(),
+            admin_url: None,
+        }
+    }
+}
+
+mod defaults {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    pub fn poll_interval() -> Duration {
+        Duration::from_secs(1)
+    }
+    pub fn state_file() -> PathBuf {
+        PathBuf::from("/var/lib/calimero/fleet-confirmed.json")
+    }
+    pub fn log_file() -> PathBuf {
+        PathBuf::from("/var/log/fleet-sidecar.log")
+    }
+    pub fn leave_after_polls() -> u32 {
+        3
+    }
+    pub fn mass_drop_min() -> usize {
+        3
+    }
+    pub fn mass_drop_hold() -> Duration {
+        Duration::from_secs(600)
+    }
+    pub fn max_leaves_per_minute() -> u32 {
+        10
+    }
+    pub fn max_concurrent_joins() -> usize {
+        4
+    }
+    pub fn join_timeout() -> Duration {
+        Duration::from_secs(90)
+    }
+    pub fn leave_timeout() -> Duration {
+        Duration::from_secs(60)
+    }
+}
+
+/// The validated configuration the daemon runs on.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// MDMA base URL (`https://`, or `http://` to a loopback host).
+    pub mdma_url: Url,
+    /// The fleet token, sent as `X-Fleet-Token`.
+    pub fleet_token: Option<Secret>,
+    /// Extra PEM trust roots for MDMA.
+    pub mdma_ca_file: Option<PathBuf>,
+    /// Time between polls.
+    pub poll_interval: Duration,
+    /// The persisted state document.
+    pub state_file: PathBuf,
+    /// The log file lines are appended to.
+    pub log_file: PathBuf,
+    /// When a withdrawn namespace may be left.
+    pub leave_policy: LeavePolicy,
+    /// Joins running at once (≥ 1).
+    pub max_concurrent_joins: usize,
+    /// Deadline of one `fleet-join` call.
+    pub join_timeout: Duration,
+    /// Deadline of one leave call.
+    pub leave_timeout: Duration,
+    /// merod's location.
+    pub merod: MerodConfig,
+    /// MRTD sources.
+    pub tdx: TdxConfig,
+    /// Things worth a warning that are not errors (e.g. plain `http://` to loopback); the
+    /// daemon logs them once logging is up.
+    pub warnings: Vec<String>,
+}
+
+/// The validated `[merod]` table.
+#[derive(Debug, Clone)]
+pub struct MerodConfig {
+    /// merod's home directory.
+    pub home: PathBuf,
+    /// The node's name under `home`.
+    pub node: String,
+    /// The admin API base URL if configured; else derived from merod's config.toml.
+    pub admin_url: Option<Url>,
+}
+
+impl MerodConfig {
+    /// `{home}/{node}/config.toml`: merod's own config, holding `[identity].peer_id` and
+    /// `[server].listen`.
+    pub fn config_toml(&self) -> PathBuf {
+        self.home.join(&self.node).join("config.toml")
+    }
+}
+
+/// Why the config cannot be used. Each names the file and, where one is at fault, the key.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {path}: {source}")]
+    Read {
+        /// The config file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not valid TOML for this schema (includes unknown keys, by name). Only the
+    /// parser's message and the line are kept, never the offending line's text: it could be
+    /// the token's line.
+    #[error("config file {path}, line {line}: {message}")]
+    Parse {
+        /// The config file.
+        path: PathBuf,
+        /// 1-based line of the fault (0 when the parser gave no position).
+        line: usize,
+        /// The parser's message, naming the key.
+        message: String,
+    },
+    /// `mdma_url` is missing or empty.
+    #[error("config file {path}: mdma_url is not set (the sidecar cannot poll without it)")]
+    MissingMdmaUrl {
+        /// The config file.
+        path: PathBuf,
+    },
+    /// A key holds a value that cannot be used.
+    #[error("config file {path}: {key} = {value:?} is invalid: {reason}")]
+    Invalid {
+        /// The config file.
+        path: PathBuf,
+        /// The key, e.g. `mdma_url` or `merod.admin_url`.
+        key: &'static str,
+        /// The value as written (never a secret).
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl Config {
+    /// Reads and validates the config file at `path`.
+    ///
+    /// Errors: [`ConfigError`] naming the file, and the key when one is at fault.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses and validates config text; `path` is only used in error messages.
+    ///
+    /// Errors: [`ConfigError::Parse`], [`ConfigError::MissingMdmaUrl`],
+    /// [`ConfigError::Invalid`].
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| {
+            let before = e.span().and_then(|span| text.get(..span.start));
+            let line = before.map_or(0, |b| b.matches('\n').count() + 1);
+            // The key of the faulty line (never its value: it could be the token).
+            let key = line
+                .checked_sub(1)
+                .and_then(|i| text.lines().nth(i))
+                .and_then(|l| l.split_once('='))
+                .map(|(k, _)| k.trim())
+                .filter(|k| !k.is_empty() && !k.starts_with('#'));
+            let message = match key {
+                Some(k) => format!("{k}: {}", e.message()),
+                None => e.message().to_owned(),
+            };
+            ConfigError::Parse {
+                path: path.to_owned(),
+                line,
+                message,
+            }
+        })?;
+        raw.validate(path)
+    }
+}
+
+impl RawConfig {
+    /// Checks every value and builds the [`Config`]; `path` names the file in errors.
+    ///
+    /// Errors: [`ConfigError::MissingMdmaUrl`] and [`ConfigError::Invalid`].
+    pub fn validate(self, path: &Path) -> Result<Config, ConfigError> {
+        let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            value,
+            reason,
+        };
+        let mut warnings = Vec::new();
+
+        let mdma_raw = match self.mdma_url.as_deref().map(str::trim) {
+            Some(s) if !s.is_empty() => s.to_owned(),
+            _ => {
+                return Err(ConfigError::MissingMdmaUrl {
+                    path: path.to_owned(),
+                })
+            }
+        };
+        let mdma_url = parse_base_url(&mdma_raw)
+            .map_err(|reason| invalid("mdma_url", mdma_raw.clone(), reason))?;
+        match mdma_url.scheme() {
+            "https" => {}
+            "http" if is_loopback(&mdma_url) => warnings.push(format!(
+                "mdma_url {mdma_url} is plain http: accepted only because the host is loopback"
+            )),
+            "http" => {
+                return Err(invalid(
+                    "mdma_url",
+                    mdma_raw,
+                    "must be https:// (plain http:// is accepted only for a loopback host)"
+                        .to_owned(),
+                ))
+            }
+            other => {
+                return Err(invalid(
+                    "mdma_url",
+                    mdma_raw,
+                    format!("scheme {other:?} is not https"),
+                ))
+            }
+        }
+        if self
+            .fleet_token
+            .as_ref()
+            .is_some_and(|t| t.expose().is_empty())
+        {
+            return Err(invalid(
+                "fleet_token",
+                String::new(),
+                "is empty: leave the key out to send no token".to_owned(),
+            ));
+        }
+
+        let admin_url = match self.merod.admin_url {
+            None => None,
+            Some(raw) => {
+                let url = parse_base_url(&raw)
+                    .map_err(|reason| invalid("merod.admin_url", raw.clone(), reason))?;
+                if !matches!(url.scheme(), "http" | "https") {
+                    return Err(invalid(
+                        "merod.admin_url",
+                        raw,
+                        "must be http:// or https://".to_owned(),
+                    ));
+                }
+                Some(url)
+            }
+        };
+        if self.merod.node.is_empty() || self.merod.node.contains('/') {
+            return Err(invalid(
+                "merod.node",
+                self.merod.node,
+                "must be a plain directory name".to_owned(),
+            ));
+        }
+
+        let nonzero = |key: &'static str, d: Duration| {
+            if d.is_zero() {
+                Err(invalid(
+                    key,
+                    "0s".to_owned(),
+                    "must be longer than zero".to_owned(),
+                ))
+            } else {
+                Ok(d)
+            }
+        };
+        let poll_interval = nonzero("poll_interval", self.poll_interval)?;
+        let join_timeout = nonzero("join_timeout", self.join_timeout)?;
+        let leave_timeout = nonzero("leave_timeout", self.leave_timeout)?;
+        if self.leave_after_polls == 0 {
+            return Err(invalid(
+                "leave_after_polls",
+                "0".to_owned(),
+                "must be at least 1".to_owned(),
+            ));
+        }
+        if self.max_leaves_per_minute == 0 {
+            return Err(invalid(
+                "max_leaves_per_minute",
+                "0".to_owned(),
+                "must be at least 1 (0 would block every leave forever)".to_owned(),
+            ));
+        }
+        if self.max_concurrent_joins == 0 {
+            return Err(invalid(
+                "max_concurrent_joins",
+                "0".to_owned(),
+                "must be at least 1".to_owned(),
+            ));
+        }
+        if self.mass_drop_min == 0 {
+            return Err(invalid(
+                "mass_drop_min",
+                "0".to_owned(),
+                "must be at least 1".to_owned(),
+            ));
+        }
+        self.tdx.validate().map_err(|e| {
+            invalid(
+                "tdx.sources",
+                format!("{:?}", self.tdx.sources),
+                e.to_string(),
+            )
+        })?;
+
+        Ok(Config {
+            mdma_url,
+            fleet_token: self.fleet_token,
+            mdma_ca_file: self.mdma_ca_file,
+            poll_interval,
+            state_file: self.state_file,
+            log_file: self.log_file,
+            leave_policy: LeavePolicy {
+                leave_after_polls: self.leave_after_polls,
+                mass_drop_min: self.mass_drop_min,
+                mass_drop_hold: self.mass_drop_hold,
+                max_leaves_per_minute: self.max_leaves_per_minute,
+            },
+            max_concurrent_joins: self.max_concurrent_joins,
+            join_timeout,
+            leave_timeout,
+            merod: MerodConfig {
+                home: self.merod.home,
+                node: self.merod.node,
+                admin_url,
+            },
+            tdx: self.tdx,
+            warnings,
+        })
+    }
+}
+
+/// Parses a base URL and makes sure its path ends in `/`, so joining `api/fleet/...` keeps
+/// any path prefix. Errors: a one-line reason.
+fn parse_base_url(raw: &str) -> Result<Url, String> {
+    let mut url = Url::parse(raw).map_err(|e| e.to_string())?;
+    if url.host_str().is_none_or(str::is_empty) {
+        return Err("has no host".to_owned());
+    }
+    if url.query().is_some() || url.fragment().is_some() {
+        return Err("must not carry a query or fragment".to_owned());
+    }
+    if !url.username().is_empty() || url.password().is_some() {
+        return Err("must not carry credentials (use fleet_token)".to_owned());
+    }
+    if !url.path().ends_with('/') {
+        let path = format!("{}/", url.path());
+        url.set_path(&path);
+    }
+    Ok(url)
+}
+
+/// Whether the URL's host is `localhost` or a loopback address (127.0.0.0/8, ::1).
+pub fn is_loopback(url: &Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
+        Some(url::Host::Ipv4(ip)) => IpAddr::V4(ip).is_loopback(),
+        Some(url::Host::Ipv6(ip)) => IpAddr::V6(ip).is_loopback(),
+        None => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml(text, Path::new("/etc/calimero/fleet-sidecar.toml"))
+    }
+
+    #[test]
+    fn the_issue_schema_parses_with_its_values() {
+        let cfg = load(
+            r#"
+mdma_url = "https://mdma.example"
+fleet_token = "s3cret"
+mdma_ca_file = "/etc/calimero/mdma-ca.pem"
+poll_interval = "1s"
+state_file = "/var/lib/calimero/fleet-confirmed.json"
+log_file = "/var/log/fleet-sidecar.log"
+[merod]
+home = "/mnt/data/calimero"
+node = "default"
+admin_url = "http://127.0.0.1:2528"
+[tdx]
+mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
+"#,
+        )
+        .unwrap();
+        assert_eq!(cfg.mdma_url.as_str(), "https://mdma.example/");
+        assert_eq!(cfg.fleet_token.as_ref().unwrap().expose(), "s3cret");
+        assert_eq!(cfg.poll_interval, Duration::from_secs(1));
+        assert_eq!(
+            cfg.merod.admin_url.as_ref().unwrap().as_str(),
+            "http://127.0.0.1:2528/"
+        );
+        assert_eq!(
+            cfg.merod.config_toml(),
+            PathBuf::from("/mnt/data/calimero/default/config.toml")
+        );
+        assert!(cfg.warnings.is_empty());
+    }
+
+    #[test]
+    fn defaults_are_the_deployed_node_paths() {
+        let cfg = load(r#"mdma_url = "https://mdma.example/base""#).unwrap();
+        assert_eq!(cfg.mdma_url.as_str(), "https://mdma.example/base/");
+        assert!(cfg.fleet_token.is_none());
+        assert_eq!(
+            cfg.state_file,
+            PathBuf::from("/var/lib/calimero/fleet-confirmed.json")
+        );
+        assert_eq!(cfg.log_file, PathBuf::from("/var/log/fleet-sidecar.log"));
+        assert_eq!(cfg.poll_interval, Duration::from_secs(1));
+        assert_eq!(cfg.merod.home, PathBuf::from("/mnt/data/calimero"));
+        assert_eq!(cfg.merod.node, "default");
+        assert!(cfg.merod.admin_url.is_none());
+        assert_eq!(
+            cfg.tdx.mrtd_path,
+            PathBuf::from("/sys/class/misc/tdx_guest/measurements/mrtd:sha384")
+        );
+        assert_eq!(cfg.leave_policy.leave_after_polls, 3);
+        assert_eq!(cfg.leave_policy.mass_drop_min, 3);
+        assert_eq!(cfg.leave_policy.mass_drop_hold, Duration::from_secs(600));
+        assert_eq!(cfg.leave_policy.max_leaves_per_minute, 10);
+        assert_eq!(cfg.max_concurrent_joins, 4);
+        assert_eq!(cfg.join_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.leave_timeout, Duration::from_secs(60));
+    }
+
+    #[test]
+    fn missing_or_empty_mdma_url_is_a_clear_error() {
+        for text in ["", "mdma_url = \"\"", "mdma_url = \"  \""] {
+            let err = load(text).unwrap_err();
+            assert!(matches!(err, ConfigError::MissingMdmaUrl { .. }), "{err}");
+            assert!(err.to_string().contains("mdma_url is not set"));
+        }
+    }
+
+    #[test]
+    fn plain_http_only_for_loopback_with_a_warning() {
+        for ok in [
+            "http://127.0.0.1:8080",
+            "http://127.9.9.9",
+            "http://localhost:1",
+            "http://[::1]:9",
+        ] {
+            let cfg = load(&format!("mdma_url = \"{ok}\"")).unwrap();
+            assert_eq!(cfg.warnings.len(), 1, "{ok}");
+        }
+        for bad in [
+            "http://mdma.example",
+            "http://10.0.0.1",
+            "ftp://mdma.example",
+            "not a url",
+            "https://user:pw@mdma.example",
+            "https://mdma.example/?a=b",
+        ] {
+            let err = load(&format!("mdma_url = \"{bad}\"")).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::Invalid {
+                        key: "mdma_url",
+                        ..
+                    }
+                ),
+                "{bad}: {err}"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_keys_are_named() {
+        let err = load("mdma_url = \"https://m\"\npoll_intervall = \"2s\"").unwrap_err();
+        assert!(err.to_string().contains("poll_intervall"), "{err}");
+        let err = load("mdma_url = \"https://m\"\n[merod]\nhomedir = \"/x\"").unwrap_err();
+        assert!(err.to_string().contains("homedir"), "{err}");
+        let err = load("mdma_url = \"https://m\"\n[tdx]\nmrtd = \"/x\"").unwrap_err();
+        assert!(err.to_string().contains("mrtd"), "{err}");
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (text, key) in [
+            ("poll_interval = \"0s\"", "poll_interval"),
+            ("leave_after_polls = 0", "leave_after_polls"),
+            ("max_leaves_per_minute = 0", "max_leaves_per_minute"),
+            ("max_concurrent_joins = 0", "max_concurrent_joins"),
+            ("join_timeout = \"0s\"", "join_timeout"),
+            ("fleet_token = \"\"", "fleet_token"),
+            ("[merod]\nadmin_url = \"unix:/x\"", "merod.admin_url"),
+            ("[merod]\nnode = \"a/b\"", "merod.node"),
+            ("[tdx]\nsources = []", "tdx.sources"),
+        ] {
+            let err = load(&format!("mdma_url = \"https://m\"\n{text}")).unwrap_err();
+            assert!(err.to_string().contains(key), "{text}: {err}");
+        }
+        let err = load("mdma_url = \"https://m\"\npoll_interval = \"soon\"").unwrap_err();
+        assert!(err.to_string().contains("poll_interval"), "{err}");
+    }
+
+    #[test]
+    fn a_malformed_token_line_is_not_echoed() {
+        let err = load("mdma_url = \"https://m\"\nfleet_token = hunter2-token").unwrap_err();
+        let text = err.to_string();
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(text.contains("line 2"), "{text}");
+    }
+
+    #[test]
+    fn the_token_never_shows_in_debug() {
+        let cfg = load("mdma_url = \"https://m\"\nfleet_token = \"hunter2-token\"").unwrap();
+        let debug = format!("{cfg:?}");
+        assert!(!debug.contains("hunter2-token"));
+        assert!(debug.contains("[redacted]"));
+    }
+}

@@ -1,0 +1,726 @@
+//! Emulator of the MDMA fleet API (see `shared/contracts/mdma.md`):
+//! `POST /api/fleet/should-join` and `POST /api/fleet/confirm`.
+//!
+//! Test double for the demo and the integration tests, not production code.
+//!
+//! - With a token configured, a request whose `X-Fleet-Token` is missing or different answers
+//!   401; without one the header is ignored (but recorded).
+//! - Bodies must be JSON objects sent with `Content-Type: application/json`: a poll
+//!   `{"peer_id": str, "mrtd"?: str}` (a `null` mrtd is refused: the contract leaves it out),
+//!   a confirm `{"peer_id": str, "group_id": str}`; unknown fields are ignored. Anything else
+//!   answers 400. Every request is recorded, whatever it was answered.
+//! - A poll is answered with the next queued [`PollReply`], else with the standing one
+//!   (default: no assignments). A confirm answers 200 `{}`, or 503 while failures are scripted
+//!   for its group with [`MdmaEmulator::fail_next_confirms`].
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::header::CONTENT_TYPE;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use serde_json::{json, Map, Value};
+use tokio::sync::watch;
+use url::Url;
+
+use super::{is_json_content_type, json_response, lock, serve, ServerHandle};
+
+/// The header carrying the fleet token.
+pub const TOKEN_HEADER: &str = "x-fleet-token";
+
+/// How the emulator answers a (well-formed, authorised) poll.
+#[derive(Clone, Debug, PartialEq)]
+pub enum PollReply {
+    /// 200 `{"assignments":[{"group_id": id, "admitter_addrs": []}, ...]}` plus
+    /// `"retain": [...]` when `Some`.
+    Assign {
+        /// The `group_id`s of the `assignments` entries, in order.
+        assignments: Vec<String>,
+        /// The `retain` list; left out of the body when `None`.
+        retain: Option<Vec<String>>,
+    },
+    /// This HTTP status with body `{"error":"emulated"}`.
+    Status(u16),
+    /// 200, `Content-Type: application/json`, exactly this body (for non-JSON / wrong-shape
+    /// tests).
+    RawBody(String),
+    /// Never answers: the request stays pending until the client gives up.
+    Hang,
+}
+
+impl PollReply {
+    /// `Assign` of these ids, without `retain`.
+    pub fn assign<I, S>(ids: I) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        PollReply::Assign {
+            assignments: ids.into_iter().map(Into::into).collect(),
+            retain: None,
+        }
+    }
+
+    /// `Assign` of `ids` with a `retain` list.
+    pub fn assign_retain<I, S, R, T>(ids: I, retain: R) -> Self
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        R: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        PollReply::Assign {
+            assignments: ids.into_iter().map(Into::into).collect(),
+            retain: Some(retain.into_iter().map(Into::into).collect()),
+        }
+    }
+}
+
+impl Default for PollReply {
+    fn default() -> Self {
+        PollReply::Assign {
+            assignments: Vec::new(),
+            retain: None,
+        }
+    }
+}
+
+/// One `should-join` request as received.
+#[derive(Clone, Debug)]
+pub struct PollRecord {
+    /// `peer_id` of the body, when it was a string.
+    pub peer_id: Option<String>,
+    /// `mrtd` of the body, when present and a string.
+    pub mrtd: Option<String>,
+    /// The `X-Fleet-Token` header as sent.
+    pub token: Option<String>,
+    /// What was answered; 0 for [`PollReply::Hang`].
+    pub status: u16,
+    /// When the request arrived.
+    pub at: Instant,
+}
+
+/// One `confirm` request as received.
+#[derive(Clone, Debug)]
+pub struct ConfirmRecord {
+    /// `peer_id` of the body, when it was a string.
+    pub peer_id: Option<String>,
+    /// `group_id` of the body (as sent), when it was a string.
+    pub group_id: Option<String>,
+    /// The `X-Fleet-Token` header as sent.
+    pub token: Option<String>,
+    /// What was answered.
+    pub status: u16,
+    /// When the request arrived.
+    pub at: Instant,
+}
+
+struct Inner {
+    token: Option<String>,
+    standing: PollReply,
+    queue: VecDeque<PollReply>,
+    /// Remaining scripted confirm failures, keyed by lowercase group id.
+    confirm_failures: HashMap<String, u32>,
+    polls: Vec<PollRecord>,
+    confirms: Vec<ConfirmRecord>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    poll_count: watch::Sender<usize>,
+}
+
+/// The MDMA emulator. Clones share the same state and server; the server stops when
+/// [`MdmaEmulator::shutdown`] is called or the last clone is dropped.
+#[derive(Clone)]
+pub struct MdmaEmulator {
+    shared: Arc<Shared>,
+    server: Arc<ServerHandle>,
+}
+
+impl std::fmt::Debug for MdmaEmulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MdmaEmulator")
+            .field("addr", &self.server.addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MdmaEmulator {
+    /// Starts the emulator on `127.0.0.1:0`. With `Some(token)` every request must carry
+    /// `X-Fleet-Token: <token>`.
+    pub async fn start(token: Option<String>) -> std::io::Result<Self> {
+        let (poll_count, _) = watch::channel(0usize);
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                token,
+                standing: PollReply::default(),
+                queue: VecDeque::new(),
+                confirm_failures: HashMap::new(),
+                polls: Vec::new(),
+                confirms: Vec::new(),
+            }),
+            poll_count,
+        });
+        let router = Router::new()
+            .route("/api/fleet/should-join", post(should_join))
+            .route("/api/fleet/confirm", post(confirm))
+            .fallback(not_found)
+            .with_state(shared.clone());
+        let server = Arc::new(serve(router).await?);
+        Ok(MdmaEmulator { shared, server })
+    }
+
+    /// `http://127.0.0.1:PORT/`, the `MDMA_URL` to give the client.
+    pub fn url(&self) -> Url {
+        self.server.url()
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.server.addr()
+    }
+
+    /// Sets the standing answer (served once the queue is empty).
+    pub fn set_reply(&self, reply: PollReply) {
+        lock(&self.shared.inner).standing = reply;
+    }
+
+    /// Queues one-shot answers, served first and in order, before the standing one.
+    pub fn queue_replies(&self, replies: impl IntoIterator<Item = PollReply>) {
+        lock(&self.shared.inner).queue.extend(replies);
+    }
+
+    /// The next `n` confirms of `group_id` (compared case-insensitively) answer 503.
+    /// Replaces any count still pending for that group.
+    pub fn fail_next_confirms(&self, group_id: &str, n: u32) {
+        lock(&self.shared.inner)
+            .confirm_failures
+            .insert(group_id.to_ascii_lowercase(), n);
+    }
+
+    /// Every poll so far, in arrival order.
+    pub fn polls(&self) -> Vec<PollRecord> {
+        lock(&self.shared.inner).polls.clone()
+    }
+
+    /// Every confirm so far, in arrival order.
+    pub fn confirms(&self) -> Vec<ConfirmRecord> {
+        lock(&self.shared.inner).confirms.clone()
+    }
+
+    /// Group ids (as sent) with at least one 2xx confirm.
+    pub fn confirmed(&self) -> BTreeSet<String> {
+        lock(&self.shared.inner)
+            .confirms
+            .iter()
+            .filter(|record| (200..300).contains(&record.status))
+            .filter_map(|record| record.group_id.clone())
+            .collect()
+    }
+
+    /// Waits until at least `n` polls were recorded (whatever they were answered); false if
+    /// `timeout` passed first. Uses the tokio clock.
+    pub async fn wait_for_polls(&self, n: usize, timeout: Duration) -> bool {
+        let mut count = self.shared.poll_count.subscribe();
+        let reached = tokio::time::timeout(timeout, count.wait_for(|seen| *seen >= n)).await;
+        matches!(reached, Ok(Ok(_)))
+    }
+
+    /// Stops accepting connections (also happens when the last clone is dropped).
+    pub fn shutdown(&self) {
+        self.server.shutdown();
+    }
+}
+
+fn header(headers: &HeaderMap, name: &str) -> Option<String> {
+    headers
+        .get(name)
+        .map(|value| String::from_utf8_lossy(value.as_bytes()).into_owned())
+}
+
+/// The request body as a JSON object, or why it is refused.
+fn json_object(headers: &HeaderMap, body: &[u8]) -> Result<Map<String, Value>, String> {
+    if !is_json_content_type(headers) {
+        return Err("expected Content-Type: application/json".to_owned());
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(map)) => Ok(map),
+        Ok(_) => Err("the body must be a JSON object".to_owned()),
+        Err(err) => Err(format!("the body is not JSON: {err}")),
+    }
+}
+
+fn string_field(body: &Result<Map<String, Value>, String>, name: &str) -> Option<String> {
+    body.as_ref()
+        .ok()
+        .and_then(|map| map.get(name))
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+}
+
+/// Checks `required` are strings and `optional` are strings when present.
+fn check_fields(
+    body: Result<Map<String, Value>, String>,
+    required: &[&str],
+    optional: &[&str],
+) -> Result<(), String> {
+    let map = body?;
+    for name in required {
+        match map.get(*name) {
+            Some(Value::String(_)) => {}
+            Some(_) => return Err(format!("field `{name}` must be a string")),
+            None => return Err(format!("missing field `{name}`")),
+        }
+    }
+    for name in optional {
+        match map.get(*name) {
+            None | Some(Value::String(_)) => {}
+            Some(_) => return Err(format!("field `{name}` must be a string when present")),
+        }
+    }
+    Ok(())
+}
+
+fn authorised(expected: &Option<String>, sent: &Option<String>) -> bool {
+    match expected {
+        None => true,
+        Some(token) => sent.as_deref() == Some(token.as_str()),
+    }
+}
+
+fn error_body(message: &str) -> Value {
+    json!({ "error": message })
+}
+
+fn assign_body(assignments: &[String], retain: &Option<Vec<String>>) -> Value {
+    let entries: Vec<Value> = assignments
+        .iter()
+        .map(|id| json!({ "group_id": id, "admitter_addrs": [] }))
+        .collect();
+    let mut body = json!({ "assignments": entries });
+    if let Some(retain) = retain {
+        body["retain"] = json!(retain);
+    }
+    body
+}
+
+/// What a poll will be answered, decided under the lock.
+enum Answer {
+    Json(u16, Value),
+    Raw(String),
+    Hang,
+}
+
+impl Answer {
+    fn status(&self) -> u16 {
+        match self {
+            Answer::Json(status, _) => *status,
+            Answer::Raw(_) => 200,
+            Answer::Hang => 0,
+        }
+    }
+}
+
+async fn should_join(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let at = Instant::now();
+    let token = header(&headers, TOKEN_HEADER);
+    let parsed = json_object(&headers, &body);
+    let peer_id = string_field(&parsed, "peer_id");
+    let mrtd = string_field(&parsed, "mrtd");
+    let valid = check_fields(parsed, &["peer_id"], &["mrtd"]);
+
+    let (answer, count) = {
+        let mut inner = lock(&shared.inner);
+        let answer = if !authorised(&inner.token, &token) {
+            Answer::Json(401, error_body("missing or wrong X-Fleet-Token"))
+        } else if let Err(message) = valid {
+            Answer::Json(400, error_body(&message))
+        } else {
+            let reply = match inner.queue.pop_front() {
+                Some(reply) => reply,
+                None => inner.standing.clone(),
+            };
+            match reply {
+                PollReply::Assign {
+                    assignments,
+                    retain,
+                } => Answer::Json(200, assign_body(&assignments, &retain)),
+                PollReply::Status(status) => {
+                    // Record the status actually sent (an impossible one becomes 500).
+                    let sent = StatusCode::from_u16(status)
+                        .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+                        .as_u16();
+                    Answer::Json(sent, error_body("emulated"))
+                }
+                PollReply::RawBody(body) => Answer::Raw(body),
+                PollReply::Hang => Answer::Hang,
+            }
+        };
+        inner.polls.push(PollRecord {
+            peer_id,
+            mrtd,
+            token,
+            status: answer.status(),
+            at,
+        });
+        (answer, inner.polls.len())
+    };
+    shared.poll_count.send_replace(count);
+
+    match answer {
+        Answer::Json(status, body) => json_response(status, body),
+        Answer::Raw(body) => {
+            (StatusCode::OK, [(CONTENT_TYPE, "application/json")], body).into_response()
+        }
+        Answer::Hang => std::future::pending().await,
+    }
+}
+
+async fn confirm(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+    let at = Instant::now();
+    let token = header(&headers, TOKEN_HEADER);
+    let parsed = json_object(&headers, &body);
+    let peer_id = string_field(&parsed, "peer_id");
+    let group_id = string_field(&parsed, "group_id");
+    let valid = check_fields(parsed, &["peer_id", "group_id"], &[]);
+
+    let mut inner = lock(&shared.inner);
+    let (status, body) = if !authorised(&inner.token, &token) {
+        (401, error_body("missing or wrong X-Fleet-Token"))
+    } else if let Err(message) = valid {
+        (400, error_body(&message))
+    } else {
+        let key = group_id.as_deref().unwrap_or_default().to_ascii_lowercase();
+        match inner.confirm_failures.get_mut(&key) {
+            Some(left) if *left > 0 => {
+                *left -= 1;
+                (503, error_body("emulated"))
+            }
+            _ => (200, json!({})),
+        }
+    };
+    inner.confirms.push(ConfirmRecord {
+        peer_id,
+        group_id,
+        token,
+        status,
+        at,
+    });
+    drop(inner);
+    json_response(status, body)
+}
+
+async fn not_found() -> Response {
+    json_response(404, error_body("Not found"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
+    const B: &str = "abababababababababababababababababababababababababababababababab";
+    const PEER: &str = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN";
+
+    fn client() -> reqwest::Client {
+        reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    }
+
+    fn endpoint(emu: &MdmaEmulator, path: &str) -> Url {
+        emu.url().join(path).unwrap()
+    }
+
+    async fn poll(emu: &MdmaEmulator, token: Option<&str>) -> reqwest::Response {
+        let mut request = client()
+            .post(endpoint(emu, "api/fleet/should-join"))
+            .json(&json!({ "peer_id": PEER, "mrtd": "0".repeat(96) }));
+        if let Some(token) = token {
+            request = request.header("X-Fleet-Token", token);
+        }
+        request.send().await.unwrap()
+    }
+
+    async fn poll_json(emu: &MdmaEmulator) -> (u16, Value) {
+        let response = poll(emu, None).await;
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap())
+    }
+
+    async fn confirm_status(emu: &MdmaEmulator, group_id: &str) -> u16 {
+        client()
+            .post(endpoint(emu, "api/fleet/confirm"))
+            .json(&json!({ "peer_id": PEER, "group_id": group_id }))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    }
+
+    #[tokio::test]
+    async fn token_is_required_when_configured() {
+        let emu = MdmaEmulator::start(Some("s3cret".into())).await.unwrap();
+        assert_eq!(poll(&emu, None).await.status(), 401);
+        assert_eq!(poll(&emu, Some("wrong")).await.status(), 401);
+        assert_eq!(poll(&emu, Some("s3cret")).await.status(), 200);
+        let confirm = client()
+            .post(endpoint(&emu, "api/fleet/confirm"))
+            .json(&json!({ "peer_id": PEER, "group_id": A }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(confirm.status(), 401);
+        assert!(emu.confirmed().is_empty());
+
+        let polls = emu.polls();
+        let seen: Vec<(Option<&str>, u16)> = polls
+            .iter()
+            .map(|p| (p.token.as_deref(), p.status))
+            .collect();
+        assert_eq!(
+            seen,
+            vec![(None, 401), (Some("wrong"), 401), (Some("s3cret"), 200)]
+        );
+        assert_eq!(polls[2].peer_id.as_deref(), Some(PEER));
+        assert_eq!(polls[2].mrtd.as_deref(), Some("0".repeat(96).as_str()));
+    }
+
+    #[tokio::test]
+    async fn token_header_is_ignored_without_a_token() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        assert_eq!(poll(&emu, Some("anything")).await.status(), 200);
+        assert_eq!(poll(&emu, None).await.status(), 200);
+        let polls = emu.polls();
+        assert_eq!(polls[0].token.as_deref(), Some("anything"));
+        assert_eq!(polls[1].token, None);
+    }
+
+    #[tokio::test]
+    async fn default_reply_is_no_assignments() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        let (status, body) = poll_json(&emu).await;
+        assert_eq!(status, 200);
+        assert_eq!(body, json!({ "assignments": [] }));
+    }
+
+    #[tokio::test]
+    async fn queued_replies_come_first_then_the_standing_one() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        emu.set_reply(PollReply::assign_retain([A], [B]));
+        emu.queue_replies([PollReply::Status(500), PollReply::assign([B])]);
+
+        let (status, body) = poll_json(&emu).await;
+        assert_eq!((status, body), (500, json!({ "error": "emulated" })));
+        let (status, body) = poll_json(&emu).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            body,
+            json!({ "assignments": [{ "group_id": B, "admitter_addrs": [] }] })
+        );
+        for _ in 0..2 {
+            let (status, body) = poll_json(&emu).await;
+            assert_eq!(status, 200);
+            assert_eq!(
+                body,
+                json!({
+                    "assignments": [{ "group_id": A, "admitter_addrs": [] }],
+                    "retain": [B],
+                })
+            );
+        }
+        let statuses: Vec<u16> = emu.polls().iter().map(|p| p.status).collect();
+        assert_eq!(statuses, vec![500, 200, 200, 200]);
+    }
+
+    #[tokio::test]
+    async fn raw_body_is_served_verbatim() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        emu.set_reply(PollReply::RawBody("<html>not json".into()));
+        let response = poll(&emu, None).await;
+        assert_eq!(response.status(), 200);
+        assert_eq!(
+            response.headers()[CONTENT_TYPE].to_str().unwrap(),
+            "application/json"
+        );
+        assert_eq!(response.text().await.unwrap(), "<html>not json");
+    }
+
+    #[tokio::test]
+    async fn status_reply_is_served() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        emu.queue_replies([PollReply::Status(204), PollReply::Status(302)]);
+        assert_eq!(poll(&emu, None).await.status(), 204);
+        let no_redirects = reqwest::Client::builder()
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap();
+        let response = no_redirects
+            .post(endpoint(&emu, "api/fleet/should-join"))
+            .json(&json!({ "peer_id": PEER }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 302);
+    }
+
+    #[tokio::test]
+    async fn hang_does_not_block_other_requests() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        emu.queue_replies([PollReply::Hang]);
+        emu.set_reply(PollReply::assign([A]));
+
+        let hanging = {
+            let url = endpoint(&emu, "api/fleet/should-join");
+            tokio::spawn(async move {
+                reqwest::Client::builder()
+                    .timeout(Duration::from_millis(500))
+                    .build()
+                    .unwrap()
+                    .post(url)
+                    .json(&json!({ "peer_id": PEER }))
+                    .send()
+                    .await
+            })
+        };
+        assert!(emu.wait_for_polls(1, Duration::from_secs(5)).await);
+
+        let (status, body) = poll_json(&emu).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["assignments"][0]["group_id"], A);
+
+        let err = hanging.await.unwrap().unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        let statuses: Vec<u16> = emu.polls().iter().map(|p| p.status).collect();
+        assert_eq!(statuses, vec![0, 200]);
+    }
+
+    #[tokio::test]
+    async fn wait_for_polls_times_out() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        assert!(!emu.wait_for_polls(1, Duration::from_millis(50)).await);
+        assert!(emu.wait_for_polls(0, Duration::from_millis(50)).await);
+        poll(&emu, None).await;
+        assert!(emu.wait_for_polls(1, Duration::from_millis(50)).await);
+    }
+
+    #[tokio::test]
+    async fn confirm_failures_are_counted_down() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        emu.fail_next_confirms(&A.to_uppercase(), 2);
+        assert_eq!(confirm_status(&emu, A).await, 503);
+        assert!(emu.confirmed().is_empty());
+        assert_eq!(confirm_status(&emu, A).await, 503);
+        assert_eq!(confirm_status(&emu, B).await, 200);
+        assert_eq!(confirm_status(&emu, A).await, 200);
+        assert_eq!(confirm_status(&emu, A).await, 200);
+
+        let body: Value = client()
+            .post(endpoint(&emu, "api/fleet/confirm"))
+            .json(&json!({ "peer_id": PEER, "group_id": A }))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(body, json!({}));
+
+        assert_eq!(
+            emu.confirmed(),
+            BTreeSet::from([A.to_owned(), B.to_owned()])
+        );
+        let confirms = emu.confirms();
+        let statuses: Vec<u16> = confirms.iter().map(|c| c.status).collect();
+        assert_eq!(statuses, vec![503, 503, 200, 200, 200, 200]);
+        assert_eq!(confirms[0].peer_id.as_deref(), Some(PEER));
+        assert_eq!(confirms[0].group_id.as_deref(), Some(A));
+    }
+
+    #[tokio::test]
+    async fn malformed_requests_answer_400_and_are_recorded() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        emu.queue_replies([PollReply::Status(500)]);
+        let url = endpoint(&emu, "api/fleet/should-join");
+        let bodies: Vec<(Option<&str>, String)> = vec![
+            (None, json!({ "peer_id": PEER }).to_string()),
+            (Some("text/plain"), json!({ "peer_id": PEER }).to_string()),
+            (Some("application/json"), "not json".into()),
+            (Some("application/json"), "[1,2]".into()),
+            (Some("application/json"), "{}".into()),
+            (
+                Some("application/json"),
+                json!({ "peer_id": 7 }).to_string(),
+            ),
+            (
+                Some("application/json"),
+                json!({ "peer_id": PEER, "mrtd": null }).to_string(),
+            ),
+        ];
+        for (content_type, body) in &bodies {
+            let mut request = client().post(url.clone()).body(body.clone());
+            if let Some(content_type) = content_type {
+                request = request.header(CONTENT_TYPE, *content_type);
+            }
+            let response = request.send().await.unwrap();
+            assert_eq!(response.status(), 400, "{content_type:?} {body}");
+            let body: Value = response.json().await.unwrap();
+            assert!(body["error"].is_string());
+        }
+        let polls = emu.polls();
+        assert_eq!(polls.len(), bodies.len());
+        assert!(polls.iter().all(|p| p.status == 400));
+        assert_eq!(polls[0].peer_id, None);
+        assert_eq!(polls[6].peer_id.as_deref(), Some(PEER));
+        // The queued reply was not used up by the refused requests.
+        assert_eq!(poll(&emu, None).await.status(), 500);
+
+        let response = client()
+            .post(endpoint(&emu, "api/fleet/confirm"))
+            .json(&json!({ "peer_id": PEER }))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 400);
+        assert_eq!(emu.confirms()[0].status, 400);
+        assert!(emu.confirmed().is_empty());
+    }
+
+    #[tokio::test]
+    async fn unknown_route_is_404_and_shutdown_stops_the_server() {
+        let emu = MdmaEmulator::start(None).await.unwrap();
+        let response = client()
+            .get(endpoint(&emu, "api/fleet/nope"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 404);
+        let addr = emu.addr();
+        let clone = emu.clone();
+        emu.shutdown();
+        drop(emu);
+        let mut refused = false;
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(addr).await.is_err() {
+                refused = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(refused);
+        // The state stays readable after shutdown.
+        assert!(clone.polls().is_empty());
+    }
+}

@@ -1,0 +1,1152 @@
+//! Emulator of the admin API of merod 0.11.0-rc.25, built from the answers recorded from a real
+//! node in `fixtures/merod/` (see `shared/contracts/merod-admin.md`).
+//!
+//! Test double for the demo and the integration tests, not production code.
+//!
+//! Routes (all under `/admin-api`):
+//! - `GET /health`, `GET /ready` (503 `starting` while not ready), `GET /peers` (503 while not
+//!   ready);
+//! - `POST /tee/fleet-join` `{"groupId": "<64 hex>"}` — validated like merod (content type,
+//!   camelCase field, id length, hex), then the namespace's [`JoinBehaviour`];
+//! - `POST /namespaces/{id}/leave` — then the namespace's [`LeaveBehaviour`];
+//! - `GET /namespaces/{id}` (200 member / 404 `No namespace identity found`),
+//!   `GET /namespaces` (`?offset=&limit=`, default 0/100) listing the held namespaces;
+//! - anything else 404 `{"error":"Not found"}`.
+//!
+//! Ids are compared case-insensitively, stored and answered lowercase. The effect of a join or a
+//! leave (the namespace becoming held / no longer held) happens after its delay even if the
+//! client gave up waiting, as on a real node. Delays use `tokio::time::sleep`.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, Request, State};
+use axum::http::{HeaderMap, StatusCode, Uri};
+use axum::middleware::{from_fn_with_state, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use axum::Router;
+use serde::Deserialize;
+use serde_json::{json, Value};
+use url::Url;
+
+use super::{content_type, is_json_content_type, json_response, lock, serve, ServerHandle};
+
+/// Largest request body the emulator reads.
+const BODY_LIMIT: usize = 1024 * 1024;
+
+/// How `POST /admin-api/tee/fleet-join` behaves for a well-formed request.
+#[derive(Clone, Debug, PartialEq)]
+pub enum JoinBehaviour {
+    /// After `delay`, answer the fleet-join-admitted fixture (ids substituted); the namespace
+    /// becomes held.
+    Admit {
+        /// How long the call takes.
+        delay: Duration,
+    },
+    /// The first `refusals` calls answer like fleet-join-unknown-namespace (status "announced",
+    /// admitted:false) after `delay`; later calls behave as Admit.
+    RefuseThenAdmit {
+        /// How many calls (per namespace) are refused first.
+        refusals: u32,
+        /// How long each call takes.
+        delay: Duration,
+    },
+    /// Never answers.
+    Hang,
+    /// Answer this status with `{"error": message}`; e.g. 500 "Failed to generate attestation".
+    Error {
+        /// The HTTP status.
+        status: u16,
+        /// The `error` text.
+        message: String,
+    },
+    /// Answers admitted:true (like Admit) but the namespace is NOT held afterwards (seen on a
+    /// live node after leave + re-join).
+    AdmitWithoutHolding {
+        /// How long the call takes.
+        delay: Duration,
+    },
+}
+
+impl Default for JoinBehaviour {
+    fn default() -> Self {
+        JoinBehaviour::Admit {
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+/// How `POST /admin-api/namespaces/{id}/leave` behaves for a well-formed id.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LeaveBehaviour {
+    /// The recorded behaviour: held → after `delay` 200 with the namespace-leave-member body and
+    /// no longer held; not held → at once 500 `{"error":"Internal server error"}`.
+    Normal {
+        /// How long a leave of a held namespace takes.
+        delay: Duration,
+    },
+    /// Never answers (the namespace stays held).
+    Hang,
+    /// Answer this status with `{"error": ...}` ("Internal server error" for 500, else the
+    /// status's reason phrase); the namespace stays held.
+    Error {
+        /// The HTTP status.
+        status: u16,
+    },
+}
+
+impl Default for LeaveBehaviour {
+    fn default() -> Self {
+        LeaveBehaviour::Normal {
+            delay: Duration::ZERO,
+        }
+    }
+}
+
+/// One request as received by the emulator.
+#[derive(Clone, Debug)]
+pub struct CallRecord {
+    /// The HTTP method.
+    pub method: String,
+    /// The path without the query string.
+    pub path: String,
+    /// The `Content-Type` header, if any.
+    pub content_type: Option<String>,
+    /// The body as text (lossy UTF-8).
+    pub body: String,
+    /// What was answered; 0 while pending, for a hung request, or when the client gave up
+    /// before the answer.
+    pub status: u16,
+    /// When the request arrived.
+    pub at: Instant,
+}
+
+/// One recorded answer: its status and JSON body.
+#[derive(Clone, Debug)]
+struct Recorded {
+    status: u16,
+    body: Value,
+}
+
+impl Recorded {
+    fn load(name: &str, raw: &str) -> Self {
+        let file: Value = serde_json::from_str(raw)
+            .unwrap_or_else(|err| panic!("fixture {name} is not valid JSON: {err}"));
+        let response = &file["response"];
+        let status = response["status"]
+            .as_u64()
+            .and_then(|status| u16::try_from(status).ok())
+            .unwrap_or_else(|| panic!("fixture {name} has no numeric response.status"));
+        let body = response
+            .get("body")
+            .cloned()
+            .unwrap_or_else(|| panic!("fixture {name} has no response.body"));
+        Recorded { status, body }
+    }
+
+    fn respond(&self) -> Response {
+        json_response(self.status, self.body.clone())
+    }
+
+    /// This answer with `body[pointer...]` string fields set to `id`.
+    fn with_id(&self, pointers: &[&str], id: &str) -> Response {
+        let mut body = self.body.clone();
+        for pointer in pointers {
+            let field = body
+                .pointer_mut(pointer)
+                .unwrap_or_else(|| panic!("recorded body has no {pointer}"));
+            *field = Value::String(id.to_owned());
+        }
+        json_response(self.status, body)
+    }
+}
+
+macro_rules! fixture {
+    ($name:literal) => {
+        Recorded::load(
+            $name,
+            include_str!(concat!("../../fixtures/merod/", $name, ".json")),
+        )
+    };
+}
+
+/// The recorded answers the emulator is built from, parsed once at start.
+struct Fixtures {
+    health: Recorded,
+    ready: Recorded,
+    peers: Recorded,
+    join_admitted: Recorded,
+    join_unknown: Recorded,
+    join_no_content_type: Recorded,
+    join_snake_case: Recorded,
+    join_short_id: Recorded,
+    join_non_hex: Recorded,
+    get_member: Recorded,
+    get_never_joined: Recorded,
+    leave_member: Recorded,
+    leave_again: Recorded,
+    leave_bad_id: Recorded,
+    /// One entry of `GET /admin-api/namespaces`.
+    list_entry: Value,
+}
+
+impl Fixtures {
+    fn load() -> Self {
+        let list = fixture!("namespaces-list-member");
+        let list_entry = list.body["data"][0].clone();
+        assert!(
+            list_entry.is_object(),
+            "fixture namespaces-list-member has no data[0] object"
+        );
+        let fixtures = Fixtures {
+            health: fixture!("health"),
+            ready: fixture!("ready"),
+            peers: fixture!("peers"),
+            join_admitted: fixture!("fleet-join-admitted"),
+            join_unknown: fixture!("fleet-join-unknown-namespace"),
+            join_no_content_type: fixture!("fleet-join-no-content-type"),
+            join_snake_case: fixture!("fleet-join-snake-case-body"),
+            join_short_id: fixture!("fleet-join-short-id"),
+            join_non_hex: fixture!("fleet-join-non-hex-id"),
+            get_member: fixture!("namespace-get-member"),
+            get_never_joined: fixture!("namespace-get-never-joined"),
+            leave_member: fixture!("namespace-leave-member"),
+            leave_again: fixture!("namespace-leave-again"),
+            leave_bad_id: fixture!("namespace-leave-bad-id"),
+            list_entry,
+        };
+        // Fail at start, not in a request, if a body lacks a field the emulator substitutes.
+        for (recorded, pointers) in [
+            (&fixtures.join_admitted, JOIN_ID_FIELDS),
+            (&fixtures.join_unknown, JOIN_ID_FIELDS),
+            (&fixtures.get_member, DATA_NAMESPACE_ID),
+            (&fixtures.leave_member, DATA_NAMESPACE_ID),
+        ] {
+            for pointer in pointers {
+                assert!(
+                    recorded.body.pointer(pointer).is_some(),
+                    "recorded body lacks {pointer}"
+                );
+            }
+        }
+        assert!(fixtures.list_entry.get("namespaceId").is_some());
+        fixtures
+    }
+}
+
+const JOIN_ID_FIELDS: &[&str] = &["/group_id", "/namespace_id"];
+const DATA_NAMESPACE_ID: &[&str] = &["/data/namespaceId"];
+
+struct Inner {
+    default_join: JoinBehaviour,
+    join: HashMap<String, JoinBehaviour>,
+    default_leave: LeaveBehaviour,
+    leave: HashMap<String, LeaveBehaviour>,
+    /// Refusals already served under `RefuseThenAdmit`, per namespace.
+    refused: HashMap<String, u32>,
+    ready: bool,
+    held: BTreeSet<String>,
+    calls: Vec<CallRecord>,
+    join_counts: HashMap<String, usize>,
+    leave_counts: HashMap<String, usize>,
+}
+
+struct Shared {
+    inner: Mutex<Inner>,
+    fixtures: Fixtures,
+}
+
+/// The merod admin API emulator. Clones share the same state and server; the server stops when
+/// [`MerodEmulator::shutdown`] is called or the last clone is dropped.
+#[derive(Clone)]
+pub struct MerodEmulator {
+    shared: Arc<Shared>,
+    server: Arc<ServerHandle>,
+}
+
+impl std::fmt::Debug for MerodEmulator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MerodEmulator")
+            .field("addr", &self.server.addr())
+            .finish_non_exhaustive()
+    }
+}
+
+impl MerodEmulator {
+    /// Starts the emulator on `127.0.0.1:0`: ready, holding nothing, joins admitted and leaves
+    /// done at once.
+    pub async fn start() -> std::io::Result<Self> {
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner {
+                default_join: JoinBehaviour::default(),
+                join: HashMap::new(),
+                default_leave: LeaveBehaviour::default(),
+                leave: HashMap::new(),
+                refused: HashMap::new(),
+                ready: true,
+                held: BTreeSet::new(),
+                calls: Vec::new(),
+                join_counts: HashMap::new(),
+                leave_counts: HashMap::new(),
+            }),
+            fixtures: Fixtures::load(),
+        });
+        let router = Router::new()
+            .route("/admin-api/health", get(health).fallback(not_found))
+            .route("/admin-api/ready", get(ready).fallback(not_found))
+            .route("/admin-api/peers", get(peers).fallback(not_found))
+            .route(
+                "/admin-api/tee/fleet-join",
+                post(fleet_join).fallback(not_found),
+            )
+            .route(
+                "/admin-api/namespaces",
+                get(list_namespaces).fallback(not_found),
+            )
+            .route(
+                "/admin-api/namespaces/:id",
+                get(get_namespace).fallback(not_found),
+            )
+            .route(
+                "/admin-api/namespaces/:id/leave",
+                post(leave_namespace).fallback(not_found),
+            )
+            .fallback(not_found)
+            .layer(from_fn_with_state(shared.clone(), record_call))
+            .with_state(shared.clone());
+        let server = Arc::new(serve(router).await?);
+        Ok(MerodEmulator { shared, server })
+    }
+
+    /// `http://127.0.0.1:PORT/` (the admin routes are under `/admin-api`).
+    pub fn url(&self) -> Url {
+        self.server.url()
+    }
+
+    /// The bound address.
+    pub fn addr(&self) -> std::net::SocketAddr {
+        self.server.addr()
+    }
+
+    /// The join behaviour of namespaces without their own (default `Admit { delay: 0 }`).
+    pub fn set_default_join(&self, behaviour: JoinBehaviour) {
+        let mut inner = lock(&self.shared.inner);
+        let Inner { join, refused, .. } = &mut *inner;
+        refused.retain(|id, _| join.contains_key(id));
+        inner.default_join = behaviour;
+    }
+
+    /// The join behaviour of one namespace (overrides the default; restarts its refusal count).
+    pub fn set_join(&self, group_id: &str, behaviour: JoinBehaviour) {
+        let id = group_id.to_ascii_lowercase();
+        let mut inner = lock(&self.shared.inner);
+        inner.refused.remove(&id);
+        inner.join.insert(id, behaviour);
+    }
+
+    /// The leave behaviour of namespaces without their own (default `Normal { delay: 0 }`).
+    pub fn set_default_leave(&self, behaviour: LeaveBehaviour) {
+        lock(&self.shared.inner).default_leave = behaviour;
+    }
+
+    /// The leave behaviour of one namespace (overrides the default).
+    pub fn set_leave(&self, group_id: &str, behaviour: LeaveBehaviour) {
+        lock(&self.shared.inner)
+            .leave
+            .insert(group_id.to_ascii_lowercase(), behaviour);
+    }
+
+    /// While false, `/admin-api/peers` answers 503 `{"error":"starting"}` and
+    /// `/admin-api/ready` 503 `{"data":{"status":"starting"}}`. Default true.
+    pub fn set_ready(&self, ready: bool) {
+        lock(&self.shared.inner).ready = ready;
+    }
+
+    /// Makes the node a member of this namespace (a membership that existed before).
+    pub fn hold(&self, group_id: &str) {
+        lock(&self.shared.inner)
+            .held
+            .insert(group_id.to_ascii_lowercase());
+    }
+
+    /// Drops the membership without a leave call (e.g. evicted by an admin).
+    pub fn unhold(&self, group_id: &str) {
+        lock(&self.shared.inner)
+            .held
+            .remove(&group_id.to_ascii_lowercase());
+    }
+
+    /// The namespaces the node is a member of (lowercase ids).
+    pub fn held(&self) -> BTreeSet<String> {
+        lock(&self.shared.inner).held.clone()
+    }
+
+    /// Every request so far, in arrival order.
+    pub fn calls(&self) -> Vec<CallRecord> {
+        lock(&self.shared.inner).calls.clone()
+    }
+
+    /// Well-formed fleet-join calls for this namespace so far (refused 400s not counted).
+    pub fn joins(&self, group_id: &str) -> usize {
+        lock(&self.shared.inner)
+            .join_counts
+            .get(&group_id.to_ascii_lowercase())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Well-formed leave calls for this namespace so far (refused 400s not counted).
+    pub fn leaves(&self, group_id: &str) -> usize {
+        lock(&self.shared.inner)
+            .leave_counts
+            .get(&group_id.to_ascii_lowercase())
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Stops accepting connections (also happens when the last clone is dropped).
+    pub fn shutdown(&self) {
+        self.server.shutdown();
+    }
+}
+
+/// Records every request (status 0 until it is answered).
+async fn record_call(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
+    let (parts, body) = request.into_parts();
+    let bytes = axum::body::to_bytes(body, BODY_LIMIT).await;
+    let index = {
+        let mut inner = lock(&shared.inner);
+        inner.calls.push(CallRecord {
+            method: parts.method.to_string(),
+            path: parts.uri.path().to_owned(),
+            content_type: content_type(&parts.headers),
+            body: bytes
+                .as_ref()
+                .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
+                .unwrap_or_default(),
+            status: 0,
+            at: Instant::now(),
+        });
+        inner.calls.len() - 1
+    };
+    let response = match bytes {
+        Ok(bytes) => {
+            next.run(Request::from_parts(parts, Body::from(bytes)))
+                .await
+        }
+        Err(err) => json_response(
+            400,
+            json!({ "error": format!("Failed to read body: {err}") }),
+        ),
+    };
+    lock(&shared.inner).calls[index].status = response.status().as_u16();
+    response
+}
+
+async fn not_found() -> Response {
+    json_response(404, json!({ "error": "Not found" }))
+}
+
+async fn health(State(shared): State<Arc<Shared>>) -> Response {
+    shared.fixtures.health.respond()
+}
+
+async fn ready(State(shared): State<Arc<Shared>>) -> Response {
+    if lock(&shared.inner).ready {
+        shared.fixtures.ready.respond()
+    } else {
+        json_response(503, json!({ "data": { "status": "starting" } }))
+    }
+}
+
+async fn peers(State(shared): State<Arc<Shared>>) -> Response {
+    if lock(&shared.inner).ready {
+        shared.fixtures.peers.respond()
+    } else {
+        json_response(503, json!({ "error": "starting" }))
+    }
+}
+
+enum IdError {
+    Length(usize),
+    NotHex,
+}
+
+/// A 64-hex-char id, lowercased.
+fn parse_id(raw: &str) -> Result<String, IdError> {
+    if raw.len() != 64 {
+        return Err(IdError::Length(raw.len()));
+    }
+    if !raw.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(IdError::NotHex);
+    }
+    Ok(raw.to_ascii_lowercase())
+}
+
+#[derive(Deserialize)]
+struct FleetJoinRequest {
+    #[serde(rename = "groupId")]
+    group_id: String,
+}
+
+/// What a well-formed fleet-join will do, decided under the lock.
+enum JoinPlan {
+    Answer { delay: Duration, hold: bool },
+    Refuse { delay: Duration },
+    Hang,
+    Error { status: u16, message: String },
+}
+
+async fn fleet_join(
+    State(shared): State<Arc<Shared>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let fixtures = &shared.fixtures;
+    if !is_json_content_type(&headers) {
+        return fixtures.join_no_content_type.respond();
+    }
+    let request: FleetJoinRequest = match serde_json::from_slice(&body) {
+        Ok(request) => request,
+        Err(err) => {
+            let what = match err.classify() {
+                serde_json::error::Category::Data => {
+                    "Failed to deserialize the JSON body into the target type"
+                }
+                _ => "Failed to parse the request body as JSON",
+            };
+            return json_response(
+                fixtures.join_snake_case.status,
+                json!({ "error": format!("Invalid JSON data: {what}: {err}") }),
+            );
+        }
+    };
+    let id = match parse_id(&request.group_id) {
+        Ok(id) => id,
+        Err(IdError::Length(got)) => {
+            return json_response(
+                fixtures.join_short_id.status,
+                json!({
+                    "error": format!("Field 'group_id' must be exactly 64 characters (got {got})")
+                }),
+            )
+        }
+        Err(IdError::NotHex) => return fixtures.join_non_hex.respond(),
+    };
+
+    let plan = {
+        let mut inner = lock(&shared.inner);
+        *inner.join_counts.entry(id.clone()).or_default() += 1;
+        let behaviour = inner.join.get(&id).unwrap_or(&inner.default_join).clone();
+        match behaviour {
+            JoinBehaviour::Admit { delay } => JoinPlan::Answer { delay, hold: true },
+            JoinBehaviour::AdmitWithoutHolding { delay } => JoinPlan::Answer { delay, hold: false },
+            JoinBehaviour::RefuseThenAdmit { refusals, delay } => {
+                let refused = inner.refused.entry(id.clone()).or_default();
+                if *refused < refusals {
+                    *refused += 1;
+                    JoinPlan::Refuse { delay }
+                } else {
+                    JoinPlan::Answer { delay, hold: true }
+                }
+            }
+            JoinBehaviour::Hang => JoinPlan::Hang,
+            JoinBehaviour::Error { status, message } => JoinPlan::Error { status, message },
+        }
+    };
+
+    match plan {
+        JoinPlan::Hang => std::future::pending().await,
+        JoinPlan::Error { status, message } => json_response(status, json!({ "error": message })),
+        JoinPlan::Refuse { delay } => {
+            tokio::time::sleep(delay).await;
+            fixtures.join_unknown.with_id(JOIN_ID_FIELDS, &id)
+        }
+        JoinPlan::Answer { delay, hold } => {
+            // Detached, so the join completes even if the client stops waiting.
+            let worker = shared.clone();
+            let done = tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                if hold {
+                    lock(&worker.inner).held.insert(id.clone());
+                }
+                worker.fixtures.join_admitted.with_id(JOIN_ID_FIELDS, &id)
+            });
+            done.await.unwrap_or_else(|_| internal_error())
+        }
+    }
+}
+
+fn internal_error() -> Response {
+    json_response(500, json!({ "error": "Internal server error" }))
+}
+
+async fn leave_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<String>) -> Response {
+    let Ok(id) = parse_id(&raw) else {
+        return shared.fixtures.leave_bad_id.respond();
+    };
+    let (behaviour, held) = {
+        let mut inner = lock(&shared.inner);
+        *inner.leave_counts.entry(id.clone()).or_default() += 1;
+        let behaviour = inner.leave.get(&id).unwrap_or(&inner.default_leave).clone();
+        (behaviour, inner.held.contains(&id))
+    };
+    match behaviour {
+        LeaveBehaviour::Hang => std::future::pending().await,
+        LeaveBehaviour::Error { status } => {
+            let message = match StatusCode::from_u16(status) {
+                Ok(StatusCode::INTERNAL_SERVER_ERROR) | Err(_) => "Internal server error",
+                Ok(code) => code.canonical_reason().unwrap_or("Internal server error"),
+            };
+            json_response(status, json!({ "error": message }))
+        }
+        LeaveBehaviour::Normal { .. } if !held => shared.fixtures.leave_again.respond(),
+        LeaveBehaviour::Normal { delay } => {
+            // Detached, so the leave completes even if the client stops waiting.
+            let worker = shared.clone();
+            let done = tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                let fixtures = &worker.fixtures;
+                if lock(&worker.inner).held.remove(&id) {
+                    fixtures.leave_member.with_id(DATA_NAMESPACE_ID, &id)
+                } else {
+                    // Left meanwhile by a concurrent call.
+                    fixtures.leave_again.respond()
+                }
+            });
+            done.await.unwrap_or_else(|_| internal_error())
+        }
+    }
+}
+
+async fn get_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<String>) -> Response {
+    let fixtures = &shared.fixtures;
+    let Ok(id) = parse_id(&raw) else {
+        return fixtures.leave_bad_id.respond();
+    };
+    let held = lock(&shared.inner).held.contains(&id);
+    if held {
+        fixtures.get_member.with_id(DATA_NAMESPACE_ID, &id)
+    } else {
+        fixtures.get_never_joined.respond()
+    }
+}
+
+/// `offset` and `limit` from the query (default 0 and 100).
+fn paging(uri: &Uri) -> Result<(usize, usize), String> {
+    let (mut offset, mut limit) = (0usize, 100usize);
+    for pair in uri.query().unwrap_or_default().split('&') {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let slot = match key {
+            "offset" => &mut offset,
+            "limit" => &mut limit,
+            _ => continue,
+        };
+        *slot = value
+            .parse()
+            .map_err(|_| format!("Invalid query: {key} must be a non-negative integer"))?;
+    }
+    Ok((offset, limit))
+}
+
+async fn list_namespaces(State(shared): State<Arc<Shared>>, uri: Uri) -> Response {
+    let (offset, limit) = match paging(&uri) {
+        Ok(paging) => paging,
+        Err(message) => return json_response(400, json!({ "error": message })),
+    };
+    let held = lock(&shared.inner).held.clone();
+    let entries: Vec<Value> = held
+        .iter()
+        .skip(offset)
+        .take(limit)
+        .map(|id| {
+            let mut entry = shared.fixtures.list_entry.clone();
+            entry["namespaceId"] = Value::String(id.clone());
+            entry
+        })
+        .collect();
+    json_response(200, json!({ "data": entries }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::header::CONTENT_TYPE;
+
+    const ID: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
+    const OTHER: &str = "abababababababababababababababababababababababababababababababab";
+
+    fn client() -> reqwest::Client {
+        reqwest::Client::builder()
+            .timeout(Duration::from_secs(10))
+            .build()
+            .unwrap()
+    }
+
+    fn endpoint(emu: &MerodEmulator, path: &str) -> Url {
+        emu.url().join(path).unwrap()
+    }
+
+    async fn answer(response: reqwest::Response) -> (u16, Value) {
+        let status = response.status().as_u16();
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned());
+        assert_eq!(content_type.as_deref(), Some("application/json"));
+        (status, response.json().await.unwrap())
+    }
+
+    async fn get_json(emu: &MerodEmulator, path: &str) -> (u16, Value) {
+        answer(client().get(endpoint(emu, path)).send().await.unwrap()).await
+    }
+
+    async fn join(emu: &MerodEmulator, group_id: &str) -> (u16, Value) {
+        let response = client()
+            .post(endpoint(emu, "admin-api/tee/fleet-join"))
+            .json(&json!({ "groupId": group_id }))
+            .send()
+            .await
+            .unwrap();
+        answer(response).await
+    }
+
+    async fn leave(emu: &MerodEmulator, group_id: &str) -> (u16, Value) {
+        let path = format!("admin-api/namespaces/{group_id}/leave");
+        answer(client().post(endpoint(emu, &path)).send().await.unwrap()).await
+    }
+
+    async fn namespace(emu: &MerodEmulator, group_id: &str) -> (u16, Value) {
+        get_json(emu, &format!("admin-api/namespaces/{group_id}")).await
+    }
+
+    fn error(message: &str) -> Value {
+        json!({ "error": message })
+    }
+
+    #[test]
+    fn fixtures_load() {
+        let fixtures = Fixtures::load();
+        assert_eq!(fixtures.join_admitted.status, 200);
+        assert_eq!(fixtures.leave_again.status, 500);
+        assert_eq!(fixtures.list_entry["namespaceId"], ID);
+    }
+
+    #[tokio::test]
+    async fn health_ready_and_peers() {
+        let emu = MerodEmulator::start().await.unwrap();
+        assert_eq!(
+            get_json(&emu, "admin-api/health").await,
+            (200, json!({ "data": { "status": "alive" } }))
+        );
+        assert_eq!(
+            get_json(&emu, "admin-api/ready").await,
+            (200, json!({ "data": { "status": "ready" } }))
+        );
+        assert_eq!(
+            get_json(&emu, "admin-api/peers").await,
+            (200, json!({ "count": 1 }))
+        );
+
+        emu.set_ready(false);
+        assert_eq!(
+            get_json(&emu, "admin-api/peers").await,
+            (503, error("starting"))
+        );
+        assert_eq!(
+            get_json(&emu, "admin-api/ready").await,
+            (503, json!({ "data": { "status": "starting" } }))
+        );
+        assert_eq!(get_json(&emu, "admin-api/health").await.0, 200);
+
+        emu.set_ready(true);
+        assert_eq!(get_json(&emu, "admin-api/peers").await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn fleet_join_admits_and_holds() {
+        let emu = MerodEmulator::start().await.unwrap();
+        assert_eq!(
+            namespace(&emu, ID).await,
+            (404, error("No namespace identity found"))
+        );
+
+        let (status, body) = join(&emu, &OTHER.to_uppercase()).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["status"], "joined");
+        assert_eq!(body["admitted"], true);
+        assert_eq!(body["auto_follow_enabled"], true);
+        assert_eq!(body["group_id"], OTHER);
+        assert_eq!(body["namespace_id"], OTHER);
+        assert_eq!(
+            body["public_key"],
+            "8W55hTWXwYgpV5hwnZ3f25G5H1Yt5Qb3bRMwFTFDEyin"
+        );
+        assert_eq!(body["contexts_joined"], json!([]));
+        assert_eq!(emu.held(), BTreeSet::from([OTHER.to_owned()]));
+        assert_eq!(emu.joins(OTHER), 1);
+        assert_eq!(emu.joins(&OTHER.to_uppercase()), 1);
+
+        let (status, body) = namespace(&emu, OTHER).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["data"]["namespaceId"], OTHER);
+        assert_eq!(body["data"]["memberCount"], 2);
+
+        // Joining again answers admitted at once and keeps holding it.
+        assert_eq!(join(&emu, OTHER).await.1["admitted"], true);
+        assert_eq!(emu.joins(OTHER), 2);
+        assert_eq!(emu.held().len(), 1);
+
+        let call = emu
+            .calls()
+            .into_iter()
+            .find(|c| c.method == "POST")
+            .unwrap();
+        assert_eq!(call.path, "/admin-api/tee/fleet-join");
+        assert_eq!(call.content_type.as_deref(), Some("application/json"));
+        assert_eq!(
+            serde_json::from_str::<Value>(&call.body).unwrap(),
+            json!({ "groupId": OTHER.to_uppercase() })
+        );
+        assert_eq!(call.status, 200);
+    }
+
+    #[tokio::test]
+    async fn fleet_join_waits_for_its_delay() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.set_join(
+            ID,
+            JoinBehaviour::Admit {
+                delay: Duration::from_millis(300),
+            },
+        );
+        let started = Instant::now();
+        let pending = {
+            let emu = emu.clone();
+            tokio::spawn(async move { join(&emu, ID).await })
+        };
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(emu.held().is_empty());
+        assert_eq!(emu.calls().last().unwrap().status, 0);
+
+        let (status, body) = pending.await.unwrap();
+        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert_eq!((status, body["admitted"].clone()), (200, json!(true)));
+        assert!(emu.held().contains(ID));
+        assert_eq!(emu.calls().last().unwrap().status, 200);
+    }
+
+    #[tokio::test]
+    async fn refuse_then_admit() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.set_default_join(JoinBehaviour::RefuseThenAdmit {
+            refusals: 2,
+            delay: Duration::from_millis(10),
+        });
+        for _ in 0..2 {
+            let (status, body) = join(&emu, ID).await;
+            assert_eq!(status, 200);
+            assert_eq!(body["status"], "announced");
+            assert_eq!(body["admitted"], false);
+            assert_eq!(body["group_id"], ID);
+            assert_eq!(body["namespace_id"], ID);
+            assert!(emu.held().is_empty());
+        }
+        let (status, body) = join(&emu, ID).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["status"], "joined");
+        assert_eq!(body["admitted"], true);
+        assert!(emu.held().contains(ID));
+
+        // Counted per namespace.
+        assert_eq!(join(&emu, OTHER).await.1["admitted"], false);
+        assert_eq!(emu.joins(ID), 3);
+        assert_eq!(emu.joins(OTHER), 1);
+    }
+
+    #[tokio::test]
+    async fn admit_without_holding() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.set_join(
+            ID,
+            JoinBehaviour::AdmitWithoutHolding {
+                delay: Duration::ZERO,
+            },
+        );
+        let (status, body) = join(&emu, ID).await;
+        assert_eq!(status, 200);
+        assert_eq!(body["admitted"], true);
+        assert_eq!(body["status"], "joined");
+        assert!(emu.held().is_empty());
+        assert_eq!(
+            namespace(&emu, ID).await,
+            (404, error("No namespace identity found"))
+        );
+        // Other namespaces keep the default.
+        join(&emu, OTHER).await;
+        assert!(emu.held().contains(OTHER));
+    }
+
+    #[tokio::test]
+    async fn fleet_join_error_and_hang() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.set_join(
+            ID,
+            JoinBehaviour::Error {
+                status: 500,
+                message: "Failed to generate attestation".into(),
+            },
+        );
+        emu.set_join(OTHER, JoinBehaviour::Hang);
+        assert_eq!(
+            join(&emu, ID).await,
+            (500, error("Failed to generate attestation"))
+        );
+
+        let err = reqwest::Client::builder()
+            .timeout(Duration::from_millis(300))
+            .build()
+            .unwrap()
+            .post(endpoint(&emu, "admin-api/tee/fleet-join"))
+            .json(&json!({ "groupId": OTHER }))
+            .send()
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        // The server still answers others.
+        assert_eq!(get_json(&emu, "admin-api/health").await.0, 200);
+        assert_eq!(emu.joins(OTHER), 1);
+        assert!(emu.held().is_empty());
+        let hung = emu
+            .calls()
+            .into_iter()
+            .find(|c| c.body.contains(OTHER))
+            .unwrap();
+        assert_eq!(hung.status, 0);
+    }
+
+    #[tokio::test]
+    async fn fleet_join_bad_requests_answer_400() {
+        let emu = MerodEmulator::start().await.unwrap();
+        let url = endpoint(&emu, "admin-api/tee/fleet-join");
+        let send = |content_type: Option<&'static str>, body: String| {
+            let mut request = client().post(url.clone()).body(body);
+            if let Some(content_type) = content_type {
+                request = request.header(CONTENT_TYPE, content_type);
+            }
+            async move { answer(request.send().await.unwrap()).await }
+        };
+
+        let good = json!({ "groupId": ID }).to_string();
+        assert_eq!(
+            send(None, good.clone()).await,
+            (
+                400,
+                error("Expected request with `Content-Type: application/json`")
+            )
+        );
+        assert_eq!(send(Some("text/plain"), good).await.0, 400);
+
+        let (status, body) = send(
+            Some("application/json"),
+            json!({ "group_id": ID }).to_string(),
+        )
+        .await;
+        assert_eq!(status, 400);
+        let message = body["error"].as_str().unwrap();
+        assert!(
+            message.starts_with(
+                "Invalid JSON data: Failed to deserialize the JSON body into the target type: \
+                 missing field `groupId`"
+            ),
+            "{message}"
+        );
+
+        let (status, body) = send(Some("application/json"), "{\"groupId\": ".into()).await;
+        assert_eq!(status, 400);
+        assert!(body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("Invalid JSON data: Failed to parse the request body as JSON"));
+
+        assert_eq!(
+            send(
+                Some("application/json"),
+                json!({ "groupId": "abcd" }).to_string()
+            )
+            .await,
+            (
+                400,
+                error("Field 'group_id' must be exactly 64 characters (got 4)")
+            )
+        );
+        assert_eq!(
+            send(
+                Some("application/json"),
+                json!({ "groupId": "z".repeat(64) }).to_string()
+            )
+            .await,
+            (
+                400,
+                error("Field 'group_id' contains invalid hex encoding: not valid hex")
+            )
+        );
+
+        assert_eq!(emu.joins(ID), 0);
+        assert!(emu.held().is_empty());
+        let statuses: Vec<u16> = emu.calls().iter().map(|c| c.status).collect();
+        assert_eq!(statuses, vec![400; 6]);
+        assert_eq!(emu.calls()[0].content_type, None);
+    }
+
+    #[tokio::test]
+    async fn leave_held_then_again() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.hold(&ID.to_uppercase());
+        assert_eq!(emu.held(), BTreeSet::from([ID.to_owned()]));
+        assert_eq!(namespace(&emu, ID).await.0, 200);
+
+        let (status, body) = leave(&emu, &ID.to_uppercase()).await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            body,
+            json!({ "data": {
+                "namespaceId": ID,
+                "memberPublicKey": "8W55hTWXwYgpV5hwnZ3f25G5H1Yt5Qb3bRMwFTFDEyin",
+            } })
+        );
+        assert!(emu.held().is_empty());
+        assert_eq!(
+            namespace(&emu, ID).await,
+            (404, error("No namespace identity found"))
+        );
+
+        assert_eq!(leave(&emu, ID).await, (500, error("Internal server error")));
+        assert_eq!(
+            leave(&emu, OTHER).await,
+            (500, error("Internal server error"))
+        );
+        assert_eq!(emu.leaves(ID), 2);
+        assert_eq!(emu.leaves(OTHER), 1);
+
+        let call = emu
+            .calls()
+            .into_iter()
+            .find(|c| c.path.ends_with("/leave"))
+            .unwrap();
+        assert_eq!(call.method, "POST");
+        assert_eq!(
+            call.path,
+            format!("/admin-api/namespaces/{}/leave", ID.to_uppercase())
+        );
+        assert_eq!(call.body, "");
+    }
+
+    #[tokio::test]
+    async fn leave_delay_hang_and_error() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.hold(ID);
+        emu.hold(OTHER);
+        emu.set_leave(
+            ID,
+            LeaveBehaviour::Normal {
+                delay: Duration::from_millis(200),
+            },
+        );
+        let started = Instant::now();
+        assert_eq!(leave(&emu, ID).await.0, 200);
+        assert!(started.elapsed() >= Duration::from_millis(200));
+
+        emu.set_default_leave(LeaveBehaviour::Error { status: 503 });
+        assert_eq!(
+            leave(&emu, OTHER).await,
+            (503, error("Service Unavailable"))
+        );
+        emu.set_leave(OTHER, LeaveBehaviour::Error { status: 500 });
+        assert_eq!(
+            leave(&emu, OTHER).await,
+            (500, error("Internal server error"))
+        );
+        assert!(emu.held().contains(OTHER));
+
+        emu.set_leave(OTHER, LeaveBehaviour::Hang);
+        let err = reqwest::Client::builder()
+            .timeout(Duration::from_millis(300))
+            .build()
+            .unwrap()
+            .post(endpoint(
+                &emu,
+                &format!("admin-api/namespaces/{OTHER}/leave"),
+            ))
+            .send()
+            .await
+            .unwrap_err();
+        assert!(err.is_timeout(), "{err}");
+        assert!(emu.held().contains(OTHER));
+        assert_eq!(emu.leaves(OTHER), 3);
+    }
+
+    #[tokio::test]
+    async fn malformed_namespace_ids_answer_400() {
+        let emu = MerodEmulator::start().await.unwrap();
+        let bad_id = error("Invalid group id format: expected hex-encoded 32 bytes");
+        assert_eq!(leave(&emu, "xyz").await, (400, bad_id.clone()));
+        assert_eq!(leave(&emu, &"g".repeat(64)).await, (400, bad_id.clone()));
+        assert_eq!(namespace(&emu, "xyz").await, (400, bad_id.clone()));
+        assert_eq!(namespace(&emu, &ID[..63]).await, (400, bad_id));
+        assert_eq!(emu.leaves("xyz"), 0);
+    }
+
+    #[tokio::test]
+    async fn list_namespaces_shows_held_ones() {
+        let emu = MerodEmulator::start().await.unwrap();
+        assert_eq!(
+            get_json(&emu, "admin-api/namespaces").await,
+            (200, json!({ "data": [] }))
+        );
+        emu.hold(OTHER);
+        emu.hold(ID);
+        let (status, body) = get_json(&emu, "admin-api/namespaces").await;
+        assert_eq!(status, 200);
+        let ids: Vec<&str> = body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|entry| entry["namespaceId"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, vec![ID, OTHER]);
+        assert_eq!(body["data"][0]["subgroupCount"], 0);
+        assert_eq!(body["data"][1]["contextCount"], 0);
+
+        let (_, body) = get_json(&emu, "admin-api/namespaces?offset=1&limit=5").await;
+        assert_eq!(body["data"].as_array().unwrap().len(), 1);
+        assert_eq!(body["data"][0]["namespaceId"], OTHER);
+        assert_eq!(get_json(&emu, "admin-api/namespaces?limit=-1").await.0, 400);
+
+        emu.unhold(OTHER);
+        let (_, body) = get_json(&emu, "admin-api/namespaces").await;
+        assert_eq!(body["data"].as_array().unwrap().len(), 1);
+    }
+
+    #[tokio::test]
+    async fn unknown_routes_answer_404_and_are_recorded() {
+        let emu = MerodEmulator::start().await.unwrap();
+        assert_eq!(
+            get_json(&emu, "admin-api/contexts").await,
+            (404, error("Not found"))
+        );
+        assert_eq!(
+            get_json(&emu, "admin-api/tee/fleet-join").await,
+            (404, error("Not found"))
+        );
+        let calls = emu.calls();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].method, "GET");
+        assert_eq!(calls[0].path, "/admin-api/contexts");
+        assert_eq!(calls[0].status, 404);
+        assert!(calls[0].at <= calls[1].at);
+    }
+}

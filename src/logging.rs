@@ -1,0 +1,125 @@
+//! Log output: human-readable lines to stderr (journald) and appended to the log file
+//! (`/var/log/fleet-sidecar.log` by default), via `tracing`.
+//!
+//! The file is opened in append mode and can be reopened ([`LogFile::reopen`]) after
+//! logrotate moved it. Secrets never reach a log line: the token has no `Display` and its
+//! `Debug` is `[redacted]` ([`crate::config::Secret`]).
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::util::SubscriberInitExt;
+use tracing_subscriber::{EnvFilter, Layer};
+
+/// An append-only log file that can be reopened at the same path.
+#[derive(Debug)]
+pub struct LogFile {
+    path: PathBuf,
+    file: Mutex<File>,
+}
+
+fn open_append(path: &Path) -> io::Result<File> {
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+impl LogFile {
+    /// Opens (creating it if needed) `path` for appending.
+    ///
+    /// Errors: the I/O error of the open.
+    pub fn open(path: &Path) -> io::Result<Arc<Self>> {
+        Ok(Arc::new(Self {
+            path: path.to_owned(),
+            file: Mutex::new(open_append(path)?),
+        }))
+    }
+
+    /// Reopens the file at its path (after logrotate renamed the old one).
+    ///
+    /// Errors: the I/O error of the open; the old file stays in use.
+    pub fn reopen(&self) -> io::Result<()> {
+        let fresh = open_append(&self.path)?;
+        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
+        *file = fresh;
+        Ok(())
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// One event's writer into a [`LogFile`].
+#[derive(Debug)]
+pub struct LogFileWriter<'a>(&'a LogFile);
+
+impl Write for LogFileWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        let mut file = self.0.file.lock().unwrap_or_else(|p| p.into_inner());
+        file.write_all(buf)?;
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The [`MakeWriter`] that `tracing` holds: a shared handle on the [`LogFile`].
+#[derive(Debug, Clone)]
+pub struct SharedLogFile(pub Arc<LogFile>);
+
+impl<'a> MakeWriter<'a> for SharedLogFile {
+    type Writer = LogFileWriter<'a>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        LogFileWriter(&self.0)
+    }
+}
+
+/// Sets up the global subscriber: stderr, plus `log_file` when given and openable.
+/// Verbosity comes from `RUST_LOG` (default `info`).
+///
+/// Returns the open log file (to reopen on SIGHUP), or the reason it could not be opened
+/// — logging then goes to stderr only, which journald keeps.
+pub fn init(log_file: Option<&Path>) -> Result<Option<Arc<LogFile>>, String> {
+    let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let stderr = tracing_subscriber::fmt::layer()
+        .with_writer(io::stderr)
+        .with_ansi(false)
+        .with_target(false)
+        .with_filter(filter());
+    let (file, problem) = match log_file.map(LogFile::open) {
+        None => (None, None),
+        Some(Ok(f)) => (Some(f), None),
+        Some(Err(e)) => (
+            None,
+            log_file.map(|p| {
+                format!(
+                    "cannot open log file {}: {e}; logging to stderr only",
+                    p.display()
+                )
+            }),
+        ),
+    };
+    let file_layer = file.as_ref().map(|f| {
+        tracing_subscriber::fmt::layer()
+            .with_writer(SharedLogFile(Arc::clone(f)))
+            .with_ansi(false)
+            .with_target(false)
+            .with_filter(filter())
+    });
+    tracing_subscriber::registry()
+        .with(stderr)
+        .with(file_layer)
+        .try_init()
+        .map_err(|e| e.to_string())?;
+    match problem {
+        Some(p) => Err(p),
+        None => Ok(file),
+    }
+}

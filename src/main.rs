@@ -1,0 +1,255 @@
+//! `fleet-sidecar`: wiring only — parse the command line, load the config, build the real
+//! clients, run, and map the outcome to an exit code.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use fleet_sidecar::config::{Config, DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH};
+use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
+use fleet_sidecar::identity::admin_url_from_merod_config;
+use fleet_sidecar::logging;
+use fleet_sidecar::mdma::MdmaClient;
+use fleet_sidecar::merod::MerodClient;
+use fleet_sidecar::mrtd::{parse_quote, parse_tdreport, read_mrtd, TdxConfig};
+
+/// Exit code: the daemon or the cycle failed.
+const EXIT_FAILURE: u8 = 1;
+/// Exit code of `once` when the poll failed (nothing was joined or left).
+const EXIT_POLL_FAILED: u8 = 3;
+/// Exit code for an unusable config file (sysexits EX_CONFIG).
+const EXIT_CONFIG: u8 = 78;
+
+/// Keeps this Calimero TEE node's namespace membership in sync with MDMA.
+#[derive(Parser, Debug)]
+#[command(name = "fleet-sidecar", version, about, long_about = None)]
+struct Cli {
+    /// The config file (TOML).
+    #[arg(long, global = true, default_value = DEFAULT_CONFIG_PATH, value_name = "PATH")]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the daemon (the default): reconcile every poll_interval until SIGTERM/SIGINT.
+    Run,
+    /// Run one full cycle and exit: 0 on a successful poll, 3 when the poll failed.
+    Once,
+    /// Print this TD's MRTD and its source (or each source's failure; exit 1 if none
+    /// worked), or parse a saved TDREPORT or quote offline.
+    Mrtd {
+        /// Parse this saved 1024-byte TDREPORT instead of reading the TD.
+        #[arg(long, value_name = "FILE", conflicts_with = "quote")]
+        tdreport: Option<PathBuf>,
+        /// Parse this saved TD quote (v4 or v5) instead of reading the TD.
+        #[arg(long, value_name = "FILE")]
+        quote: Option<PathBuf>,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command.unwrap_or(Command::Run) {
+        Command::Mrtd { tdreport, quote } => mrtd_command(&cli.config, tdreport, quote),
+        command => {
+            let cfg = match Config::load(&cli.config) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("fleet-sidecar: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("fleet-sidecar: cannot start the async runtime: {e}");
+                    return ExitCode::from(EXIT_FAILURE);
+                }
+            };
+            runtime.block_on(serve(cfg, matches!(command, Command::Once)))
+        }
+    }
+}
+
+async fn serve(cfg: Config, once: bool) -> ExitCode {
+    let log_file = match logging::init(Some(&cfg.log_file)) {
+        Ok(f) => f,
+        Err(problem) => {
+            eprintln!("fleet-sidecar: {problem}");
+            None
+        }
+    };
+    for w in &cfg.warnings {
+        warn!("{w}");
+    }
+    let admin_url = match &cfg.merod.admin_url {
+        Some(u) => u.clone(),
+        None => match admin_url_from_merod_config(&cfg.merod.config_toml()) {
+            Ok(Some(u)) => u,
+            Ok(None) => match DEFAULT_ADMIN_URL.parse() {
+                Ok(u) => u,
+                Err(e) => {
+                    error!("built-in admin URL is invalid: {e}");
+                    return ExitCode::from(EXIT_FAILURE);
+                }
+            },
+            Err(e) => {
+                error!("{e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        },
+    };
+    let mdma = match MdmaClient::new(
+        &cfg.mdma_url,
+        cfg.fleet_token.clone(),
+        cfg.mdma_ca_file.as_deref(),
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let merod = match MerodClient::new(&admin_url) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    info!(
+        version = env!("CARGO_PKG_VERSION"),
+        mdma = %cfg.mdma_url,
+        merod = %admin_url,
+        state = %cfg.state_file.display(),
+        "fleet-sidecar starting"
+    );
+    let deps = Deps {
+        mdma: Arc::new(mdma),
+        merod: Arc::new(merod),
+    };
+    let shutdown = CancellationToken::new();
+    if let Err(e) = spawn_signal_handler(shutdown.clone(), log_file) {
+        error!("cannot install signal handlers: {e}");
+        return ExitCode::from(EXIT_FAILURE);
+    }
+    if once {
+        match daemon::once(cfg, deps, shutdown).await {
+            Ok(Some(CycleOutcome::Planned { joins, leaves })) => {
+                info!(joins, leaves, "cycle done");
+                ExitCode::SUCCESS
+            }
+            Ok(Some(CycleOutcome::PollFailed(e))) => {
+                error!("poll failed: {e}");
+                ExitCode::from(EXIT_POLL_FAILED)
+            }
+            Ok(None) => ExitCode::SUCCESS,
+            Err(e) => {
+                error!("{e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        }
+    } else {
+        match daemon::run(cfg, deps, shutdown).await {
+            Ok(()) => {
+                info!("stopped");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("{e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        }
+    }
+}
+
+/// SIGTERM and SIGINT cancel `shutdown`; SIGHUP reopens the log file (logrotate).
+fn spawn_signal_handler(
+    shutdown: CancellationToken,
+    log_file: Option<Arc<logging::LogFile>>,
+) -> std::io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = term.recv() => { info!("SIGTERM: stopping between steps"); shutdown.cancel(); }
+                _ = int.recv() => { info!("SIGINT: stopping between steps"); shutdown.cancel(); }
+                _ = hup.recv() => match &log_file {
+                    Some(f) => match f.reopen() {
+                        Ok(()) => info!(path = %f.path().display(), "log file reopened"),
+                        Err(e) => warn!(path = %f.path().display(), "cannot reopen log file: {e}"),
+                    },
+                    None => info!("SIGHUP: no log file to reopen"),
+                },
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `fleet-sidecar mrtd`: read (or parse offline) and print the MRTD with its source.
+fn mrtd_command(
+    config: &std::path::Path,
+    tdreport: Option<PathBuf>,
+    quote: Option<PathBuf>,
+) -> ExitCode {
+    let offline = tdreport
+        .map(|p| (p, "tdreport", parse_tdreport as fn(&[u8]) -> _))
+        .or_else(|| quote.map(|p| (p, "quote", parse_quote as fn(&[u8]) -> _)));
+    if let Some((path, kind, parse)) = offline {
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(e) => {
+                eprintln!("fleet-sidecar: cannot read {}: {e}", path.display());
+                return ExitCode::from(EXIT_FAILURE);
+            }
+        };
+        return match parse(&bytes) {
+            Ok(m) => {
+                println!("{m}\t{kind} file {}", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fleet-sidecar: {}: {e}", path.display());
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
+    let tdx = if config.exists() {
+        match Config::load(config) {
+            Ok(c) => c.tdx,
+            Err(e) => {
+                eprintln!("fleet-sidecar: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        }
+    } else {
+        TdxConfig::default()
+    };
+    match read_mrtd(&tdx) {
+        Ok(r) => {
+            println!("{}\t{}", r.mrtd, r.source);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            for (source, err) in &e.failures {
+                eprintln!("{source}: {err}");
+            }
+            eprintln!("fleet-sidecar: no MRTD source worked");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}

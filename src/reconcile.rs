@@ -1,0 +1,322 @@
+//! The decision of what to join and what to leave: a pure function of the latest
+//! successful poll, the persisted [`State`], what is already running, and `now`.
+//!
+//! Nothing here does I/O or reads a clock (`now` is passed in), so every rule is tested
+//! directly. The rules, from the reference sidecar (spec/fleet-ha-sidecar.txt) and the
+//! fleet's known history (contracts/mdma.md):
+//!
+//! * A plan exists only for a successful poll: the caller never calls [`plan`] after a failed
+//!   one, so a failed poll joins nothing, leaves nothing, prunes nothing.
+//! * Join every assigned namespace not yet confirmed (and not in `retain`, not already
+//!   running). Joining again is idempotent in merod.
+//! * Leave candidates are `admitted − assigned − retain`, computed from the persisted sets
+//!   before the prune — so a namespace admitted but never confirmed is still left.
+//! * A candidate is left only after it has been absent from `leave_after_polls`
+//!   consecutive successful polls; reappearing resets the count.
+//! * Mass-withdrawal guard: when one poll withdraws at least `mass_drop_min` namespaces and
+//!   more than half of those held, every leave is held until the withdrawal has persisted
+//!   for `mass_drop_hold`; then leaves go ahead, at most `max_leaves_per_minute`.
+//! * Nothing with a join or leave in flight is planned again.
+//! * Prune: `confirmed ← confirmed ∩ (assigned ∪ retain)`, so a re-added namespace is
+//!   confirmed anew. `admitted` shrinks only when merod no longer holds a namespace.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::ids::GroupId;
+use crate::state::State;
+
+/// When a withdrawn namespace may be left (config keys of the same names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LeavePolicy {
+    /// Consecutive successful polls a namespace must be absent from (≥ 1; 1 = reference).
+    pub leave_after_polls: u32,
+    /// Withdrawals in one poll that can trigger the mass-withdrawal guard (≥ 1).
+    pub mass_drop_min: usize,
+    /// How long a mass withdrawal must persist over successful polls before leaves go.
+    pub mass_drop_hold: Duration,
+    /// Leaves started in any 60 s window (≥ 1).
+    pub max_leaves_per_minute: u32,
+}
+
+impl LeavePolicy {
+    /// The reference sidecar's behaviour: leave on the first poll that withdraws, no guard.
+    pub const REFERENCE: Self = Self {
+        leave_after_polls: 1,
+        mass_drop_min: usize::MAX,
+        mass_drop_hold: Duration::ZERO,
+        max_leaves_per_minute: u32::MAX,
+    };
+}
+
+/// What a successful `should-join` poll said (contracts/mdma.md).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Desired {
+    /// The `group_id` of every entry of `assignments`: namespaces this node must hold.
+    pub assigned: BTreeSet<GroupId>,
+    /// `retain`: namespaces the node may keep but must not newly join; never left.
+    pub retain: BTreeSet<GroupId>,
+}
+
+/// The mass-withdrawal guard's state between polls (kept in memory: a restart restarts a
+/// hold, which only delays leaves).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum MassDrop {
+    /// No mass withdrawal in the latest successful poll.
+    #[default]
+    Idle,
+    /// A mass withdrawal seen first at `since`; every leave is held.
+    Holding {
+        /// The first successful poll that showed it.
+        since: Instant,
+    },
+    /// The withdrawal persisted past the hold; leaves go (rate-limited) while it lasts.
+    Released,
+}
+
+/// In-memory guard state: the mass-drop phase and the start times of recent leaves.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Guard {
+    /// The mass-withdrawal phase.
+    pub mass_drop: MassDrop,
+    /// When the leaves of the last 60 s started, oldest first.
+    pub recent_leaves: VecDeque<Instant>,
+}
+
+/// Why a leave candidate is not left in this cycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaveWait {
+    /// Absent from `polls` successful polls so far; leaves at `needed`.
+    NotStable {
+        /// Consecutive successful polls it has been absent from, this one included.
+        polls: u32,
+        /// `leave_after_polls`.
+        needed: u32,
+    },
+    /// Held by the mass-withdrawal guard for `remaining` more.
+    MassDropHold {
+        /// Time left of the hold.
+        remaining: Duration,
+    },
+    /// `max_leaves_per_minute` reached; goes in a later cycle.
+    RateLimited,
+    /// A join or leave of it is still running.
+    InFlight,
+}
+
+/// A change of the mass-withdrawal guard worth a loud log line.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MassDropEvent {
+    /// A hold started: `withdrawn` of `held` namespaces withdrawn in one poll.
+    HoldStarted {
+        /// Namespaces withdrawn.
+        withdrawn: usize,
+        /// Namespaces held (admitted) before this poll.
+        held: usize,
+    },
+    /// The withdrawal persisted for the whole hold: leaves go ahead.
+    Released {
+        /// Namespaces withdrawn.
+        withdrawn: usize,
+    },
+    /// The withdrawal was reverted or shrank below the threshold before the hold ended.
+    Cleared,
+}
+
+/// What to do in this cycle, and the state to persist.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    /// Namespaces to `fleet-join` (then confirm), in id order.
+    pub joins: Vec<GroupId>,
+    /// Namespaces to leave now, in id order.
+    pub leaves: Vec<GroupId>,
+    /// Leave candidates not left now, and why.
+    pub waiting: BTreeMap<GroupId, LeaveWait>,
+    /// The state after this poll: absent counts updated, `confirmed` pruned.
+    pub state: State,
+    /// The guard after this poll.
+    pub guard: Guard,
+    /// Set when the mass-withdrawal guard changed phase.
+    pub mass_drop_event: Option<MassDropEvent>,
+}
+
+/// Plans one cycle from a successful poll.
+///
+/// * `state`: the persisted sets before this poll.
+/// * `in_flight`: namespaces with a join or leave task running (planned neither way).
+/// * `join_backoff`: namespaces whose last join failed recently (not joined yet again).
+/// * `guard`: the guard state after the previous successful poll.
+/// * `now`: the time of this poll.
+pub fn plan(
+    policy: &LeavePolicy,
+    desired: &Desired,
+    state: &State,
+    in_flight: &BTreeSet<GroupId>,
+    join_backoff: &BTreeSet<GroupId>,
+    guard: &Guard,
+    now: Instant,
+) -> Plan {
+    let joins = desired
+        .assigned
+        .iter()
+        .filter(|id| {
+            !state.confirmed.contains(id)
+                && !desired.retain.contains(id)
+                && !in_flight.contains(id)
+                && !join_backoff.contains(id)
+        })
+        .copied()
+        .collect();
+
+    // Withdrawn: held but neither assigned nor retained. Counted before the prune.
+    let withdrawn: BTreeSet<GroupId> = state
+        .admitted
+        .iter()
+        .filter(|id| !desired.assigned.contains(id) && !desired.retain.contains(id))
+        .copied()
+        .collect();
+    let absent_polls: BTreeMap<GroupId, u32> = withdrawn
+        .iter()
+        .map(|id| {
+            let before = state.absent_polls.get(id).copied().unwrap_or(0);
+            (*id, before.saturating_add(1))
+        })
+        .collect();
+
+    let mut next_guard = guard.clone();
+    let mass = withdrawn.len() >= policy.mass_drop_min
+        && withdrawn.len().saturating_mul(2) > state.admitted.len();
+    let mut mass_drop_event = None;
+    next_guard.mass_drop = match (mass, guard.mass_drop) {
+        (false, MassDrop::Idle) => MassDrop::Idle,
+        (false, MassDrop::Holding { .. }) => {
+            mass_drop_event = Some(MassDropEvent::Cleared);
+            MassDrop::Idle
+        }
+        (false, MassDrop::Released) => MassDrop::Idle,
+        (true, MassDrop::Idle) => {
+            mass_drop_event = Some(MassDropEvent::HoldStarted {
+                withdrawn: withdrawn.len(),
+                held: state.admitted.len(),
+            });
+            if policy.mass_drop_hold.is_zero() {
+                MassDrop::Released
+            } else {
+                MassDrop::Holding { since: now }
+            }
+        }
+        (true, MassDrop::Holding { since }) => {
+            if now.saturating_duration_since(since) >= policy.mass_drop_hold {
+                mass_drop_event = Some(MassDropEvent::Released {
+                    withdrawn: withdrawn.len(),
+                });
+                MassDrop::Released
+            } else {
+                MassDrop::Holding { since }
+            }
+        }
+        (true, MassDrop::Released) => MassDrop::Released,
+    };
+
+    let window = Duration::from_secs(60);
+    while next_guard
+        .recent_leaves
+        .front()
+        .is_some_and(|t| now.saturating_duration_since(*t) >= window)
+    {
+        next_guard.recent_leaves.pop_front();
+    }
+    let mut budget = usize::try_from(policy.max_leaves_per_minute)
+        .unwrap_or(usize::MAX)
+        .saturating_sub(next_guard.recent_leaves.len());
+
+    let mut leaves = Vec::new();
+    let mut waiting = BTreeMap::new();
+    for (id, polls) in &absent_polls {
+        let wait = if in_flight.contains(id) {
+            Some(LeaveWait::InFlight)
+        } else if *polls < policy.leave_after_polls {
+            Some(LeaveWait::NotStable {
+                polls: *polls,
+                needed: policy.leave_after_polls,
+            })
+        } else if let MassDrop::Holding { since } = next_guard.mass_drop {
+            Some(LeaveWait::MassDropHold {
+                remaining: policy
+                    .mass_drop_hold
+                    .saturating_sub(now.saturating_duration_since(since)),
+            })
+        } else if budget == 0 {
+            Some(LeaveWait::RateLimited)
+        } else {
+            None
+        };
+        match wait {
+            Some(w) => {
+                waiting.insert(*id, w);
+            }
+            None => {
+                budget -= 1;
+                next_guard.recent_leaves.push_back(now);
+                leaves.push(*id);
+            }
+        }
+    }
+
+    let keep = |id: &GroupId| desired.assigned.contains(id) || desired.retain.contains(id);
+    let next_state = State {
+        admitted: state.admitted.clone(),
+        confirmed: state
+            .confirmed
+            .iter()
+            .filter(|id| keep(id))
+            .copied()
+            .collect(),
+        absent_polls,
+    };
+
+    Plan {
+        joins,
+        leaves,
+        waiting,
+        state: next_state,
+        guard: next_guard,
+        mass_drop_event,
+    }
+}
+
+/// What an executed action established, to fold into the state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// merod admitted the namespace and lists it: it is held.
+    Admitted(GroupId),
+    /// MDMA acknowledged the admission.
+    Confirmed(GroupId),
+    /// merod no longer holds the namespace (left, or found gone).
+    Left(GroupId),
+}
+
+/// Folds one outcome into the state. Keeps `confirmed ⊆ admitted`: a confirm of a
+/// namespace not (or no longer) admitted is not recorded.
+pub fn apply(state: &mut State, outcome: Outcome) {
+    match outcome {
+        Outcome::Admitted(id) => {
+            state.admitted.insert(id);
+        }
+        Outcome::Confirmed(id) => {
+            if state.admitted.contains(&id) {
+                state.confirmed.insert(id);
+            }
+        }
+        Outcome::Left(id) => {
+            state.admitted.remove(&id);
+            state.confirmed.remove(&id);
+            state.absent_polls.remove(&id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,582 @@
+//! Exhaustive tests of the pure plan: one per rule of the reference and of the leave-safety
+//! rules, then properties over random sequences of polls and outcomes.
+
+use super::*;
+use proptest::prelude::*;
+
+fn id(n: u8) -> GroupId {
+    GroupId::from_bytes([n; 32])
+}
+
+fn ids(ns: &[u8]) -> BTreeSet<GroupId> {
+    ns.iter().map(|n| id(*n)).collect()
+}
+
+fn desired(assigned: &[u8], retain: &[u8]) -> Desired {
+    Desired {
+        assigned: ids(assigned),
+        retain: ids(retain),
+    }
+}
+
+fn state(admitted: &[u8], confirmed: &[u8]) -> State {
+    State {
+        admitted: ids(admitted),
+        confirmed: ids(confirmed),
+        absent_polls: BTreeMap::new(),
+    }
+}
+
+const POLICY: LeavePolicy = LeavePolicy {
+    leave_after_polls: 3,
+    mass_drop_min: 3,
+    mass_drop_hold: Duration::from_secs(600),
+    max_leaves_per_minute: 10,
+};
+
+fn none() -> BTreeSet<GroupId> {
+    BTreeSet::new()
+}
+
+fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Plan {
+    plan(
+        policy,
+        d,
+        s,
+        &none(),
+        &none(),
+        &Guard::default(),
+        Instant::now(),
+    )
+}
+
+#[test]
+fn first_poll_joins_every_assignment() {
+    let p = simple(&POLICY, &desired(&[1, 2], &[]), &State::default());
+    assert_eq!(p.joins, vec![id(1), id(2)]);
+    assert!(p.leaves.is_empty());
+    assert_eq!(p.state, State::default());
+}
+
+#[test]
+fn confirmed_namespaces_are_not_joined_again() {
+    let p = simple(&POLICY, &desired(&[1, 2], &[]), &state(&[1], &[1]));
+    assert_eq!(p.joins, vec![id(2)]);
+}
+
+#[test]
+fn admitted_but_unconfirmed_is_joined_again_to_get_confirmed() {
+    let p = simple(&POLICY, &desired(&[1], &[]), &state(&[1], &[]));
+    assert_eq!(p.joins, vec![id(1)]);
+}
+
+#[test]
+fn an_empty_assignment_list_joins_nothing() {
+    let p = simple(&POLICY, &desired(&[], &[]), &State::default());
+    assert!(p.joins.is_empty() && p.leaves.is_empty() && p.waiting.is_empty());
+}
+
+#[test]
+fn retain_is_neither_joined_nor_left() {
+    let s = state(&[1, 2], &[1, 2]);
+    let p = simple(&LeavePolicy::REFERENCE, &desired(&[3], &[1, 4]), &s);
+    assert_eq!(p.joins, vec![id(3)], "4 is retained, not newly joined");
+    assert_eq!(p.leaves, vec![id(2)], "1 is retained, never left");
+    assert_eq!(
+        p.state.confirmed,
+        ids(&[1]),
+        "a retained namespace stays confirmed"
+    );
+}
+
+#[test]
+fn retain_wins_over_assignment_for_joins() {
+    let p = simple(&POLICY, &desired(&[1], &[1]), &State::default());
+    assert!(p.joins.is_empty());
+}
+
+#[test]
+fn the_reference_leaves_on_the_first_withdrawing_poll() {
+    let p = simple(
+        &LeavePolicy::REFERENCE,
+        &desired(&[1], &[]),
+        &state(&[1, 2], &[1, 2]),
+    );
+    assert_eq!(p.leaves, vec![id(2)]);
+    assert_eq!(
+        p.state.confirmed,
+        ids(&[1]),
+        "pruned to confirmed ∩ desired"
+    );
+    assert_eq!(
+        p.state.admitted,
+        ids(&[1, 2]),
+        "admitted shrinks only once merod let go"
+    );
+}
+
+#[test]
+fn admitted_but_never_confirmed_and_withdrawn_is_still_left() {
+    let p = simple(
+        &LeavePolicy::REFERENCE,
+        &desired(&[], &[]),
+        &state(&[7], &[]),
+    );
+    assert_eq!(p.leaves, vec![id(7)]);
+}
+
+#[test]
+fn withdrawal_must_be_stable_for_leave_after_polls() {
+    let mut s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
+    let d = desired(&[1, 2, 3], &[]);
+    for poll in 1..=2 {
+        let p = simple(&POLICY, &d, &s);
+        assert!(p.leaves.is_empty(), "poll {poll}");
+        assert_eq!(
+            p.waiting.get(&id(4)),
+            Some(&LeaveWait::NotStable {
+                polls: poll,
+                needed: 3
+            })
+        );
+        s = p.state;
+    }
+    let p = simple(&POLICY, &d, &s);
+    assert_eq!(p.leaves, vec![id(4)]);
+}
+
+#[test]
+fn reappearing_resets_the_count() {
+    let mut s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
+    s.absent_polls.insert(id(4), 2);
+    let p = simple(&POLICY, &desired(&[1, 2, 3, 4], &[]), &s);
+    assert!(p.state.absent_polls.is_empty());
+    let p = simple(&POLICY, &desired(&[1, 2, 3], &[]), &p.state);
+    assert_eq!(p.state.absent_polls.get(&id(4)), Some(&1));
+    assert!(p.leaves.is_empty());
+}
+
+#[test]
+fn retained_resets_the_count_too() {
+    let mut s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
+    s.absent_polls.insert(id(4), 2);
+    let p = simple(&POLICY, &desired(&[1, 2, 3], &[4]), &s);
+    assert!(p.state.absent_polls.is_empty() && p.leaves.is_empty());
+}
+
+#[test]
+fn a_re_added_namespace_is_joined_again() {
+    let p = simple(
+        &LeavePolicy::REFERENCE,
+        &desired(&[], &[]),
+        &state(&[1], &[1]),
+    );
+    assert_eq!(p.state.confirmed, ids(&[]));
+    // The leave failed (still admitted); MDMA assigns it again: joined and confirmed anew.
+    let p = simple(&LeavePolicy::REFERENCE, &desired(&[1], &[]), &p.state);
+    assert_eq!(p.joins, vec![id(1)]);
+    assert!(p.leaves.is_empty());
+}
+
+#[test]
+fn nothing_in_flight_is_planned_either_way() {
+    let s = state(&[1, 2], &[1]);
+    let in_flight = ids(&[2, 3]);
+    let p = plan(
+        &LeavePolicy::REFERENCE,
+        &desired(&[3], &[]),
+        &s,
+        &in_flight,
+        &none(),
+        &Guard::default(),
+        Instant::now(),
+    );
+    assert!(p.joins.is_empty(), "3 is being joined");
+    assert_eq!(p.leaves, vec![id(1)]);
+    assert_eq!(p.waiting.get(&id(2)), Some(&LeaveWait::InFlight));
+}
+
+#[test]
+fn join_backoff_delays_only_joins() {
+    let p = plan(
+        &LeavePolicy::REFERENCE,
+        &desired(&[1, 2], &[]),
+        &state(&[3], &[3]),
+        &none(),
+        &ids(&[1, 3]),
+        &Guard::default(),
+        Instant::now(),
+    );
+    assert_eq!(p.joins, vec![id(2)]);
+    assert_eq!(p.leaves, vec![id(3)]);
+}
+
+fn no_stability() -> LeavePolicy {
+    LeavePolicy {
+        leave_after_polls: 1,
+        ..POLICY
+    }
+}
+
+#[test]
+fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
+    let policy = no_stability();
+    let t0 = Instant::now();
+    let s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
+    let d = desired(&[1], &[]);
+    let p = plan(&policy, &d, &s, &none(), &none(), &Guard::default(), t0);
+    assert!(p.leaves.is_empty());
+    assert_eq!(
+        p.mass_drop_event,
+        Some(MassDropEvent::HoldStarted {
+            withdrawn: 3,
+            held: 4
+        })
+    );
+    assert_eq!(
+        p.waiting.get(&id(2)),
+        Some(&LeaveWait::MassDropHold {
+            remaining: Duration::from_secs(600)
+        })
+    );
+    let t1 = t0 + Duration::from_secs(599);
+    let p = plan(&policy, &d, &p.state, &none(), &none(), &p.guard, t1);
+    assert!(p.leaves.is_empty());
+    assert_eq!(p.mass_drop_event, None);
+    let t2 = t0 + Duration::from_secs(600);
+    let p = plan(&policy, &d, &p.state, &none(), &none(), &p.guard, t2);
+    assert_eq!(p.leaves, vec![id(2), id(3), id(4)]);
+    assert_eq!(
+        p.mass_drop_event,
+        Some(MassDropEvent::Released { withdrawn: 3 })
+    );
+}
+
+#[test]
+fn a_reverted_mass_withdrawal_clears_the_hold() {
+    let policy = no_stability();
+    let t0 = Instant::now();
+    let s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
+    let p = plan(
+        &policy,
+        &desired(&[1], &[]),
+        &s,
+        &none(),
+        &none(),
+        &Guard::default(),
+        t0,
+    );
+    let p = plan(
+        &policy,
+        &desired(&[1, 2, 3, 4], &[]),
+        &p.state,
+        &none(),
+        &none(),
+        &p.guard,
+        t0 + Duration::from_secs(1),
+    );
+    assert_eq!(p.mass_drop_event, Some(MassDropEvent::Cleared));
+    assert_eq!(p.guard.mass_drop, MassDrop::Idle);
+    // A new withdrawal later starts a full new hold.
+    let t2 = t0 + Duration::from_secs(2000);
+    let p = plan(
+        &policy,
+        &desired(&[1], &[]),
+        &p.state,
+        &none(),
+        &none(),
+        &p.guard,
+        t2,
+    );
+    assert!(p.leaves.is_empty());
+    assert_eq!(p.guard.mass_drop, MassDrop::Holding { since: t2 });
+}
+
+#[test]
+fn the_guard_needs_both_the_minimum_and_more_than_half() {
+    let policy = no_stability();
+    // 3 of 6 withdrawn: exactly half, not more: no hold.
+    let p = simple(
+        &policy,
+        &desired(&[1, 2, 3], &[]),
+        &state(&[1, 2, 3, 4, 5, 6], &[]),
+    );
+    assert_eq!(p.leaves.len(), 3);
+    assert_eq!(p.mass_drop_event, None);
+    // 2 of 2 withdrawn: more than half, but fewer than mass_drop_min: no hold.
+    let p = simple(&policy, &desired(&[], &[]), &state(&[1, 2], &[]));
+    assert_eq!(p.leaves.len(), 2);
+    // 3 of 5: held.
+    let p = simple(
+        &policy,
+        &desired(&[1, 2], &[]),
+        &state(&[1, 2, 3, 4, 5], &[]),
+    );
+    assert!(p.leaves.is_empty());
+}
+
+#[test]
+fn a_zero_hold_releases_at_once() {
+    let policy = LeavePolicy {
+        mass_drop_hold: Duration::ZERO,
+        ..no_stability()
+    };
+    let p = simple(&policy, &desired(&[], &[]), &state(&[1, 2, 3], &[]));
+    assert_eq!(p.leaves.len(), 3);
+}
+
+#[test]
+fn leaves_are_rate_limited_per_minute() {
+    let policy = LeavePolicy {
+        max_leaves_per_minute: 2,
+        mass_drop_hold: Duration::ZERO,
+        ..no_stability()
+    };
+    let t0 = Instant::now();
+    let s = state(&[1, 2, 3, 4, 5], &[]);
+    let d = desired(&[], &[]);
+    let p = plan(&policy, &d, &s, &none(), &none(), &Guard::default(), t0);
+    assert_eq!(p.leaves, vec![id(1), id(2)]);
+    assert_eq!(p.waiting.get(&id(3)), Some(&LeaveWait::RateLimited));
+    // Leaves 1 and 2 run (in flight) a while later: still no budget inside the minute.
+    let t1 = t0 + Duration::from_secs(59);
+    let p = plan(&policy, &d, &s, &ids(&[1, 2]), &none(), &p.guard, t1);
+    assert!(p.leaves.is_empty());
+    let t2 = t0 + Duration::from_secs(60);
+    let p = plan(
+        &policy,
+        &d,
+        &state(&[3, 4, 5], &[]),
+        &none(),
+        &none(),
+        &p.guard,
+        t2,
+    );
+    assert_eq!(p.leaves, vec![id(3), id(4)]);
+}
+
+#[test]
+fn apply_keeps_confirmed_within_admitted() {
+    let mut s = State::default();
+    apply(&mut s, Outcome::Confirmed(id(1)));
+    assert!(
+        s.confirmed.is_empty(),
+        "a confirm without admission is not recorded"
+    );
+    apply(&mut s, Outcome::Admitted(id(1)));
+    apply(&mut s, Outcome::Confirmed(id(1)));
+    assert_eq!(s, state(&[1], &[1]));
+    s.absent_polls.insert(id(1), 2);
+    apply(&mut s, Outcome::Left(id(1)));
+    assert_eq!(s, State::default());
+}
+
+// ---- properties over random sequences ----
+
+/// One step the world can take between plans.
+#[derive(Clone, Debug)]
+enum Step {
+    /// A successful poll assigning and retaining these (ids 0..6).
+    Good(Vec<u8>, Vec<u8>),
+    /// A failed poll (any kind: the loop never calls `plan`).
+    Failed,
+}
+
+/// What merod and MDMA do with a started join.
+#[derive(Clone, Copy, Debug)]
+enum JoinResult {
+    AdmittedConfirmed,
+    AdmittedConfirmFailed,
+    NotAdmitted,
+    Error,
+    Hang,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum LeaveResult {
+    Left,
+    Failed,
+    Hang,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        3 => (prop::collection::vec(0u8..6, 0..6), prop::collection::vec(0u8..6, 0..2))
+            .prop_map(|(a, r)| Step::Good(a, r)),
+        1 => Just(Step::Failed),
+    ]
+}
+
+fn join_result() -> impl Strategy<Value = JoinResult> {
+    prop_oneof![
+        Just(JoinResult::AdmittedConfirmed),
+        Just(JoinResult::AdmittedConfirmFailed),
+        Just(JoinResult::NotAdmitted),
+        Just(JoinResult::Error),
+        Just(JoinResult::Hang),
+    ]
+}
+
+fn leave_result() -> impl Strategy<Value = LeaveResult> {
+    prop_oneof![
+        3 => Just(LeaveResult::Left),
+        1 => Just(LeaveResult::Failed),
+        1 => Just(LeaveResult::Hang),
+    ]
+}
+
+/// Simulates the loop around `plan`: outcomes of started actions land before the next
+/// poll, except hung ones, which end (as failures) two polls later.
+fn simulate(
+    policy: &LeavePolicy,
+    steps: &[Step],
+    joins: &[JoinResult],
+    leaves: &[LeaveResult],
+    settle: usize,
+) -> Result<(), TestCaseError> {
+    let mut s = State::default();
+    let mut held: BTreeSet<GroupId> = BTreeSet::new(); // what merod really holds
+    let mut guard = Guard::default();
+    let mut hung: BTreeMap<GroupId, u32> = BTreeMap::new();
+    let mut now = Instant::now();
+    let (mut ji, mut li) = (0usize, 0usize);
+    let mut last_good: Option<Desired> = None;
+    let final_step = last_good_step(steps);
+    let all_steps = steps
+        .iter()
+        .cloned()
+        .chain(std::iter::repeat_n(final_step, settle));
+    for st in all_steps {
+        now += Duration::from_secs(1);
+        hung.retain(|_, left| {
+            *left -= 1;
+            *left > 0
+        });
+        let Step::Good(a, r) = st else {
+            // A failed poll: the loop does not call plan; nothing may change.
+            continue;
+        };
+        let d = desired(&a, &r);
+        let in_flight: BTreeSet<GroupId> = hung.keys().copied().collect();
+        let p = plan(policy, &d, &s, &in_flight, &none(), &guard, now);
+        for l in &p.leaves {
+            prop_assert!(
+                !d.assigned.contains(l) && !d.retain.contains(l),
+                "left a desired/retained id"
+            );
+            prop_assert!(!in_flight.contains(l));
+        }
+        for j in &p.joins {
+            prop_assert!(!in_flight.contains(j));
+        }
+        s = p.state;
+        guard = p.guard;
+        for j in p.joins {
+            let r = joins[ji % joins.len()];
+            ji += 1;
+            match r {
+                JoinResult::AdmittedConfirmed => {
+                    held.insert(j);
+                    apply(&mut s, Outcome::Admitted(j));
+                    apply(&mut s, Outcome::Confirmed(j));
+                }
+                JoinResult::AdmittedConfirmFailed => {
+                    held.insert(j);
+                    apply(&mut s, Outcome::Admitted(j));
+                }
+                JoinResult::NotAdmitted | JoinResult::Error => {}
+                JoinResult::Hang => {
+                    hung.insert(j, 2);
+                }
+            }
+        }
+        for l in p.leaves {
+            let r = leaves[li % leaves.len()];
+            li += 1;
+            match r {
+                LeaveResult::Left => {
+                    held.remove(&l);
+                    apply(&mut s, Outcome::Left(l));
+                }
+                LeaveResult::Failed => {}
+                LeaveResult::Hang => {
+                    hung.insert(l, 2);
+                }
+            }
+        }
+        prop_assert!(s.confirmed.is_subset(&s.admitted), "confirmed ⊆ admitted");
+        prop_assert!(
+            held.is_subset(&s.admitted),
+            "everything merod holds is tracked"
+        );
+        last_good = Some(d);
+    }
+    // Polls have been good and stable for `settle` cycles: every namespace merod holds
+    // that MDMA no longer assigns (nor retains) has been left.
+    if let Some(d) = last_good {
+        let stray: Vec<_> = held
+            .iter()
+            .filter(|h| !d.assigned.contains(h) && !d.retain.contains(h))
+            .collect();
+        prop_assert!(stray.is_empty(), "still held after settling: {stray:?}");
+    }
+    Ok(())
+}
+
+fn last_good_step(steps: &[Step]) -> Step {
+    steps
+        .iter()
+        .rev()
+        .find(|s| matches!(s, Step::Good(..)))
+        .cloned()
+        .unwrap_or(Step::Good(vec![], vec![]))
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(512))]
+
+    #[test]
+    fn invariants_hold_over_random_histories(
+        steps in prop::collection::vec(step(), 1..40),
+        joins in prop::collection::vec(join_result(), 1..8),
+        leaves in prop::collection::vec(leave_result(), 1..8),
+        leave_after in 1u32..4,
+    ) {
+        // Leaves that fail forever would never converge: make the settle phase's leaves
+        // eventually succeed by appending a success to the cycle of outcomes.
+        let mut leaves = leaves;
+        leaves.push(LeaveResult::Left);
+        let policy = LeavePolicy {
+            leave_after_polls: leave_after,
+            mass_drop_min: 3,
+            mass_drop_hold: Duration::from_secs(5),
+            max_leaves_per_minute: 2,
+        };
+        simulate(&policy, &steps, &joins, &leaves, 1000)?;
+    }
+
+    #[test]
+    fn a_plan_never_leaves_what_the_poll_wants(
+        assigned in prop::collection::btree_set(0u8..8, 0..8),
+        retain in prop::collection::btree_set(0u8..8, 0..3),
+        admitted in prop::collection::btree_set(0u8..8, 0..8),
+        confirmed_bits in any::<u8>(),
+        in_flight in prop::collection::btree_set(0u8..8, 0..3),
+    ) {
+        let admitted: Vec<u8> = admitted.into_iter().collect();
+        let confirmed: Vec<u8> = admitted.iter().copied().filter(|n| confirmed_bits & (1 << n) != 0).collect();
+        let d = desired(&assigned.iter().copied().collect::<Vec<_>>(), &retain.iter().copied().collect::<Vec<_>>());
+        let s = state(&admitted, &confirmed);
+        let fl = ids(&in_flight.iter().copied().collect::<Vec<_>>());
+        let p = plan(&LeavePolicy::REFERENCE, &d, &s, &fl, &none(), &Guard::default(), Instant::now());
+        for l in &p.leaves {
+            prop_assert!(!d.assigned.contains(l) && !d.retain.contains(l) && !fl.contains(l));
+            prop_assert!(s.admitted.contains(l));
+        }
+        for j in &p.joins {
+            prop_assert!(d.assigned.contains(j) && !d.retain.contains(j) && !s.confirmed.contains(j) && !fl.contains(j));
+        }
+        prop_assert!(p.state.confirmed.is_subset(&p.state.admitted));
+        prop_assert_eq!(&p.state.admitted, &s.admitted);
+    }
+}
