@@ -627,6 +627,14 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
     }
 
     #[test]
+    fn the_shipped_example_config_is_valid_and_all_defaults() {
+        let text = include_str!("../packaging/fleet-sidecar.toml");
+        let cfg = load(text).unwrap();
+        let defaults = load("mdma_url = \"https://mdma.example\"").unwrap();
+        assert_eq!(format!("{cfg:?}"), format!("{defaults:?}"));
+    }
+
+    #[test]
     fn the_token_never_shows_in_debug() {
         let cfg = load("mdma_url = \"https://m\"\nfleet_token = \"hunter2-token\"").unwrap();
         let debug = format!("{cfg:?}");

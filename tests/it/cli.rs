@@ -1,0 +1,185 @@
+//! The binary as an operator runs it: exit codes, messages, signals, secrets in output.
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX};
+
+use crate::common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
+
+fn run(args: &[&str]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+#[test]
+fn version_and_help() {
+    let out = run(&["--version"]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains(env!("CARGO_PKG_VERSION")));
+    let out = run(&["--help"]);
+    let help = String::from_utf8_lossy(&out.stdout);
+    for word in ["run", "once", "mrtd", "--config"] {
+        assert!(help.contains(word), "{help}");
+    }
+}
+
+#[test]
+fn a_missing_mdma_url_exits_78_with_a_clear_message() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(&cfg, "poll_interval = \"1s\"\n").unwrap();
+    let out = run(&["--config", cfg.to_str().unwrap(), "run"]);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("mdma_url is not set"));
+    std::fs::write(&cfg, "mdma_url = \"http://mdma.example\"\n").unwrap();
+    let out = run(&["--config", cfg.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("https"));
+    let out = run(&["--config", "/nonexistent/fleet-sidecar.toml", "once"]);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("/nonexistent/fleet-sidecar.toml"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_exits_0_on_success_and_3_on_a_failed_poll() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let cfg = sb.write_config("").unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let out =
+        tokio::task::spawn_blocking(move || run(&["--config", cfg.to_str().unwrap(), "once"]))
+            .await
+            .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        load(&sb).confirmed.contains(&gid(A)),
+        "once ran the join to its end"
+    );
+
+    sb.mdma.set_reply(PollReply::Status(503));
+    let cfg = sb.write_config("").unwrap();
+    let out =
+        tokio::task::spawn_blocking(move || run(&["--config", cfg.to_str().unwrap(), "once"]))
+            .await
+            .unwrap();
+    assert_eq!(out.status.code(), Some(3));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("HTTP 503"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    for signal in [Signal::SIGTERM, Signal::SIGINT] {
+        let sb = Sandbox::start(Some("tok-never-printed-42")).await.unwrap();
+        let cfg = sb.write_config("").unwrap();
+        sb.mdma.set_reply(PollReply::assign([A]));
+        let mut child = Command::new(BIN)
+            .args(["--config", cfg.to_str().unwrap(), "run"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        eventually("A confirmed", Duration::from_secs(20), || {
+            load(&sb).confirmed.contains(&gid(A))
+        })
+        .await;
+        kill(Pid::from_raw(child.id() as i32), signal).unwrap();
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(15),
+                "{signal} did not stop the daemon"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert_eq!(status.code(), Some(0), "{signal}");
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("stopping"), "{stderr}");
+        assert!(load(&sb).confirmed.contains(&gid(A)));
+        // The token went to MDMA, and nowhere else.
+        assert!(sb
+            .mdma
+            .polls()
+            .iter()
+            .all(|p| p.token.as_deref() == Some("tok-never-printed-42")));
+        let log = std::fs::read_to_string(sb.log_file()).unwrap();
+        assert!(log.contains("confirmed to MDMA"), "{log}");
+        for text in [
+            &stderr[..],
+            &log[..],
+            &String::from_utf8_lossy(&out.stdout)[..],
+        ] {
+            assert!(
+                !text.contains("tok-never-printed-42"),
+                "token leaked: {text}"
+            );
+        }
+    }
+}
+
+fn tdreport_with(mrtd: &[u8; 48]) -> Vec<u8> {
+    let mut r = vec![0u8; 1024];
+    r[0] = 0x81;
+    r[528..576].copy_from_slice(mrtd);
+    r
+}
+
+#[test]
+fn mrtd_subcommand_reads_and_parses_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    let mrtd: [u8; 48] = core::array::from_fn(|i| i as u8);
+    let report = dir.path().join("tdreport.bin");
+    std::fs::write(&report, tdreport_with(&mrtd)).unwrap();
+    let out = run(&["mrtd", "--tdreport", report.to_str().unwrap()]);
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(MRTD_HEX));
+
+    let out = run(&["mrtd", "--quote", report.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1), "a TDREPORT is not a quote");
+
+    // The source chain from a config: sysfs attribute present.
+    let attr = dir.path().join("mrtd");
+    std::fs::write(&attr, mrtd).unwrap();
+    let cfg = dir.path().join("c.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "mdma_url = \"https://m\"\n[tdx]\nmrtd_path = \"{}\"\nlegacy_mrtd_path = \"{}/no\"\ndevice = \"{}/no\"\ntsm_report_dir = \"{}/no\"\n",
+            attr.display(),
+            dir.path().display(),
+            dir.path().display(),
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let out = run(&["--config", cfg.to_str().unwrap(), "mrtd"]);
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains(MRTD_HEX) && stdout.contains("sysfs"),
+        "{stdout}"
+    );
+
+    // No source works: each failure is listed, exit 1.
+    std::fs::remove_file(&attr).unwrap();
+    let out = run(&["--config", cfg.to_str().unwrap(), "mrtd"]);
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    for source in ["sysfs:", "sysfs-legacy:", "tdreport:", "quote:"] {
+        assert!(stderr.contains(source), "{stderr}");
+    }
+}

@@ -1,0 +1,88 @@
+//! Shared helpers: ids, a running daemon, waiting for a condition, seeding state.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use fleet_sidecar::daemon::{self, DaemonError};
+use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::ids::GroupId;
+use fleet_sidecar::state::{State, StateStore};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
+pub const B: &str = "abababababababababababababababababababababababababababababababab";
+pub const C: &str = "c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00";
+pub const D: &str = "d00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00d";
+
+/// Leave on the first withdrawing poll, no mass-withdrawal guard: the reference's rules,
+/// so a poll misread as "nothing assigned" would leave at once.
+pub const REFERENCE: &str = "leave_after_polls = 1\nmass_drop_min = 1000";
+
+pub fn gid(s: &str) -> GroupId {
+    s.parse().expect("test ids are valid")
+}
+
+pub fn set(ids: &[&str]) -> BTreeSet<GroupId> {
+    ids.iter().map(|s| gid(s)).collect()
+}
+
+pub fn strings(ids: &[&str]) -> BTreeSet<String> {
+    ids.iter().map(|s| s.to_string()).collect()
+}
+
+/// A daemon running in this process.
+pub struct Running {
+    shutdown: CancellationToken,
+    handle: JoinHandle<Result<(), DaemonError>>,
+}
+
+impl Running {
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        let r = tokio::time::timeout(Duration::from_secs(15), self.handle)
+            .await
+            .expect("the daemon stops within the shutdown grace");
+        r.expect("daemon task").expect("daemon result");
+    }
+}
+
+pub fn start(sb: &Sandbox, extra: &str) -> Running {
+    let cfg = sb.config(extra).expect("config");
+    let deps = sb.deps(&cfg).expect("deps");
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn(daemon::run(cfg, deps, shutdown.clone()));
+    Running { shutdown, handle }
+}
+
+/// Waits until `f` holds, polling every 50 ms; panics naming `what` after `limit`.
+pub async fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Writes a state document and returns its bytes.
+pub fn seed(sb: &Sandbox, admitted: &[&str], confirmed: &[&str]) -> Vec<u8> {
+    let state = State {
+        admitted: set(admitted),
+        confirmed: set(confirmed),
+        absent_polls: Default::default(),
+    };
+    StateStore::new(sb.state_file())
+        .save(&state)
+        .expect("seed state");
+    std::fs::read(sb.state_file()).expect("read seeded state")
+}
+
+pub fn load(sb: &Sandbox) -> State {
+    StateStore::new(sb.state_file())
+        .load()
+        .expect("state readable")
+        .unwrap_or_default()
+}

@@ -1,0 +1,11 @@
+//! Integration tests: the real loop, clients and binary against the loopback emulators
+//! (one test binary, modules by theme).
+
+mod cli;
+mod common;
+mod contract;
+mod heartbeat;
+mod paused;
+mod poll_gate;
+mod proto;
+mod reconcile_loop;

@@ -1,0 +1,254 @@
+//! Time-based rules under tokio's paused clock, with in-memory MDMA and merod: minutes of
+//! daemon time run in milliseconds, and no test sleeps for real.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use fleet_sidecar::config::Config;
+use fleet_sidecar::daemon::{self, Deps};
+use fleet_sidecar::ids::{GroupId, PeerId};
+use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError};
+use fleet_sidecar::merod::{Admission, MerodError, Node};
+use fleet_sidecar::mrtd::Mrtd;
+use fleet_sidecar::reconcile::Desired;
+use fleet_sidecar::state::{State, StateStore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+
+#[derive(Default)]
+struct World {
+    assigned: BTreeSet<GroupId>,
+    held: BTreeSet<GroupId>,
+    hang_joins: BTreeSet<GroupId>,
+    polls: Vec<Instant>,
+    joins: Vec<(GroupId, Instant)>,
+    leaves: Vec<(GroupId, Instant)>,
+}
+
+#[derive(Clone, Default)]
+struct Fake(Arc<Mutex<World>>);
+
+impl Fake {
+    fn with<R>(&self, f: impl FnOnce(&mut World) -> R) -> R {
+        f(&mut self.0.lock().unwrap())
+    }
+}
+
+#[async_trait]
+impl ControlPlane for Fake {
+    async fn should_join(&self, _: &PeerId, _: Option<&Mrtd>) -> Result<Desired, PollError> {
+        Ok(self.with(|w| {
+            w.polls.push(Instant::now());
+            Desired {
+                assigned: w.assigned.clone(),
+                retain: BTreeSet::new(),
+            }
+        }))
+    }
+    async fn confirm(&self, _: &PeerId, _: GroupId) -> Result<(), ConfirmError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Node for Fake {
+    async fn probe(&self) -> Result<(), MerodError> {
+        Ok(())
+    }
+    async fn fleet_join(&self, id: GroupId) -> Result<Admission, MerodError> {
+        let hang = self.with(|w| {
+            w.joins.push((id, Instant::now()));
+            w.hang_joins.contains(&id)
+        });
+        if hang {
+            std::future::pending::<()>().await;
+        }
+        self.with(|w| w.held.insert(id));
+        Ok(Admission {
+            admitted: true,
+            status: "joined".to_owned(),
+        })
+    }
+    async fn leave_namespace(&self, id: GroupId) -> Result<(), MerodError> {
+        self.with(|w| {
+            w.leaves.push((id, Instant::now()));
+            w.held.remove(&id);
+        });
+        Ok(())
+    }
+    async fn holds_namespace(&self, id: GroupId) -> Result<bool, MerodError> {
+        Ok(self.with(|w| w.held.contains(&id)))
+    }
+}
+
+struct Node0 {
+    dir: tempfile::TempDir,
+}
+
+impl Node0 {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let node = dir.path().join("calimero/default");
+        std::fs::create_dir_all(&node).unwrap();
+        std::fs::write(
+            node.join("config.toml"),
+            format!(
+                "[identity]\npeer_id = \"{}\"\n",
+                fleet_sidecar::emulator::sandbox::PEER_ID
+            ),
+        )
+        .unwrap();
+        Self { dir }
+    }
+
+    fn config(&self, extra: &str) -> Config {
+        let d = self.dir.path().display();
+        let text = format!(
+            "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\n{extra}\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n"
+        );
+        Config::from_toml(&text, std::path::Path::new("test.toml")).unwrap()
+    }
+
+    fn seed(&self, held: &BTreeSet<GroupId>) {
+        let state = State {
+            admitted: held.clone(),
+            confirmed: held.clone(),
+            absent_polls: Default::default(),
+        };
+        StateStore::new(self.dir.path().join("state.json"))
+            .save(&state)
+            .unwrap();
+    }
+
+    fn state(&self) -> State {
+        StateStore::new(self.dir.path().join("state.json"))
+            .load()
+            .unwrap()
+            .unwrap_or_default()
+    }
+}
+
+fn ids(n: u8) -> BTreeSet<GroupId> {
+    (1..=n).map(|i| GroupId::from_bytes([i; 32])).collect()
+}
+
+fn run(fake: &Fake, cfg: Config) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let deps = Deps {
+        mdma: Arc::new(fake.clone()),
+        merod: Arc::new(fake.clone()),
+    };
+    let token = CancellationToken::new();
+    let t = token.clone();
+    let h = tokio::spawn(async move {
+        daemon::run(cfg, deps, t).await.unwrap();
+    });
+    (token, h)
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
+    let node = Node0::new();
+    let fake = Fake::default();
+    let a = gid(A);
+    fake.with(|w| {
+        w.assigned.insert(a);
+        w.hang_joins.insert(a);
+    });
+    let start = Instant::now();
+    let (stop, h) = run(&fake, node.config(""));
+    tokio::time::sleep(Duration::from_secs(200)).await;
+    stop.cancel();
+    h.await.unwrap();
+    fake.with(|w| {
+        let joins: Vec<Duration> = w.joins.iter().map(|(_, t)| *t - start).collect();
+        assert!(joins.len() >= 2, "{joins:?}");
+        let gap = joins[1] - joins[0];
+        assert!(
+            gap >= Duration::from_secs(90) && gap <= Duration::from_secs(95),
+            "retried after the 90 s deadline (+ backoff): {joins:?}"
+        );
+        // The heartbeat never stalled: one poll a second throughout.
+        assert!(w.polls.len() >= 198, "{} polls in 200 s", w.polls.len());
+        let worst = w.polls.windows(2).map(|p| p[1] - p[0]).max().unwrap();
+        assert!(worst <= Duration::from_millis(1001), "worst gap {worst:?}");
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_mass_drop_waits_the_full_default_hold_then_leaves_rate_limited() {
+    let node = Node0::new();
+    let fake = Fake::default();
+    let all = ids(25);
+    node.seed(&all);
+    let keep = GroupId::from_bytes([1; 32]);
+    fake.with(|w| {
+        w.held = all.clone();
+        w.assigned = [keep].into();
+    });
+    let start = Instant::now();
+    let (stop, h) = run(&fake, node.config(""));
+    tokio::time::sleep(Duration::from_secs(599)).await;
+    assert!(
+        fake.with(|w| w.leaves.is_empty()),
+        "nothing left during the 10 min hold"
+    );
+    tokio::time::sleep(Duration::from_secs(200)).await;
+    stop.cancel();
+    h.await.unwrap();
+    fake.with(|w| {
+        assert_eq!(
+            w.leaves.len(),
+            24,
+            "the withdrawal persisted: every one left"
+        );
+        let at: Vec<u64> = w
+            .leaves
+            .iter()
+            .map(|(_, t)| (*t - start).as_secs())
+            .collect();
+        assert!(at.iter().all(|s| *s >= 600), "{at:?}");
+        for window in 600..800 {
+            let n = at
+                .iter()
+                .filter(|s| **s >= window && **s < window + 60)
+                .count();
+            assert!(
+                n <= 10,
+                "at most 10 leaves a minute, {n} from {window}s: {at:?}"
+            );
+        }
+    });
+    assert_eq!(node.state().admitted, [keep].into());
+}
+
+#[tokio::test(start_paused = true)]
+async fn absence_counts_survive_a_restart() {
+    let node = Node0::new();
+    let fake = Fake::default();
+    let (a, b) = (gid(A), gid(B));
+    node.seed(&[a, b].into());
+    fake.with(|w| {
+        w.held = [a, b].into();
+        w.assigned = [a].into();
+    });
+    let (stop, h) = run(&fake, node.config("leave_after_polls = 3"));
+    tokio::time::sleep(Duration::from_millis(1500)).await; // polls at 0 s and 1 s
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(node.state().absent_polls.get(&b), Some(&2));
+    assert!(fake.with(|w| w.leaves.is_empty()));
+    let (stop, h) = run(&fake, node.config("leave_after_polls = 3"));
+    tokio::time::sleep(Duration::from_millis(500)).await; // the third poll
+    stop.cancel();
+    h.await.unwrap();
+    assert_eq!(
+        fake.with(|w| w.leaves.len()),
+        1,
+        "left on the third poll overall"
+    );
+    assert!(!node.state().admitted.contains(&b));
+}

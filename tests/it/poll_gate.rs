@@ -1,0 +1,130 @@
+//! The safety gate: a failed poll of any kind joins nothing, leaves nothing, and leaves the
+//! state file byte-identical — even with the reference's leave-at-once rules.
+
+use std::os::unix::fs::MetadataExt;
+use std::time::Duration;
+
+use fleet_sidecar::daemon::{self, CycleOutcome};
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::sandbox::Sandbox;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+
+async fn failed_poll_changes_nothing(kind: &str, reply: Option<PollReply>) {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.hold(A);
+    sb.merod.hold(B);
+    let before = seed(&sb, &[A, B], &[A, B]);
+    let inode = std::fs::metadata(sb.state_file()).unwrap().ino();
+    let cfg = sb.config(REFERENCE).unwrap();
+    match reply {
+        Some(r) => sb.mdma.set_reply(r),
+        None => sb.mdma.shutdown(), // connection refused
+    }
+    let deps = sb.deps(&cfg).unwrap();
+    let outcome = daemon::once(cfg, deps, CancellationToken::new())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        matches!(outcome, CycleOutcome::PollFailed(_)),
+        "{kind}: {outcome:?}"
+    );
+    assert_eq!(
+        sb.merod.leaves(A) + sb.merod.leaves(B),
+        0,
+        "{kind}: left after a failed poll"
+    );
+    assert_eq!(
+        sb.merod.joins(A) + sb.merod.joins(B),
+        0,
+        "{kind}: joined after a failed poll"
+    );
+    assert_eq!(
+        std::fs::read(sb.state_file()).unwrap(),
+        before,
+        "{kind}: state changed"
+    );
+    assert_eq!(
+        std::fs::metadata(sb.state_file()).unwrap().ino(),
+        inode,
+        "{kind}: rewritten"
+    );
+    assert_eq!(sb.merod.held(), strings(&[A, B]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_refused() {
+    failed_poll_changes_nothing("connection refused", None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn timeout() {
+    failed_poll_changes_nothing("timeout", Some(PollReply::Hang)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_500() {
+    failed_poll_changes_nothing("500", Some(PollReply::Status(500))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn other_statuses() {
+    for status in [204, 301, 401, 404, 503] {
+        failed_poll_changes_nothing(&format!("{status}"), Some(PollReply::Status(status))).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_with_non_json() {
+    failed_poll_changes_nothing(
+        "200 non-JSON",
+        Some(PollReply::RawBody("<html>oops</html>".to_owned())),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_without_assignments() {
+    for body in ["{}", "{\"assignment\":[]}", "{\"assignments\":null}", "[]"] {
+        failed_poll_changes_nothing(body, Some(PollReply::RawBody(body.to_owned()))).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ok_with_one_malformed_id() {
+    let body = format!(
+        "{{\"assignments\":[{{\"group_id\":\"{A}\"}},{{\"group_id\":\"{}\"}}]}}",
+        &B[..63]
+    );
+    failed_poll_changes_nothing("one malformed id", Some(PollReply::RawBody(body))).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_withdrawal_after_an_outage_is_still_left() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.hold(A);
+    sb.merod.hold(B);
+    seed(&sb, &[A, B], &[A, B]);
+    sb.mdma.queue_replies([
+        PollReply::Status(500),
+        PollReply::RawBody("nope".to_owned()),
+        PollReply::Status(503),
+    ]);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, REFERENCE);
+    assert!(sb.mdma.wait_for_polls(3, Duration::from_secs(10)).await);
+    assert_eq!(sb.merod.leaves(B), 0, "nothing left during the outage");
+    eventually("B left", Duration::from_secs(10), || {
+        !sb.merod.held().contains(B)
+    })
+    .await;
+    eventually("state records B gone", Duration::from_secs(5), || {
+        !load(&sb).admitted.contains(&gid(B))
+    })
+    .await;
+    d.stop().await;
+    assert_eq!(sb.merod.held(), strings(&[A]));
+    assert_eq!(load(&sb).confirmed, set(&[A]));
+}

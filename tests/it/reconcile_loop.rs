@@ -1,0 +1,277 @@
+//! The loop's retry and recovery rules over HTTP against the emulators.
+
+use std::time::Duration;
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
+
+use crate::common::*;
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn joins_confirms_and_records_both() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    let d = start(&sb, "");
+    eventually("both confirmed", LIMIT, || {
+        load(&sb).confirmed == set(&[A, B])
+    })
+    .await;
+    d.stop().await;
+    assert_eq!(sb.mdma.confirmed(), strings(&[A, B]));
+    let poll = &sb.mdma.polls()[0];
+    assert_eq!(poll.peer_id.as_deref(), Some(PEER_ID));
+    assert_eq!(poll.mrtd.as_deref(), Some(MRTD_HEX));
+    // fleet-join went out as merod wants it: camelCase body, JSON content type.
+    let join = sb
+        .merod
+        .calls()
+        .into_iter()
+        .find(|c| c.path == "/admin-api/tee/fleet-join")
+        .unwrap();
+    assert!(join.body.contains("\"groupId\""), "{}", join.body);
+    assert_eq!(join.status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_confirm_is_retried_then_confirmed() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.fail_next_confirms(A, 2);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("A admitted", LIMIT, || load(&sb).admitted.contains(&gid(A))).await;
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+    let confirms: Vec<u16> = sb.mdma.confirms().iter().map(|c| c.status).collect();
+    assert_eq!(confirms, vec![503, 503, 200]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admitted_false_is_retried() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::RefuseThenAdmit {
+            refusals: 2,
+            delay: Duration::from_millis(100),
+        },
+    );
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+    assert_eq!(sb.merod.joins(A), 3);
+    assert_eq!(sb.mdma.confirms().len(), 1, "confirmed only once admitted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_join_error_is_retried_and_never_confirmed() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::Error {
+            status: 500,
+            message: "Failed to generate attestation".to_owned(),
+        },
+    );
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("two join attempts", LIMIT, || sb.merod.joins(A) >= 2).await;
+    assert!(sb.mdma.confirms().is_empty());
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::Admit {
+            delay: Duration::ZERO,
+        },
+    );
+    eventually("A confirmed", Duration::from_secs(70), || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admitted_true_without_membership_is_not_recorded() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::AdmitWithoutHolding {
+            delay: Duration::ZERO,
+        },
+    );
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("a join attempt", LIMIT, || sb.merod.joins(A) >= 1).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    d.stop().await;
+    let s = load(&sb);
+    assert!(!s.admitted.contains(&gid(A)) && !s.confirmed.contains(&gid(A)));
+    assert!(sb.mdma.confirms().is_empty(), "never confirmed to MDMA");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_re_added_namespace_is_joined_again() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, REFERENCE);
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    eventually("A left", LIMIT, || !sb.merod.held().contains(A)).await;
+    eventually("A forgotten", LIMIT, || load(&sb).admitted.is_empty()).await;
+    sb.mdma.set_reply(PollReply::assign([A]));
+    eventually("A confirmed again", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+    assert_eq!(sb.merod.joins(A), 2);
+    assert_eq!(
+        sb.mdma
+            .confirms()
+            .iter()
+            .filter(|c| c.status == 200)
+            .count(),
+        2
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_from_the_state_file() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    let d = start(&sb, REFERENCE);
+    eventually("both confirmed", LIMIT, || {
+        load(&sb).confirmed == set(&[A, B])
+    })
+    .await;
+    d.stop().await;
+    let polls = sb.mdma.polls().len();
+    // A new process: nothing is joined again; a withdrawal is still honoured.
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, REFERENCE);
+    eventually("B left", LIMIT, || !sb.merod.held().contains(B)).await;
+    assert!(sb.mdma.polls().len() > polls);
+    d.stop().await;
+    assert_eq!(
+        sb.merod.joins(A),
+        1,
+        "confirmed before the restart: not joined again"
+    );
+    assert_eq!(load(&sb).confirmed, set(&[A]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_token_header_is_sent_exactly_when_configured() {
+    let with = Sandbox::start(Some("fleet-token-123")).await.unwrap();
+    with.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&with, "");
+    eventually("A confirmed", LIMIT, || with.mdma.confirmed().contains(A)).await;
+    d.stop().await;
+    assert!(with
+        .mdma
+        .polls()
+        .iter()
+        .all(|p| p.token.as_deref() == Some("fleet-token-123")));
+    assert!(with.mdma.polls().iter().all(|p| p.status == 200));
+    assert!(with
+        .mdma
+        .confirms()
+        .iter()
+        .all(|c| c.token.as_deref() == Some("fleet-token-123")));
+
+    let without = Sandbox::start(None).await.unwrap();
+    without.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&without, "");
+    eventually("A confirmed", LIMIT, || {
+        without.mdma.confirmed().contains(A)
+    })
+    .await;
+    d.stop().await;
+    assert!(without.mdma.polls().iter().all(|p| p.token.is_none()));
+    assert!(without.mdma.confirms().iter().all(|c| c.token.is_none()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_that_merod_refuses_because_nothing_is_held_counts_as_left() {
+    // State says A is held, merod does not hold it (left by hand): leave answers 500,
+    // the membership check says 404, the namespace counts as left.
+    let sb = Sandbox::start(None).await.unwrap();
+    seed(&sb, &[A], &[A]);
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    let d = start(&sb, REFERENCE);
+    eventually("A forgotten", LIMIT, || load(&sb).admitted.is_empty()).await;
+    d.stop().await;
+    let leave = sb
+        .merod
+        .calls()
+        .into_iter()
+        .find(|c| c.path.ends_with("/leave"))
+        .unwrap();
+    assert_eq!(leave.status, 500);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_leave_stays_a_candidate_and_is_retried() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.hold(A);
+    seed(&sb, &[A], &[A]);
+    sb.merod.set_leave(A, LeaveBehaviour::Error { status: 500 });
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    let d = start(&sb, REFERENCE);
+    eventually("two leave attempts", LIMIT, || sb.merod.leaves(A) >= 2).await;
+    assert!(
+        load(&sb).admitted.contains(&gid(A)),
+        "still held: still tracked"
+    );
+    sb.merod.set_leave(
+        A,
+        LeaveBehaviour::Normal {
+            delay: Duration::ZERO,
+        },
+    );
+    eventually("A left", LIMIT, || !sb.merod.held().contains(A)).await;
+    eventually("A forgotten", LIMIT, || load(&sb).admitted.is_empty()).await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_waits_for_merod_before_polling() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_ready(false);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(sb.mdma.polls().is_empty(), "no poll before merod answers");
+    sb.merod.set_ready(true);
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreadable_mrtd_polls_with_the_peer_id_only() {
+    let sb = Sandbox::start(None).await.unwrap();
+    std::fs::remove_file(sb.dir().join("mrtd-sha384")).unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    assert!(sb.mdma.wait_for_polls(2, LIMIT).await);
+    d.stop().await;
+    let polls = sb.mdma.polls();
+    assert!(polls
+        .iter()
+        .all(|p| p.mrtd.is_none() && p.peer_id.as_deref() == Some(PEER_ID)));
+}
