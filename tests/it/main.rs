@@ -5,6 +5,7 @@ mod cli;
 mod common;
 mod contract;
 mod heartbeat;
+mod history;
 mod paused;
 mod poll_gate;
 mod proto;

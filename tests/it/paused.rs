@@ -24,7 +24,7 @@ struct World {
     assigned: BTreeSet<GroupId>,
     held: BTreeSet<GroupId>,
     hang_joins: BTreeSet<GroupId>,
-    polls: Vec<Instant>,
+    polls: Vec<(Instant, Option<String>)>,
     joins: Vec<(GroupId, Instant)>,
     leaves: Vec<(GroupId, Instant)>,
 }
@@ -40,9 +40,9 @@ impl Fake {
 
 #[async_trait]
 impl ControlPlane for Fake {
-    async fn should_join(&self, _: &PeerId, _: Option<&Mrtd>) -> Result<Desired, PollError> {
+    async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<Desired, PollError> {
         Ok(self.with(|w| {
-            w.polls.push(Instant::now());
+            w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
             Desired {
                 assigned: w.assigned.clone(),
                 retain: BTreeSet::new(),
@@ -173,7 +173,7 @@ async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
         );
         // The heartbeat never stalled: one poll a second throughout.
         assert!(w.polls.len() >= 198, "{} polls in 200 s", w.polls.len());
-        let worst = w.polls.windows(2).map(|p| p[1] - p[0]).max().unwrap();
+        let worst = w.polls.windows(2).map(|p| p[1].0 - p[0].0).max().unwrap();
         assert!(worst <= Duration::from_millis(1001), "worst gap {worst:?}");
     });
 }
@@ -251,4 +251,38 @@ async fn absence_counts_survive_a_restart() {
         "left on the third poll overall"
     );
     assert!(!node.state().admitted.contains(&b));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_mrtd_that_appears_later_is_picked_up_within_minutes() {
+    let node = Node0::new();
+    let fake = Fake::default();
+    let start = Instant::now();
+    let (stop, h) = run(&fake, node.config(""));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    // A later module load makes the attribute appear.
+    std::fs::write(node.dir.path().join("none"), [7u8; 48]).unwrap();
+    tokio::time::sleep(Duration::from_secs(300)).await;
+    stop.cancel();
+    h.await.unwrap();
+    let want = "07".repeat(48);
+    fake.with(|w| {
+        let first = w
+            .polls
+            .iter()
+            .position(|(_, m)| m.as_deref() == Some(want.as_str()))
+            .expect("the MRTD reached a poll");
+        assert!(
+            w.polls[..first].iter().all(|(_, m)| m.is_none()),
+            "PeerId only before"
+        );
+        assert!(w.polls[first..]
+            .iter()
+            .all(|(_, m)| m.as_deref() == Some(want.as_str())));
+        let at = w.polls[first].0 - start;
+        assert!(
+            at <= Duration::from_secs(302),
+            "picked up by the 5-minute retry: {at:?}"
+        );
+    });
 }
