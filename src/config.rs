@@ -6,7 +6,7 @@
 //! config file itself: nothing here reads merod's files, sysfs, or the network.
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -59,6 +59,9 @@ pub struct RawConfig {
     pub mdma_url: Option<String>,
     /// Sent as `X-Fleet-Token` when set.
     pub fleet_token: Option<Secret>,
+    /// A file holding the fleet token (instead of `fleet_token`); must not be group- or
+    /// world-readable. Surrounding whitespace is trimmed.
+    pub fleet_token_file: Option<PathBuf>,
     /// A PEM file with extra trust roots for MDMA's TLS, added to the system roots.
     pub mdma_ca_file: Option<PathBuf>,
     /// Time between polls (humantime, e.g. "1s"). Default 1 s.
@@ -70,6 +73,18 @@ pub struct RawConfig {
     /// Log lines are appended here as well as written to stderr.
     #[serde(default = "defaults::log_file")]
     pub log_file: PathBuf,
+    /// `text` (default) or `json` log lines.
+    #[serde(default)]
+    pub log_format: LogFormat,
+    /// `host:port` of the status listener (`/healthz`, `/readyz`, `/metrics`, `/status`);
+    /// off when unset.
+    pub status_listen: Option<String>,
+    /// `/readyz` is ready only if a poll succeeded within this (default 30 s).
+    #[serde(default = "defaults::ready_max_poll_age", with = "humantime_serde")]
+    pub ready_max_poll_age: Duration,
+    /// Longest wait between polls while they fail (jittered exponential backoff; default 10 s).
+    #[serde(default = "defaults::max_backoff", with = "humantime_serde")]
+    pub max_backoff: Duration,
     /// Polls a namespace must be absent from before it is left (default 3; 1 = the reference).
     #[serde(default = "defaults::leave_after_polls")]
     pub leave_after_polls: u32,
@@ -155,6 +170,23 @@ mod defaults {
     pub fn leave_timeout() -> Duration {
         Duration::from_secs(60)
     }
+    pub fn ready_max_poll_age() -> Duration {
+        Duration::from_secs(30)
+    }
+    pub fn max_backoff() -> Duration {
+        Duration::from_secs(10)
+    }
+}
+
+/// How log lines are written (`log_format`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// The validated configuration the daemon runs on.
@@ -172,6 +204,17 @@ pub struct Config {
     pub state_file: PathBuf,
     /// The log file lines are appended to.
     pub log_file: PathBuf,
+    /// Text or JSON log lines.
+    pub log_format: LogFormat,
+    /// Where the status listener binds, if on.
+    pub status_listen: Option<SocketAddr>,
+    /// Readiness needs a successful poll within this.
+    pub ready_max_poll_age: Duration,
+    /// Cap of the backoff between failed polls.
+    pub max_backoff: Duration,
+    /// Plan and log only: no merod call, no confirm, no state write (`--dry-run`; not a
+    /// config key).
+    pub dry_run: bool,
     /// When a withdrawn namespace may be left.
     pub leave_policy: LeavePolicy,
     /// Joins running at once (≥ 1).
@@ -347,6 +390,29 @@ impl RawConfig {
                 "is empty: leave the key out to send no token".to_owned(),
             ));
         }
+        let fleet_token = match (self.fleet_token, &self.fleet_token_file) {
+            (Some(_), Some(file)) => {
+                return Err(invalid(
+                    "fleet_token_file",
+                    file.display().to_string(),
+                    "set together with fleet_token: keep one".to_owned(),
+                ))
+            }
+            (token, None) => token,
+            (None, Some(file)) => Some(read_token_file(file).map_err(|reason| {
+                invalid("fleet_token_file", file.display().to_string(), reason)
+            })?),
+        };
+        let status_listen = match &self.status_listen {
+            None => None,
+            Some(raw) => Some(raw.parse::<SocketAddr>().map_err(|e| {
+                invalid(
+                    "status_listen",
+                    raw.clone(),
+                    format!("{e} (expected host:port, e.g. 127.0.0.1:9464)"),
+                )
+            })?),
+        };
 
         let admin_url = match self.merod.admin_url {
             None => None,
@@ -385,6 +451,8 @@ impl RawConfig {
         let poll_interval = nonzero("poll_interval", self.poll_interval)?;
         let join_timeout = nonzero("join_timeout", self.join_timeout)?;
         let leave_timeout = nonzero("leave_timeout", self.leave_timeout)?;
+        let ready_max_poll_age = nonzero("ready_max_poll_age", self.ready_max_poll_age)?;
+        let max_backoff = nonzero("max_backoff", self.max_backoff)?;
         if self.leave_after_polls == 0 {
             return Err(invalid(
                 "leave_after_polls",
@@ -423,11 +491,16 @@ impl RawConfig {
 
         Ok(Config {
             mdma_url,
-            fleet_token: self.fleet_token,
+            fleet_token,
             mdma_ca_file: self.mdma_ca_file,
             poll_interval,
             state_file: self.state_file,
             log_file: self.log_file,
+            log_format: self.log_format,
+            status_listen,
+            ready_max_poll_age,
+            max_backoff,
+            dry_run: false,
             leave_policy: LeavePolicy {
                 leave_after_polls: self.leave_after_polls,
                 mass_drop_min: self.mass_drop_min,
@@ -446,6 +519,29 @@ impl RawConfig {
             warnings,
         })
     }
+}
+
+/// Reads the token file: it must be a regular file that neither group nor others may read
+/// (mode `0600` or stricter) and hold a non-empty token; surrounding whitespace is trimmed.
+/// Errors: a one-line reason (never the token).
+fn read_token_file(path: &Path) -> Result<Secret, String> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    if !meta.is_file() {
+        return Err("is not a regular file".to_owned());
+    }
+    let mode = meta.permissions().mode() & 0o777;
+    if mode & 0o077 != 0 {
+        return Err(format!(
+            "is readable by group or others (mode {mode:04o}): chmod 600 it"
+        ));
+    }
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err("is empty".to_owned());
+    }
+    Ok(Secret::new(token))
 }
 
 /// Parses a base URL and makes sure its path ends in `/`, so joining `api/fleet/...` keeps
@@ -632,6 +728,61 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         let cfg = load(text).unwrap();
         let defaults = load("mdma_url = \"https://mdma.example\"").unwrap();
         assert_eq!(format!("{cfg:?}"), format!("{defaults:?}"));
+    }
+
+    #[test]
+    fn the_token_can_come_from_a_private_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "file-token-xyz\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let text = format!(
+            "mdma_url = \"https://m\"\nfleet_token_file = \"{}\"",
+            file.display()
+        );
+        let cfg = load(&text).unwrap();
+        assert_eq!(cfg.fleet_token.unwrap().expose(), "file-token-xyz");
+
+        for mode in [0o640, 0o604, 0o644] {
+            std::fs::set_permissions(&file, std::fs::Permissions::from_mode(mode)).unwrap();
+            let err = load(&text).unwrap_err().to_string();
+            assert!(
+                err.contains("fleet_token_file") && err.contains("group or others"),
+                "{err}"
+            );
+            assert!(!err.contains("file-token-xyz"), "{err}");
+        }
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let both = format!("{text}\nfleet_token = \"inline\"");
+        assert!(load(&both).unwrap_err().to_string().contains("keep one"));
+        std::fs::write(&file, " \n").unwrap();
+        assert!(load(&text).unwrap_err().to_string().contains("is empty"));
+        let missing = "mdma_url = \"https://m\"\nfleet_token_file = \"/nonexistent/token\"";
+        assert!(load(missing)
+            .unwrap_err()
+            .to_string()
+            .contains("/nonexistent/token"));
+    }
+
+    #[test]
+    fn operability_keys() {
+        let cfg = load(
+            "mdma_url = \"https://m\"\nstatus_listen = \"127.0.0.1:9464\"\nlog_format = \"json\"\nmax_backoff = \"20s\"\nready_max_poll_age = \"1m\"",
+        )
+        .unwrap();
+        assert_eq!(cfg.status_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!(cfg.log_format, LogFormat::Json);
+        assert_eq!(cfg.max_backoff, Duration::from_secs(20));
+        assert_eq!(cfg.ready_max_poll_age, Duration::from_secs(60));
+        let d = load("mdma_url = \"https://m\"").unwrap();
+        assert_eq!((d.status_listen, d.log_format), (None, LogFormat::Text));
+        assert_eq!(d.max_backoff, Duration::from_secs(10));
+        assert!(!d.dry_run);
+        let err = load("mdma_url = \"https://m\"\nstatus_listen = \"localhost\"").unwrap_err();
+        assert!(err.to_string().contains("status_listen"), "{err}");
+        let err = load("mdma_url = \"https://m\"\nlog_format = \"xml\"").unwrap_err();
+        assert!(err.to_string().contains("log_format"), "{err}");
     }
 
     #[test]

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::JoinSet;
-use tokio::time::{timeout, Instant, MissedTickBehavior};
+use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, info_span, warn, Instrument};
 
@@ -28,8 +28,9 @@ use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane, PollError, MDMA_TIMEOUT};
 use crate::merod::Node;
 use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable};
-use crate::reconcile::{self, Desired, Guard, LeaveWait, MassDropEvent, Outcome};
+use crate::reconcile::{self, Desired, Guard, LeaveWait, MassDrop, MassDropEvent, Outcome};
 use crate::state::{State, StateError, StateStore};
+use crate::telemetry::{unix_now, Phase, Telemetry};
 
 /// Bound of one readiness probe of merod.
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -41,6 +42,8 @@ pub const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 /// How often an unreadable MRTD is tried again (a later module load can make it appear).
 pub const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
+/// Bound of one MRTD read (sysfs, ioctl with its short retries, configfs-tsm quote).
+pub const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// First wait before retrying a join that failed with an error (doubles, up to the cap).
 pub const JOIN_RETRY_MIN: Duration = Duration::from_secs(2);
 /// Longest wait before retrying a failing join.
@@ -50,13 +53,47 @@ pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// A poll failing the same way is logged again after this many repeats.
 pub const REPEAT_LOG_EVERY: u64 = 60;
 
-/// The outside world the loop drives.
+/// The outside world the loop drives, and where it reports.
 #[derive(Clone)]
 pub struct Deps {
     /// MDMA.
     pub mdma: Arc<dyn ControlPlane>,
     /// merod.
     pub merod: Arc<dyn Node>,
+    /// Metrics and live status (read by the status listener and the systemd notifier).
+    pub telemetry: Arc<Telemetry>,
+}
+
+impl Deps {
+    /// MDMA and merod with a fresh [`Telemetry`].
+    pub fn new(mdma: Arc<dyn ControlPlane>, merod: Arc<dyn Node>) -> Self {
+        Self {
+            mdma,
+            merod,
+            telemetry: Arc::new(Telemetry::new()),
+        }
+    }
+}
+
+/// The wait before the next poll. After a successful poll: `interval`. After `failures`
+/// failed polls in a row: a jittered exponential backoff, so a fleet recovering from an
+/// MDMA outage does not poll in lockstep: `base = min(max_backoff, interval · 2^failures)`,
+/// wait `base · (1 + jitter) / 2` for `jitter` in `[0, 1)` — never below `interval`.
+pub fn next_poll_delay(
+    interval: Duration,
+    max_backoff: Duration,
+    failures: u64,
+    jitter: f64,
+) -> Duration {
+    if failures == 0 {
+        return interval;
+    }
+    let factor = 2u32.saturating_pow(u32::try_from(failures).unwrap_or(u32::MAX));
+    let base = interval
+        .saturating_mul(factor)
+        .min(max_backoff.max(interval));
+    base.mul_f64((1.0 + jitter.clamp(0.0, 1.0)) / 2.0)
+        .max(interval)
 }
 
 /// Why the daemon stopped with an error (exit non-zero).
@@ -167,7 +204,9 @@ pub struct Sidecar {
     store: StateStore,
     state: State,
     guard: Guard,
-    in_flight: BTreeSet<GroupId>,
+    joining: BTreeSet<GroupId>,
+    leaving: BTreeSet<GroupId>,
+    desired: Desired,
     join_retry: BTreeMap<GroupId, (Instant, Duration)>,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, GroupId>,
@@ -209,8 +248,12 @@ pub async fn once(
 }
 
 /// Probes merod every [`PROBE_INTERVAL`] until it answers; logs one line per change of
-/// what it sees. `false` if shut down first.
-pub async fn wait_for_merod(merod: &dyn Node, shutdown: &CancellationToken) -> bool {
+/// what it sees, and reports each probe as a heartbeat. `false` if shut down first.
+pub async fn wait_for_merod(
+    merod: &dyn Node,
+    telemetry: &Telemetry,
+    shutdown: &CancellationToken,
+) -> bool {
     let mut last: Option<String> = None;
     loop {
         let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
@@ -221,6 +264,11 @@ pub async fn wait_for_merod(merod: &dyn Node, shutdown: &CancellationToken) -> b
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
         };
+        telemetry.update(|st| {
+            st.phase = Phase::WaitingForMerod;
+            st.heartbeats += 1;
+            st.waiting_for = Some(reason.clone());
+        });
         if last.as_deref() != Some(reason.as_str()) {
             info!("waiting for merod: {reason}");
             last = Some(reason);
@@ -232,13 +280,21 @@ pub async fn wait_for_merod(merod: &dyn Node, shutdown: &CancellationToken) -> b
     }
 }
 
-/// Reads the MRTD on the blocking pool (file reads, ioctl). Errors: every source's
-/// failure, as text.
+/// Reads the MRTD on the blocking pool (file reads, ioctl), bounded by
+/// [`MRTD_READ_TIMEOUT`]. Errors: every source's failure, as text.
 async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, String> {
     let tdx = cfg.tdx.clone();
-    match tokio::task::spawn_blocking(move || read_mrtd(&tdx)).await {
-        Ok(result) => result.map_err(|e: MrtdUnavailable| e.to_string()),
-        Err(e) => Err(format!("the MRTD reader stopped: {e}")),
+    match timeout(
+        MRTD_READ_TIMEOUT,
+        tokio::task::spawn_blocking(move || read_mrtd(&tdx)),
+    )
+    .await
+    {
+        Ok(Ok(result)) => result.map_err(|e: MrtdUnavailable| e.to_string()),
+        Ok(Err(e)) => Err(format!("the MRTD reader stopped: {e}")),
+        Err(_) => Err(format!(
+            "no MRTD source answered within {MRTD_READ_TIMEOUT:?}"
+        )),
     }
 }
 
@@ -269,7 +325,11 @@ impl Sidecar {
             }
         };
 
-        if !wait_for_merod(deps.merod.as_ref(), &shutdown).await {
+        let telemetry = Arc::clone(&deps.telemetry);
+        telemetry.update(|st| st.dry_run = cfg.dry_run);
+        if cfg.dry_run {
+            warn!("dry run: polling and logging plans only; merod is not called, nothing is confirmed, the state file is not written");
+        } else if !wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown).await {
             return Ok(None);
         }
 
@@ -284,9 +344,12 @@ impl Sidecar {
         };
         info!(peer_id = %peer_id, "identity read");
 
+        let mut mrtd_source = None;
         let mrtd = match read_mrtd_blocking(&cfg).await {
             Ok(r) => {
                 info!(mrtd = %r.mrtd, source = %r.source, "MRTD read");
+                telemetry.set_mrtd_source(Some(r.source.as_str()));
+                mrtd_source = Some(r.source.to_string());
                 MrtdSlot {
                     value: Some(r.mrtd),
                     next_try: None,
@@ -296,6 +359,7 @@ impl Sidecar {
                 error!(
                     "cannot read the MRTD ({e}); polling with the PeerId only: MDMA assigns no MRTD-gated namespace; retrying every {MRTD_RETRY_INTERVAL:?}"
                 );
+                telemetry.set_mrtd_source(None);
                 MrtdSlot {
                     value: None,
                     next_try: Some(Instant::now() + MRTD_RETRY_INTERVAL),
@@ -303,8 +367,15 @@ impl Sidecar {
             }
         };
 
+        telemetry.update(|st| {
+            st.phase = Phase::Running;
+            st.peer_id = Some(peer_id.to_string());
+            st.mrtd = mrtd.value.map(|m| m.to_hex());
+            st.mrtd_source = mrtd_source;
+            st.waiting_for = None;
+        });
         let (events_tx, events_rx) = mpsc::unbounded_channel();
-        Ok(Some(Self {
+        let sidecar = Self {
             join_permits: Arc::new(Semaphore::new(cfg.max_concurrent_joins)),
             cfg,
             deps,
@@ -314,7 +385,9 @@ impl Sidecar {
             store,
             state,
             guard: Guard::default(),
-            in_flight: BTreeSet::new(),
+            joining: BTreeSet::new(),
+            leaving: BTreeSet::new(),
+            desired: Desired::default(),
             join_retry: BTreeMap::new(),
             tasks: JoinSet::new(),
             task_ids: HashMap::new(),
@@ -322,7 +395,9 @@ impl Sidecar {
             events_rx,
             failures: FailureStreak::default(),
             waiting: BTreeMap::new(),
-        }))
+        };
+        sidecar.publish();
+        Ok(Some(sidecar))
     }
 
     /// The node's PeerId.
@@ -335,12 +410,12 @@ impl Sidecar {
         &self.state
     }
 
-    /// Reconciles every `poll_interval` until shutdown, then lets running tasks finish for
-    /// up to [`SHUTDOWN_GRACE`] and persists.
+    /// Reconciles every `poll_interval` (backing off while polls fail, see
+    /// [`next_poll_delay`]) until shutdown, then lets running tasks finish for up to
+    /// [`SHUTDOWN_GRACE`] and persists.
     pub async fn run_loop(&mut self) {
-        let mut ticker = tokio::time::interval(self.cfg.poll_interval);
-        ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
         let shutdown = self.shutdown.clone();
+        let mut next_poll = Instant::now();
         loop {
             tokio::select! {
                 biased;
@@ -349,15 +424,24 @@ impl Sidecar {
                 Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
                     self.on_task_done(done);
                 }
-                _ = ticker.tick() => {
+                () = tokio::time::sleep_until(next_poll) => {
+                    let started = Instant::now();
                     tokio::select! {
                         _ = self.cycle() => {}
                         () = shutdown.cancelled() => break,
                     }
+                    next_poll = started
+                        + next_poll_delay(
+                            self.cfg.poll_interval,
+                            self.cfg.max_backoff,
+                            self.failures.count,
+                            fastrand::f64(),
+                        );
                 }
             }
         }
         info!("shutting down");
+        self.deps.telemetry.update(|st| st.phase = Phase::Stopping);
         self.drain(Some(SHUTDOWN_GRACE)).await;
     }
 
@@ -391,6 +475,8 @@ impl Sidecar {
     /// One cycle: poll; on success plan and start the joins and leaves, prune, persist.
     pub async fn cycle(&mut self) -> CycleOutcome {
         self.retry_mrtd_if_due().await;
+        let telemetry = Arc::clone(&self.deps.telemetry);
+        let started = Instant::now();
         let polled = match timeout(
             MDMA_TIMEOUT + Duration::from_secs(1),
             self.deps
@@ -405,27 +491,88 @@ impl Sidecar {
                 timeout: MDMA_TIMEOUT + Duration::from_secs(1),
             }),
         };
+        telemetry.observe("should_join", started.elapsed());
+        let now = unix_now();
         match polled {
             Err(e) => {
                 self.failures.fail(&e);
+                Telemetry::count(&telemetry.polls, e.kind());
+                let failures = self.failures.count;
+                telemetry.update(|st| {
+                    st.heartbeats += 1;
+                    st.last_poll_at = Some(now);
+                    st.last_poll_error = Some(e.to_string());
+                    st.consecutive_failures = failures;
+                });
                 CycleOutcome::PollFailed(e)
             }
             Ok(desired) => {
                 self.failures.succeed();
-                self.reconcile(&desired)
+                Telemetry::count(&telemetry.polls, "ok");
+                telemetry.last_ok_poll.set(now);
+                telemetry.update(|st| {
+                    st.heartbeats += 1;
+                    st.last_poll_at = Some(now);
+                    st.last_ok_poll_at = Some(now);
+                    st.last_poll_error = None;
+                    st.consecutive_failures = 0;
+                });
+                let outcome = self.reconcile(&desired);
+                self.desired = desired;
+                self.publish();
+                outcome
             }
         }
+    }
+
+    /// Copies the sets into the live status and the namespace gauges.
+    fn publish(&self) {
+        let t = &self.deps.telemetry;
+        for (set, n) in [
+            ("desired", self.desired.assigned.len()),
+            ("admitted", self.state.admitted.len()),
+            ("confirmed", self.state.confirmed.len()),
+            ("pending_leave", self.waiting.len()),
+        ] {
+            t.namespaces
+                .get_or_create(&crate::telemetry::SetLabel { set })
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+        let hold = self.cfg.leave_policy.mass_drop_hold;
+        t.update(|st| {
+            st.desired = self.desired.assigned.iter().copied().collect();
+            st.retain = self.desired.retain.iter().copied().collect();
+            st.admitted = self.state.admitted.iter().copied().collect();
+            st.confirmed = self.state.confirmed.iter().copied().collect();
+            st.joining = self.joining.iter().copied().collect();
+            st.leaving = self.leaving.iter().copied().collect();
+            st.pending_leaves = self
+                .waiting
+                .iter()
+                .map(|(id, w)| (*id, describe_wait(w)))
+                .collect();
+            st.mass_drop = match self.guard.mass_drop {
+                MassDrop::Idle => "idle".to_owned(),
+                MassDrop::Holding { since } => format!(
+                    "holding every leave ({:.0} s of {} s left)",
+                    hold.saturating_sub(since.elapsed()).as_secs_f64(),
+                    hold.as_secs()
+                ),
+                MassDrop::Released => "released".to_owned(),
+            };
+        });
     }
 
     fn reconcile(&mut self, desired: &Desired) -> CycleOutcome {
         let now = Instant::now();
         self.join_retry.retain(|_, (until, _)| *until > now);
         let backoff: BTreeSet<GroupId> = self.join_retry.keys().copied().collect();
+        let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
         let plan = reconcile::plan(
             &self.cfg.leave_policy,
             desired,
             &self.state,
-            &self.in_flight,
+            &in_flight,
             &backoff,
             &self.guard,
             now,
@@ -458,11 +605,20 @@ impl Sidecar {
             joins: plan.joins.len(),
             leaves: plan.leaves.len(),
         };
-        for id in plan.joins {
-            self.spawn_join(id);
-        }
-        for id in plan.leaves {
-            self.spawn_leave(id);
+        if self.cfg.dry_run {
+            for id in &plan.joins {
+                info!(group_id = %id, "dry run: would join (fleet-join, then confirm)");
+            }
+            for id in &plan.leaves {
+                warn!(group_id = %id, "dry run: would leave (withdrawn by MDMA)");
+            }
+        } else {
+            for id in plan.joins {
+                self.spawn_join(id);
+            }
+            for id in plan.leaves {
+                self.spawn_leave(id);
+            }
         }
         self.state = plan.state;
         self.guard = plan.guard;
@@ -471,6 +627,9 @@ impl Sidecar {
     }
 
     fn persist(&mut self) -> bool {
+        if self.cfg.dry_run {
+            return false;
+        }
         match self.store.save(&self.state) {
             Ok(_) => true,
             Err(e) => {
@@ -490,6 +649,11 @@ impl Sidecar {
         match read_mrtd_blocking(&self.cfg).await {
             Ok(r) => {
                 info!(mrtd = %r.mrtd, source = %r.source, "MRTD readable now: polls carry it from here on");
+                self.deps.telemetry.set_mrtd_source(Some(r.source.as_str()));
+                self.deps.telemetry.update(|st| {
+                    st.mrtd = Some(r.mrtd.to_hex());
+                    st.mrtd_source = Some(r.source.to_string());
+                });
                 self.mrtd = MrtdSlot {
                     value: Some(r.mrtd),
                     next_try: None,
@@ -506,7 +670,6 @@ impl Sidecar {
     where
         F: Future<Output = ()> + Send + 'static,
     {
-        self.in_flight.insert(id);
         let handle = self.tasks.spawn(fut);
         self.task_ids.insert(handle.id(), id);
     }
@@ -519,8 +682,15 @@ impl Sidecar {
         let permits = Arc::clone(&self.join_permits);
         let events = self.events_tx.clone();
         let join_timeout = self.cfg.join_timeout;
+        let telemetry = Arc::clone(&self.deps.telemetry);
+        self.joining.insert(id);
         let task = async move {
-            let end = join_task(id, merod, mdma, peer_id, permits, join_timeout, &events).await;
+            let calls = Calls {
+                merod,
+                mdma,
+                telemetry,
+            };
+            let end = join_task(id, &calls, peer_id, permits, join_timeout, &events).await;
             // The loop owns the receiver for the life of every task.
             let _ = events.send(Event::JoinEnded { id, end });
         };
@@ -532,8 +702,10 @@ impl Sidecar {
         let merod = Arc::clone(&self.deps.merod);
         let events = self.events_tx.clone();
         let leave_timeout = self.cfg.leave_timeout;
+        let telemetry = Arc::clone(&self.deps.telemetry);
+        self.leaving.insert(id);
         let task = async move {
-            let end = leave_task(id, merod, leave_timeout).await;
+            let end = leave_task(id, &merod, &telemetry, leave_timeout).await;
             let _ = events.send(Event::LeaveEnded { id, end });
         };
         self.spawn(id, task.instrument(info_span!("leave", group_id = %id)));
@@ -551,7 +723,9 @@ impl Sidecar {
             if e.is_panic() {
                 error!(group_id = %group, "join/leave task panicked; retried next cycle");
             }
-            self.in_flight.remove(&group);
+            self.joining.remove(&group);
+            self.leaving.remove(&group);
+            self.publish();
         }
     }
 
@@ -566,6 +740,7 @@ impl Sidecar {
     fn on_event(&mut self, event: Event) {
         match event {
             Event::Admitted { id, ack } => {
+                Telemetry::count(&self.deps.telemetry.joins, "admitted");
                 reconcile::apply(&mut self.state, Outcome::Admitted(id));
                 info!(group_id = %id, "admitted by merod and listed by it");
                 if self.persist() {
@@ -573,7 +748,16 @@ impl Sidecar {
                 }
             }
             Event::JoinEnded { id, end } => {
-                self.in_flight.remove(&id);
+                self.joining.remove(&id);
+                let t = &self.deps.telemetry;
+                match &end {
+                    JoinEnd::Confirmed => Telemetry::count(&t.confirms, "ok"),
+                    JoinEnd::ConfirmFailed(_) => Telemetry::count(&t.confirms, "error"),
+                    JoinEnd::NotAdmitted { .. } => Telemetry::count(&t.joins, "not_admitted"),
+                    JoinEnd::Failed(_) => Telemetry::count(&t.joins, "error"),
+                    JoinEnd::NotHeld => Telemetry::count(&t.joins, "not_held"),
+                    JoinEnd::NotPersisted => {}
+                }
                 match end {
                     JoinEnd::Confirmed => {
                         reconcile::apply(&mut self.state, Outcome::Confirmed(id));
@@ -603,26 +787,48 @@ impl Sidecar {
                 }
             }
             Event::LeaveEnded { id, end } => {
-                self.in_flight.remove(&id);
+                self.leaving.remove(&id);
                 match end {
                     LeaveEnd::Left => {
+                        Telemetry::count(&self.deps.telemetry.leaves, "left");
                         reconcile::apply(&mut self.state, Outcome::Left(id));
                         self.persist();
                         info!(group_id = %id, "left: merod no longer holds the namespace");
                     }
                     LeaveEnd::StillHeld(reason) => {
+                        Telemetry::count(&self.deps.telemetry.leaves, "failed");
                         warn!(group_id = %id, "leave not done ({reason}); stays a leave candidate");
                     }
                 }
             }
         }
+        self.publish();
     }
+}
+
+/// What a task needs to make its calls and time them.
+struct Calls {
+    merod: Arc<dyn Node>,
+    mdma: Arc<dyn ControlPlane>,
+    telemetry: Arc<Telemetry>,
+}
+
+/// Runs `fut` under `limit`, recording its duration as `call`. `None` on timeout.
+async fn timed<T>(
+    telemetry: &Telemetry,
+    call: &'static str,
+    limit: Duration,
+    fut: impl Future<Output = T>,
+) -> Option<T> {
+    let started = Instant::now();
+    let result = timeout(limit, fut).await.ok();
+    telemetry.observe(call, started.elapsed());
+    result
 }
 
 async fn join_task(
     id: GroupId,
-    merod: Arc<dyn Node>,
-    mdma: Arc<dyn ControlPlane>,
+    calls: &Calls,
     peer_id: PeerId,
     permits: Arc<Semaphore>,
     join_timeout: Duration,
@@ -631,23 +837,31 @@ async fn join_task(
     let Ok(_permit) = permits.acquire_owned().await else {
         return JoinEnd::Failed("join slots closed".to_owned());
     };
-    let admission = match timeout(join_timeout, merod.fleet_join(id)).await {
-        Err(_) => return JoinEnd::Failed(format!("no answer within {join_timeout:?} (abandoned)")),
-        Ok(Err(e)) => return JoinEnd::Failed(e.to_string()),
-        Ok(Ok(a)) => a,
+    let t = &calls.telemetry;
+    let admission = match timed(t, "fleet_join", join_timeout, calls.merod.fleet_join(id)).await {
+        None => return JoinEnd::Failed(format!("no answer within {join_timeout:?} (abandoned)")),
+        Some(Err(e)) => return JoinEnd::Failed(e.to_string()),
+        Some(Ok(a)) => a,
     };
     if !admission.admitted {
         return JoinEnd::NotAdmitted {
             status: admission.status,
         };
     }
-    match timeout(CHECK_TIMEOUT, merod.holds_namespace(id)).await {
-        Ok(Ok(true)) => {}
-        Ok(Ok(false)) => return JoinEnd::NotHeld,
-        Ok(Err(e)) => {
+    match timed(
+        t,
+        "namespace_get",
+        CHECK_TIMEOUT,
+        calls.merod.holds_namespace(id),
+    )
+    .await
+    {
+        Some(Ok(true)) => {}
+        Some(Ok(false)) => return JoinEnd::NotHeld,
+        Some(Err(e)) => {
             return JoinEnd::Failed(format!("admitted, but the membership check failed: {e}"))
         }
-        Err(_) => {
+        None => {
             return JoinEnd::Failed(format!(
                 "admitted, but the membership check gave no answer within {CHECK_TIMEOUT:?}"
             ))
@@ -657,30 +871,95 @@ async fn join_task(
     if events.send(Event::Admitted { id, ack }).is_err() || acked.await.is_err() {
         return JoinEnd::NotPersisted;
     }
-    match timeout(
-        MDMA_TIMEOUT + Duration::from_secs(1),
-        mdma.confirm(&peer_id, id),
-    )
-    .await
-    {
-        Ok(Ok(())) => JoinEnd::Confirmed,
-        Ok(Err(e)) => JoinEnd::ConfirmFailed(e),
-        Err(_) => JoinEnd::Failed(format!("confirm gave no answer within {MDMA_TIMEOUT:?}")),
+    let limit = MDMA_TIMEOUT + Duration::from_secs(1);
+    match timed(t, "confirm", limit, calls.mdma.confirm(&peer_id, id)).await {
+        Some(Ok(())) => JoinEnd::Confirmed,
+        Some(Err(e)) => JoinEnd::ConfirmFailed(e),
+        None => JoinEnd::Failed(format!("confirm gave no answer within {limit:?}")),
     }
 }
 
-async fn leave_task(id: GroupId, merod: Arc<dyn Node>, leave_timeout: Duration) -> LeaveEnd {
-    let leave = match timeout(leave_timeout, merod.leave_namespace(id)).await {
-        Ok(Ok(())) => "left".to_owned(),
-        Ok(Err(e)) => e.to_string(),
-        Err(_) => format!("no answer within {leave_timeout:?}: outcome unknown"),
+async fn leave_task(
+    id: GroupId,
+    merod: &Arc<dyn Node>,
+    telemetry: &Telemetry,
+    leave_timeout: Duration,
+) -> LeaveEnd {
+    let leave = match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
+        Some(Ok(())) => "left".to_owned(),
+        Some(Err(e)) => e.to_string(),
+        None => format!("no answer within {leave_timeout:?}: outcome unknown"),
     };
-    match timeout(CHECK_TIMEOUT, merod.holds_namespace(id)).await {
-        Ok(Ok(false)) => LeaveEnd::Left,
-        Ok(Ok(true)) => LeaveEnd::StillHeld(format!("leave: {leave}; merod still lists it")),
-        Ok(Err(e)) => LeaveEnd::StillHeld(format!("leave: {leave}; membership check failed: {e}")),
-        Err(_) => LeaveEnd::StillHeld(format!(
+    match timed(
+        telemetry,
+        "namespace_get",
+        CHECK_TIMEOUT,
+        merod.holds_namespace(id),
+    )
+    .await
+    {
+        Some(Ok(false)) => LeaveEnd::Left,
+        Some(Ok(true)) => LeaveEnd::StillHeld(format!("leave: {leave}; merod still lists it")),
+        Some(Err(e)) => {
+            LeaveEnd::StillHeld(format!("leave: {leave}; membership check failed: {e}"))
+        }
+        None => LeaveEnd::StillHeld(format!(
             "leave: {leave}; membership check gave no answer within {CHECK_TIMEOUT:?}"
         )),
+    }
+}
+
+/// A pending leave's reason, as `/status` and `fleet-sidecar status` show it.
+pub fn describe_wait(wait: &LeaveWait) -> String {
+    match wait {
+        LeaveWait::NotStable { polls, needed } => {
+            format!("absent from {polls} of the {needed} successful polls needed")
+        }
+        LeaveWait::MassDropHold { remaining } => format!(
+            "held by the mass-withdrawal guard for {} s more",
+            remaining.as_secs()
+        ),
+        LeaveWait::RateLimited => "waiting for the leave rate limit".to_owned(),
+        LeaveWait::InFlight => "a join or leave of it is running".to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn the_cadence_is_the_interval_while_polls_succeed() {
+        assert_eq!(next_poll_delay(S, MAX, 0, 0.0), S);
+        assert_eq!(next_poll_delay(S, MAX, 0, 0.99), S);
+    }
+
+    #[test]
+    fn failed_polls_back_off_exponentially_with_jitter_up_to_the_cap() {
+        // base 2, 4, 8, 10, 10 s; the wait is between half the base and the base.
+        for (failures, base) in [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (60, 10.0)] {
+            let lo = next_poll_delay(S, MAX, failures, 0.0).as_secs_f64();
+            let hi = next_poll_delay(S, MAX, failures, 0.999_999).as_secs_f64();
+            assert!(
+                (lo - (base / 2.0_f64).max(1.0)).abs() < 1e-6,
+                "{failures}: {lo}"
+            );
+            assert!((hi - base).abs() < 1e-3, "{failures}: {hi}");
+        }
+        // Never past the cap, never below the interval, whatever the jitter says.
+        for failures in 0..100 {
+            for jitter in [-1.0, 0.0, 0.5, 1.0, 7.0] {
+                let d = next_poll_delay(S, MAX, failures, jitter);
+                assert!(d >= S && d <= MAX, "{failures} {jitter}: {d:?}");
+            }
+        }
+        // A cap below the interval keeps the interval.
+        assert_eq!(
+            next_poll_delay(Duration::from_secs(5), S, 3, 0.5),
+            Duration::from_secs(5)
+        );
     }
 }

@@ -17,6 +17,11 @@
 //! * [`reconcile`] — the pure decision of what to join and leave (no I/O, no clock).
 //! * [`state`] — the persisted admitted/confirmed sets, written atomically.
 //! * [`daemon`] — the loop that wires them together.
+//! * [`telemetry`] — metrics and the live status the loop records.
+//! * [`status`] — the optional `/healthz` `/readyz` `/metrics` `/status` listener and the
+//!   `fleet-sidecar status` report.
+//! * [`notify`] — systemd `Type=notify` readiness, status and watchdog.
+//! * [`logging`] — text or JSON lines to stderr and the log file.
 //! * [`emulator`] — loopback MDMA and merod test doubles for the demo and the tests.
 //!
 //! See ARCHITECTURE.md for the invariants.
@@ -32,5 +37,8 @@ pub mod logging;
 pub mod mdma;
 pub mod merod;
 pub mod mrtd;
+pub mod notify;
 pub mod reconcile;
 pub mod state;
+pub mod status;
+pub mod telemetry;

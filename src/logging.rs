@@ -15,6 +15,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
+use crate::config::LogFormat;
+
 /// An append-only log file that can be reopened at the same path.
 #[derive(Debug)]
 pub struct LogFile {
@@ -81,18 +83,30 @@ impl<'a> MakeWriter<'a> for SharedLogFile {
     }
 }
 
-/// Sets up the global subscriber: stderr, plus `log_file` when given and openable.
-/// Verbosity comes from `RUST_LOG` (default `info`).
+/// A fmt layer writing to `writer` in `format`, filtered by `RUST_LOG` (default `info`).
+fn layer<S, W>(writer: W, format: LogFormat) -> Box<dyn Layer<S> + Send + Sync>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
+{
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let base = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .with_ansi(false)
+        .with_target(false);
+    match format {
+        LogFormat::Text => base.with_filter(filter).boxed(),
+        LogFormat::Json => base.json().with_filter(filter).boxed(),
+    }
+}
+
+/// Sets up the global subscriber: stderr, plus `log_file` when given and openable, each
+/// line in `format`. Verbosity comes from `RUST_LOG` (default `info`).
 ///
 /// Returns the open log file (to reopen on SIGHUP), or the reason it could not be opened
 /// — logging then goes to stderr only, which journald keeps.
-pub fn init(log_file: Option<&Path>) -> Result<Option<Arc<LogFile>>, String> {
-    let filter = || EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-    let stderr = tracing_subscriber::fmt::layer()
-        .with_writer(io::stderr)
-        .with_ansi(false)
-        .with_target(false)
-        .with_filter(filter());
+pub fn init(log_file: Option<&Path>, format: LogFormat) -> Result<Option<Arc<LogFile>>, String> {
+    let stderr = layer(io::stderr, format);
     let (file, problem) = match log_file.map(LogFile::open) {
         None => (None, None),
         Some(Ok(f)) => (Some(f), None),
@@ -106,13 +120,9 @@ pub fn init(log_file: Option<&Path>) -> Result<Option<Arc<LogFile>>, String> {
             }),
         ),
     };
-    let file_layer = file.as_ref().map(|f| {
-        tracing_subscriber::fmt::layer()
-            .with_writer(SharedLogFile(Arc::clone(f)))
-            .with_ansi(false)
-            .with_target(false)
-            .with_filter(filter())
-    });
+    let file_layer = file
+        .as_ref()
+        .map(|f| layer(SharedLogFile(Arc::clone(f)), format));
     tracing_subscriber::registry()
         .with(stderr)
         .with(file_layer)

@@ -16,6 +16,8 @@ use fleet_sidecar::logging;
 use fleet_sidecar::mdma::MdmaClient;
 use fleet_sidecar::merod::MerodClient;
 use fleet_sidecar::mrtd::{parse_quote, parse_tdreport, read_mrtd, TdxConfig};
+use fleet_sidecar::telemetry::unix_now;
+use fleet_sidecar::{notify, status};
 
 /// Exit code: the daemon or the cycle failed.
 const EXIT_FAILURE: u8 = 1;
@@ -31,6 +33,10 @@ struct Cli {
     /// The config file (TOML).
     #[arg(long, global = true, default_value = DEFAULT_CONFIG_PATH, value_name = "PATH")]
     config: PathBuf,
+    /// Poll and log the plan only: merod is not called, nothing is confirmed, the state
+    /// file is not written (with `run` or `once`).
+    #[arg(long, global = true)]
+    dry_run: bool,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -41,6 +47,13 @@ enum Command {
     Run,
     /// Run one full cycle and exit: 0 on a successful poll, 3 when the poll failed.
     Once,
+    /// Print what this node holds (from the state file) and, when `status_listen` is set,
+    /// the running daemon's live status; exit 1 if the state file is unreadable.
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print this TD's MRTD and its source (or each source's failure; exit 1 if none
     /// worked), or parse a saved TDREPORT or quote offline.
     Mrtd {
@@ -58,13 +71,14 @@ fn main() -> ExitCode {
     match cli.command.unwrap_or(Command::Run) {
         Command::Mrtd { tdreport, quote } => mrtd_command(&cli.config, tdreport, quote),
         command => {
-            let cfg = match Config::load(&cli.config) {
+            let mut cfg = match Config::load(&cli.config) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("fleet-sidecar: {e}");
                     return ExitCode::from(EXIT_CONFIG);
                 }
             };
+            cfg.dry_run = cli.dry_run;
             let runtime = match tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
@@ -76,13 +90,16 @@ fn main() -> ExitCode {
                     return ExitCode::from(EXIT_FAILURE);
                 }
             };
-            runtime.block_on(serve(cfg, matches!(command, Command::Once)))
+            match command {
+                Command::Status { json } => runtime.block_on(status_command(&cfg, json)),
+                command => runtime.block_on(serve(cfg, matches!(command, Command::Once))),
+            }
         }
     }
 }
 
 async fn serve(cfg: Config, once: bool) -> ExitCode {
-    let log_file = match logging::init(Some(&cfg.log_file)) {
+    let log_file = match logging::init(Some(&cfg.log_file), cfg.log_format) {
         Ok(f) => f,
         Err(problem) => {
             eprintln!("fleet-sidecar: {problem}");
@@ -134,11 +151,29 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
         state = %cfg.state_file.display(),
         "fleet-sidecar starting"
     );
-    let deps = Deps {
-        mdma: Arc::new(mdma),
-        merod: Arc::new(merod),
-    };
+    let deps = Deps::new(Arc::new(mdma), Arc::new(merod));
+    if notify::install(&deps.telemetry) {
+        info!("systemd notification on (READY, STATUS, WATCHDOG, STOPPING)");
+    }
     let shutdown = CancellationToken::new();
+    if let Some(addr) = cfg.status_listen {
+        match status::serve(
+            addr,
+            Arc::clone(&deps.telemetry),
+            cfg.ready_max_poll_age,
+            shutdown.clone(),
+        )
+        .await
+        {
+            Ok(bound) => {
+                info!("status listener on http://{bound} (/healthz /readyz /metrics /status)")
+            }
+            Err(e) => {
+                error!("cannot listen on status_listen {addr}: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        }
+    }
     if let Err(e) = spawn_signal_handler(shutdown.clone(), log_file) {
         error!("cannot install signal handlers: {e}");
         return ExitCode::from(EXIT_FAILURE);
@@ -170,6 +205,27 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
                 ExitCode::from(EXIT_FAILURE)
             }
         }
+    }
+}
+
+/// `fleet-sidecar status`: the state file and, if the listener is on, the live status.
+async fn status_command(cfg: &Config, json: bool) -> ExitCode {
+    let report = status::report(cfg).await;
+    if json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("fleet-sidecar: cannot render the report: {e}");
+                return ExitCode::from(EXIT_FAILURE);
+            }
+        }
+    } else {
+        print!("{}", status::render_text(&report, unix_now()));
+    }
+    if report.state_error.is_some() {
+        ExitCode::from(EXIT_FAILURE)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 

@@ -122,9 +122,6 @@ impl Sandbox {
         let mdma = MdmaClient::new(&cfg.mdma_url, cfg.fleet_token.clone(), None)
             .map_err(|e| e.to_string())?;
         let merod = MerodClient::new(&self.merod.url()).map_err(|e| e.to_string())?;
-        Ok(Deps {
-            mdma: Arc::new(mdma),
-            merod: Arc::new(merod),
-        })
+        Ok(Deps::new(Arc::new(mdma), Arc::new(merod)))
     }
 }

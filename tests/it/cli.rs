@@ -80,7 +80,7 @@ async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
     use nix::sys::signal::{kill, Signal};
     use nix::unistd::Pid;
     for signal in [Signal::SIGTERM, Signal::SIGINT] {
-        let sb = Sandbox::start(Some("tok-never-printed-42")).await.unwrap();
+        let sb = Sandbox::start(Some("NEVER-LOGGED-TOKEN-42")).await.unwrap();
         let cfg = sb.write_config("").unwrap();
         sb.mdma.set_reply(PollReply::assign([A]));
         let mut child = Command::new(BIN)
@@ -115,7 +115,7 @@ async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
             .mdma
             .polls()
             .iter()
-            .all(|p| p.token.as_deref() == Some("tok-never-printed-42")));
+            .all(|p| p.token.as_deref() == Some("NEVER-LOGGED-TOKEN-42")));
         let log = std::fs::read_to_string(sb.log_file()).unwrap();
         assert!(log.contains("confirmed to MDMA"), "{log}");
         for text in [
@@ -124,7 +124,7 @@ async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
             &String::from_utf8_lossy(&out.stdout)[..],
         ] {
             assert!(
-                !text.contains("tok-never-printed-42"),
+                !text.contains("NEVER-LOGGED-TOKEN-42"),
                 "token leaked: {text}"
             );
         }

@@ -1,12 +1,14 @@
 //! Shared helpers: ids, a running daemon, waiting for a condition, seeding state.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fleet_sidecar::daemon::{self, DaemonError};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::ids::GroupId;
 use fleet_sidecar::state::{State, StateStore};
+use fleet_sidecar::telemetry::Telemetry;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -35,6 +37,8 @@ pub fn strings(ids: &[&str]) -> BTreeSet<String> {
 pub struct Running {
     shutdown: CancellationToken,
     handle: JoinHandle<Result<(), DaemonError>>,
+    /// Its metrics and live status.
+    pub telemetry: Arc<Telemetry>,
 }
 
 impl Running {
@@ -50,9 +54,14 @@ impl Running {
 pub fn start(sb: &Sandbox, extra: &str) -> Running {
     let cfg = sb.config(extra).expect("config");
     let deps = sb.deps(&cfg).expect("deps");
+    let telemetry = Arc::clone(&deps.telemetry);
     let shutdown = CancellationToken::new();
     let handle = tokio::spawn(daemon::run(cfg, deps, shutdown.clone()));
-    Running { shutdown, handle }
+    Running {
+        shutdown,
+        handle,
+        telemetry,
+    }
 }
 
 /// Waits until `f` holds, polling every 50 ms; panics naming `what` after `limit`.

@@ -282,10 +282,7 @@ fn history(
     let state_path = dir.path().join("state.json");
     let mut confirmed_outside_admitted = Vec::new();
     rt.block_on(async {
-        let deps = Deps {
-            mdma: Arc::new(fake.clone()),
-            merod: Arc::new(fake.clone()),
-        };
+        let deps = Deps::new(Arc::new(fake.clone()), Arc::new(fake.clone()));
         let stop = CancellationToken::new();
         let task = tokio::spawn(daemon::run(
             config(dir.path(), leave_after),

@@ -6,6 +6,7 @@ mod common;
 mod contract;
 mod heartbeat;
 mod history;
+mod operability;
 mod paused;
 mod poll_gate;
 mod proto;

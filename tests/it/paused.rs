@@ -24,6 +24,7 @@ struct World {
     assigned: BTreeSet<GroupId>,
     held: BTreeSet<GroupId>,
     hang_joins: BTreeSet<GroupId>,
+    mdma_down: bool,
     polls: Vec<(Instant, Option<String>)>,
     joins: Vec<(GroupId, Instant)>,
     leaves: Vec<(GroupId, Instant)>,
@@ -41,12 +42,18 @@ impl Fake {
 #[async_trait]
 impl ControlPlane for Fake {
     async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<Desired, PollError> {
-        Ok(self.with(|w| {
+        if self.with(|w| {
             w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
-            Desired {
-                assigned: w.assigned.clone(),
-                retain: BTreeSet::new(),
-            }
+            w.mdma_down
+        }) {
+            return Err(PollError::Status {
+                url: url::Url::parse("https://mdma.test/api/fleet/should-join").unwrap(),
+                status: 503,
+            });
+        }
+        Ok(self.with(|w| Desired {
+            assigned: w.assigned.clone(),
+            retain: BTreeSet::new(),
         }))
     }
     async fn confirm(&self, _: &PeerId, _: GroupId) -> Result<(), ConfirmError> {
@@ -137,10 +144,7 @@ fn ids(n: u8) -> BTreeSet<GroupId> {
 }
 
 fn run(fake: &Fake, cfg: Config) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-    let deps = Deps {
-        mdma: Arc::new(fake.clone()),
-        merod: Arc::new(fake.clone()),
-    };
+    let deps = Deps::new(Arc::new(fake.clone()), Arc::new(fake.clone()));
     let token = CancellationToken::new();
     let t = token.clone();
     let h = tokio::spawn(async move {
@@ -284,5 +288,50 @@ async fn an_mrtd_that_appears_later_is_picked_up_within_minutes() {
             at <= Duration::from_secs(302),
             "picked up by the 5-minute retry: {at:?}"
         );
+    });
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_polls_back_off_with_jitter_and_the_cadence_returns() {
+    let node = Node0::new();
+    let fake = Fake::default();
+    fake.with(|w| w.mdma_down = true);
+    let (stop, h) = run(&fake, node.config(""));
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    fake.with(|w| w.mdma_down = false);
+    let recovered = fake.with(|w| w.polls.len());
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    stop.cancel();
+    h.await.unwrap();
+    fake.with(|w| {
+        let gaps: Vec<f64> = w
+            .polls
+            .windows(2)
+            .map(|p| (p[1].0 - p[0].0).as_secs_f64())
+            .collect();
+        let outage = &gaps[..recovered - 1];
+        assert!(
+            outage.len() < 40,
+            "backed off: {} polls in 120 s",
+            outage.len() + 1
+        );
+        assert!(
+            outage.iter().all(|g| *g >= 1.0 && *g <= 10.0 + 1e-6),
+            "{outage:?}"
+        );
+        let late = &outage[5..];
+        assert!(
+            late.iter().all(|g| *g >= 5.0),
+            "capped backoff waits 5..10 s: {late:?}"
+        );
+        let distinct: BTreeSet<u64> = late.iter().map(|g| (g * 1000.0) as u64).collect();
+        assert!(
+            distinct.len() > late.len() / 2,
+            "jittered, not lockstep: {late:?}"
+        );
+        // The first successful poll resets the cadence to 1 s.
+        let after = &gaps[recovered..];
+        assert!(after.len() >= 15, "{after:?}");
+        assert!(after.iter().all(|g| (*g - 1.0).abs() < 1e-3), "{after:?}");
     });
 }

@@ -174,7 +174,9 @@ async fn a_restart_resumes_from_the_state_file() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_header_is_sent_exactly_when_configured() {
-    let with = Sandbox::start(Some("fleet-token-123")).await.unwrap();
+    let with = Sandbox::start(Some("NEVER-LOGGED-TOKEN-123"))
+        .await
+        .unwrap();
     with.mdma.set_reply(PollReply::assign([A]));
     let d = start(&with, "");
     eventually("A confirmed", LIMIT, || with.mdma.confirmed().contains(A)).await;
@@ -183,13 +185,13 @@ async fn the_token_header_is_sent_exactly_when_configured() {
         .mdma
         .polls()
         .iter()
-        .all(|p| p.token.as_deref() == Some("fleet-token-123")));
+        .all(|p| p.token.as_deref() == Some("NEVER-LOGGED-TOKEN-123")));
     assert!(with.mdma.polls().iter().all(|p| p.status == 200));
     assert!(with
         .mdma
         .confirms()
         .iter()
-        .all(|c| c.token.as_deref() == Some("fleet-token-123")));
+        .all(|c| c.token.as_deref() == Some("NEVER-LOGGED-TOKEN-123")));
 
     let without = Sandbox::start(None).await.unwrap();
     without.mdma.set_reply(PollReply::assign([A]));

@@ -1,0 +1,239 @@
+//! The optional status listener (`status_listen = "127.0.0.1:PORT"`, off by default) and the
+//! report `fleet-sidecar status` prints.
+//!
+//! Routes: `/healthz` (200 while the process serves), `/readyz` (200 only when the identity
+//! is known and a poll succeeded within `ready_max_poll_age` — it goes unready during an
+//! MDMA outage), `/metrics` (Prometheus/OpenMetrics text), `/status` (the live status as
+//! JSON, see [`LiveStatus`]).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::extract::State as AxumState;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::daemon::describe_wait;
+use crate::reconcile::LeaveWait;
+use crate::state::{State, StateStore};
+use crate::telemetry::{unix_now, LiveStatus, Telemetry};
+
+#[derive(Clone)]
+struct Shared {
+    telemetry: Arc<Telemetry>,
+    ready_max_poll_age: Duration,
+}
+
+/// The listener's routes.
+pub fn router(telemetry: Arc<Telemetry>, ready_max_poll_age: Duration) -> Router {
+    Router::new()
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/status", get(status))
+        .with_state(Shared {
+            telemetry,
+            ready_max_poll_age,
+        })
+}
+
+async fn readyz(AxumState(s): AxumState<Shared>) -> Response {
+    match s
+        .telemetry
+        .snapshot()
+        .readiness(unix_now(), s.ready_max_poll_age)
+    {
+        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
+        Err(why) => (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("not ready: {why}\n"),
+        )
+            .into_response(),
+    }
+}
+
+async fn metrics(AxumState(s): AxumState<Shared>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.telemetry.encode_metrics(),
+    )
+        .into_response()
+}
+
+async fn status(AxumState(s): AxumState<Shared>) -> Response {
+    axum::Json(s.telemetry.snapshot()).into_response()
+}
+
+/// Binds `addr` and serves [`router`] until `shutdown`. Returns the bound address.
+///
+/// Errors: the bind error (address in use, permission).
+pub async fn serve(
+    addr: SocketAddr,
+    telemetry: Arc<Telemetry>,
+    ready_max_poll_age: Duration,
+    shutdown: CancellationToken,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let bound = listener.local_addr()?;
+    let app = router(telemetry, ready_max_poll_age);
+    tokio::spawn(async move {
+        let stopped = async move { shutdown.cancelled().await };
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(stopped)
+            .await
+        {
+            tracing::error!("status listener stopped: {e}");
+        }
+    });
+    Ok(bound)
+}
+
+/// What `fleet-sidecar status --json` prints.
+#[derive(Debug, Serialize)]
+pub struct Report {
+    /// The state file read.
+    pub state_file: String,
+    /// Its content (`null` when it does not exist yet).
+    pub state: Option<State>,
+    /// Why the state file could not be read, if so.
+    pub state_error: Option<String>,
+    /// Leave candidates per the state file alone, with why they wait.
+    pub pending_leaves: std::collections::BTreeMap<String, String>,
+    /// The running daemon's `/status`, when the listener is on and answered.
+    pub live: Option<LiveStatus>,
+    /// Why the live status is missing (listener off, or no answer).
+    pub live_error: Option<String>,
+}
+
+/// Builds the report: the state file (read only, never written) and, when `status_listen`
+/// is set, the live status from the running daemon (2 s bound).
+pub async fn report(cfg: &Config) -> Report {
+    let (state, state_error) = match StateStore::new(&cfg.state_file).load() {
+        Ok(s) => (s, None),
+        Err(e) => (None, Some(e.to_string())),
+    };
+    let pending_leaves = state
+        .as_ref()
+        .map(|s| {
+            s.absent_polls
+                .iter()
+                .map(|(id, polls)| {
+                    let wait = LeaveWait::NotStable {
+                        polls: *polls,
+                        needed: cfg.leave_policy.leave_after_polls,
+                    };
+                    (id.to_string(), describe_wait(&wait))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let (live, live_error) = match cfg.status_listen {
+        None => (
+            None,
+            Some("status_listen is not set: no live status".to_owned()),
+        ),
+        Some(addr) => match fetch_live(addr).await {
+            Ok(l) => (Some(l), None),
+            Err(e) => (None, Some(e)),
+        },
+    };
+    Report {
+        state_file: cfg.state_file.display().to_string(),
+        state,
+        state_error,
+        pending_leaves,
+        live,
+        live_error,
+    }
+}
+
+async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, String> {
+    let url = format!("http://{addr}/status");
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .map_err(|e| e.to_string())?;
+    let resp = client
+        .get(&url)
+        .send()
+        .await
+        .map_err(|e| format!("GET {url}: {e}"))?;
+    if !resp.status().is_success() {
+        return Err(format!("GET {url}: HTTP {}", resp.status().as_u16()));
+    }
+    resp.json()
+        .await
+        .map_err(|e| format!("GET {url}: unexpected answer: {e}"))
+}
+
+/// The report as text for a terminal.
+pub fn render_text(r: &Report, now: f64) -> String {
+    let mut out = format!("state file: {}\n", r.state_file);
+    match (&r.state, &r.state_error) {
+        (_, Some(e)) => out.push_str(&format!("  ERROR: {e}\n")),
+        (None, None) => out.push_str("  (does not exist yet: nothing admitted)\n"),
+        (Some(s), None) => {
+            out.push_str(&format!(
+                "  admitted: {}, confirmed: {}\n",
+                s.admitted.len(),
+                s.confirmed.len()
+            ));
+            for id in &s.admitted {
+                let what = if s.confirmed.contains(id) {
+                    "confirmed"
+                } else {
+                    "admitted, not confirmed"
+                };
+                out.push_str(&format!("  {id}  {what}\n"));
+            }
+        }
+    }
+    let live_pending = r.live.as_ref().map(|l| &l.pending_leaves);
+    match live_pending {
+        Some(p) if !p.is_empty() => {
+            out.push_str("pending leave (live):\n");
+            for (id, why) in p {
+                out.push_str(&format!("  {id}  {why}\n"));
+            }
+        }
+        Some(_) => out.push_str("pending leave (live): none\n"),
+        None if !r.pending_leaves.is_empty() => {
+            out.push_str("pending leave (from the state file):\n");
+            for (id, why) in &r.pending_leaves {
+                out.push_str(&format!("  {id}  {why}\n"));
+            }
+        }
+        None => out.push_str("pending leave: none\n"),
+    }
+    match (&r.live, &r.live_error) {
+        (Some(l), _) => {
+            out.push_str(&format!("live: {:?}: {}\n", l.phase, l.summary(now)));
+            if let Some(p) = &l.peer_id {
+                out.push_str(&format!("  peer id: {p}\n"));
+            }
+            match (&l.mrtd, &l.mrtd_source) {
+                (Some(m), Some(src)) => out.push_str(&format!("  mrtd: {m} ({src})\n")),
+                _ => out.push_str("  mrtd: unreadable (polling with the PeerId only)\n"),
+            }
+            out.push_str(&format!(
+                "  desired: {}, joining: {}, leaving: {}, mass-withdrawal guard: {}\n",
+                l.desired.len(),
+                l.joining.len(),
+                l.leaving.len(),
+                l.mass_drop
+            ));
+        }
+        (None, Some(e)) => out.push_str(&format!("live: {e}\n")),
+        (None, None) => {}
+    }
+    out
+}

@@ -1,0 +1,417 @@
+//! What the daemon tells the outside while it runs: Prometheus metrics and a live status
+//! snapshot. The loop records into a [`Telemetry`]; the status listener (`status.rs`), the
+//! systemd notifier (`notify.rs`) and `fleet-sidecar status` read it. Recording is cheap
+//! (atomics and one `watch` channel) and never fails.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::AtomicU64;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::ids::GroupId;
+
+/// Label set `{outcome="..."}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabel {
+    /// e.g. `ok`, `timeout`, `admitted`.
+    pub outcome: &'static str,
+}
+
+/// Label set `{set="desired|confirmed|admitted|pending_leave"}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SetLabel {
+    /// Which set.
+    pub set: &'static str,
+}
+
+/// Label set `{call="should_join|confirm|fleet_join|leave|namespace_get"}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CallLabel {
+    /// Which outside call.
+    pub call: &'static str,
+}
+
+/// Label set `{source="sysfs|sysfs-legacy|tdreport|quote|none"}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SourceLabel {
+    /// Where the MRTD came from; `none` while unreadable.
+    pub source: &'static str,
+}
+
+type HistogramFamily = Family<CallLabel, Histogram, fn() -> Histogram>;
+
+fn latency_histogram() -> Histogram {
+    // 5 ms .. ~164 s: a loopback answer to a 90 s fleet-join.
+    Histogram::new(exponential_buckets(0.005, 2.0, 16))
+}
+
+/// The lifecycle phase, as systemd and `/readyz` see it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Phase {
+    /// Loading state, reading identity.
+    #[default]
+    Starting,
+    /// Waiting for merod's admin API.
+    WaitingForMerod,
+    /// Reconciling.
+    Running,
+    /// Shutting down.
+    Stopping,
+}
+
+/// A snapshot of the daemon, served as JSON at `/status` and read by `fleet-sidecar status`.
+/// Times are Unix seconds (wall clock).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LiveStatus {
+    /// Lifecycle phase.
+    pub phase: Phase,
+    /// The PeerId once read.
+    pub peer_id: Option<String>,
+    /// The MRTD (96 hex chars) once read.
+    pub mrtd: Option<String>,
+    /// Where the MRTD came from.
+    pub mrtd_source: Option<String>,
+    /// Whether this run only logs its plans (`--dry-run`).
+    pub dry_run: bool,
+    /// Polls attempted so far (the loop's heartbeat; also readiness probes before that).
+    pub heartbeats: u64,
+    /// When the latest poll was attempted.
+    pub last_poll_at: Option<f64>,
+    /// When the latest successful poll answered.
+    pub last_ok_poll_at: Option<f64>,
+    /// The latest poll's failure, if it failed.
+    pub last_poll_error: Option<String>,
+    /// Failed polls in a row.
+    pub consecutive_failures: u64,
+    /// What merod last said while it was not ready.
+    pub waiting_for: Option<String>,
+    /// The latest successful poll's assignments.
+    pub desired: Vec<GroupId>,
+    /// The latest successful poll's `retain`.
+    pub retain: Vec<GroupId>,
+    /// Namespaces merod admitted.
+    pub admitted: Vec<GroupId>,
+    /// Admitted namespaces MDMA acknowledged.
+    pub confirmed: Vec<GroupId>,
+    /// Joins running.
+    pub joining: Vec<GroupId>,
+    /// Leaves running.
+    pub leaving: Vec<GroupId>,
+    /// Withdrawn namespaces not left yet, with why.
+    pub pending_leaves: BTreeMap<GroupId, String>,
+    /// Mass-withdrawal guard: `idle`, `holding (… left)` or `released`.
+    pub mass_drop: String,
+}
+
+impl LiveStatus {
+    /// Whether `/readyz` says ready at `now` (Unix s): the identity is known and a poll
+    /// succeeded within `max_poll_age`. Errors: the reason it is not ready.
+    pub fn readiness(&self, now: f64, max_poll_age: Duration) -> Result<(), String> {
+        if self.peer_id.is_none() {
+            return Err(format!("identity not read yet ({:?})", self.phase));
+        }
+        if self.phase == Phase::Stopping {
+            return Err("stopping".to_owned());
+        }
+        match self.last_ok_poll_at {
+            None => Err("no successful poll yet".to_owned()),
+            Some(t) if now - t > max_poll_age.as_secs_f64() => Err(format!(
+                "last successful poll {:.1} s ago (limit {} s){}",
+                now - t,
+                max_poll_age.as_secs(),
+                self.last_poll_error
+                    .as_deref()
+                    .map(|e| format!(": {e}"))
+                    .unwrap_or_default()
+            )),
+            Some(_) => Ok(()),
+        }
+    }
+
+    /// The one-line summary systemd shows (`STATUS=`), at `now` (Unix s).
+    pub fn summary(&self, now: f64) -> String {
+        match self.phase {
+            Phase::Starting => return "starting".to_owned(),
+            Phase::WaitingForMerod => {
+                return format!(
+                    "waiting for merod: {}",
+                    self.waiting_for.as_deref().unwrap_or("no answer yet")
+                )
+            }
+            Phase::Stopping => return "stopping".to_owned(),
+            Phase::Running => {}
+        }
+        let mut s = format!("{} confirmed", self.confirmed.len());
+        let unconfirmed = self.admitted.len().saturating_sub(self.confirmed.len());
+        if unconfirmed > 0 {
+            s.push_str(&format!(", {unconfirmed} admitted unconfirmed"));
+        }
+        if !self.pending_leaves.is_empty() {
+            s.push_str(&format!(", {} pending leave", self.pending_leaves.len()));
+        }
+        match (
+            &self.last_poll_error,
+            self.last_poll_at,
+            self.last_ok_poll_at,
+        ) {
+            (None, Some(t), _) => {
+                s.push_str(&format!(", last poll ok {:.1} s ago", (now - t).max(0.0)))
+            }
+            (Some(e), _, Some(ok)) => s.push_str(&format!(
+                ", last {} poll(s) failed ({e}), last ok {:.0} s ago",
+                self.consecutive_failures,
+                (now - ok).max(0.0)
+            )),
+            (Some(e), _, None) => s.push_str(&format!(", no successful poll yet ({e})")),
+            (None, None, _) => s.push_str(", no poll yet"),
+        }
+        if self.dry_run {
+            s.push_str(" [dry-run]");
+        }
+        s
+    }
+}
+
+/// Now as Unix seconds.
+pub fn unix_now() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
+/// Called on every status change with the status before and after it.
+pub type Observer = Box<dyn Fn(&LiveStatus, &LiveStatus) + Send + Sync>;
+
+/// Metrics and live status of one daemon.
+pub struct Telemetry {
+    registry: Registry,
+    /// `fleet_sidecar_polls_total{outcome}`: ok, transport, timeout, status, malformed.
+    pub polls: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_last_successful_poll_timestamp_seconds`.
+    pub last_ok_poll: Gauge<f64, AtomicU64>,
+    /// `fleet_sidecar_joins_total{outcome}`: admitted, not_admitted, error, timeout, not_held.
+    pub joins: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_confirms_total{outcome}`: ok, error.
+    pub confirms: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_leaves_total{outcome}`: left, failed.
+    pub leaves: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_namespaces{set}`.
+    pub namespaces: Family<SetLabel, Gauge>,
+    /// `fleet_sidecar_call_duration_seconds{call}`.
+    pub call_seconds: HistogramFamily,
+    /// `fleet_sidecar_mrtd_source{source}`: 1 for the current source.
+    pub mrtd_source: Family<SourceLabel, Gauge>,
+    status: watch::Sender<LiveStatus>,
+    observers: std::sync::Mutex<Vec<Observer>>,
+}
+
+impl std::fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("status", &*self.status.borrow())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Telemetry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Telemetry {
+    /// A fresh registry with every metric registered under the `fleet_sidecar_` prefix.
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("fleet_sidecar");
+        let polls = Family::<OutcomeLabel, Counter>::default();
+        registry.register("polls", "MDMA should-join polls by outcome", polls.clone());
+        let last_ok_poll = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "last_successful_poll_timestamp_seconds",
+            "Unix time of the latest successful poll",
+            last_ok_poll.clone(),
+        );
+        let joins = Family::<OutcomeLabel, Counter>::default();
+        registry.register("joins", "fleet-join attempts by outcome", joins.clone());
+        let confirms = Family::<OutcomeLabel, Counter>::default();
+        registry.register("confirms", "MDMA confirms by outcome", confirms.clone());
+        let leaves = Family::<OutcomeLabel, Counter>::default();
+        registry.register("leaves", "namespace leaves by outcome", leaves.clone());
+        let namespaces = Family::<SetLabel, Gauge>::default();
+        registry.register(
+            "namespaces",
+            "namespaces in each set (desired, admitted, confirmed, pending_leave)",
+            namespaces.clone(),
+        );
+        let call_seconds: HistogramFamily = Family::new_with_constructor(latency_histogram);
+        registry.register(
+            "call_duration_seconds",
+            "latency of outside calls (MDMA and merod) in seconds",
+            call_seconds.clone(),
+        );
+        let mrtd_source = Family::<SourceLabel, Gauge>::default();
+        registry.register(
+            "mrtd_source",
+            "1 for where the MRTD was read from (none: unreadable)",
+            mrtd_source.clone(),
+        );
+        Self {
+            registry,
+            polls,
+            last_ok_poll,
+            joins,
+            confirms,
+            leaves,
+            namespaces,
+            call_seconds,
+            mrtd_source,
+            status: watch::Sender::new(LiveStatus::default()),
+            observers: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The metrics in the OpenMetrics text format (what Prometheus scrapes).
+    pub fn encode_metrics(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Counts one outcome of `family`.
+    pub fn count(family: &Family<OutcomeLabel, Counter>, outcome: &'static str) {
+        family.get_or_create(&OutcomeLabel { outcome }).inc();
+    }
+
+    /// Records how long `call` took.
+    pub fn observe(&self, call: &'static str, took: Duration) {
+        self.call_seconds
+            .get_or_create(&CallLabel { call })
+            .observe(took.as_secs_f64());
+    }
+
+    /// Sets the MRTD source gauge (`None`: unreadable).
+    pub fn set_mrtd_source(&self, source: Option<&'static str>) {
+        self.mrtd_source.clear();
+        self.mrtd_source
+            .get_or_create(&SourceLabel {
+                source: source.unwrap_or("none"),
+            })
+            .set(1);
+    }
+
+    /// Changes the live status; watchers are woken and observers called, synchronously,
+    /// from the caller (the loop itself: a stalled loop calls nobody).
+    pub fn update(&self, f: impl FnOnce(&mut LiveStatus)) {
+        let before = self.status.borrow().clone();
+        self.status.send_modify(f);
+        let after = self.status.borrow().clone();
+        let observers = self.observers.lock().unwrap_or_else(|p| p.into_inner());
+        for observe in observers.iter() {
+            observe(&before, &after);
+        }
+    }
+
+    /// Adds an observer of every status change (e.g. the systemd notifier).
+    pub fn add_observer(&self, observer: Observer) {
+        self.observers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(observer);
+    }
+
+    /// A receiver of the live status (woken on every update).
+    pub fn subscribe(&self) -> watch::Receiver<LiveStatus> {
+        self.status.subscribe()
+    }
+
+    /// The live status now.
+    pub fn snapshot(&self) -> LiveStatus {
+        self.status.borrow().clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_needs_identity_and_a_recent_good_poll() {
+        let max = Duration::from_secs(30);
+        let mut s = LiveStatus::default();
+        assert!(s.readiness(100.0, max).unwrap_err().contains("identity"));
+        s.peer_id = Some("12D3KooW".into());
+        s.phase = Phase::Running;
+        assert!(s
+            .readiness(100.0, max)
+            .unwrap_err()
+            .contains("no successful poll"));
+        s.last_ok_poll_at = Some(90.0);
+        assert!(s.readiness(100.0, max).is_ok());
+        s.last_poll_error = Some("HTTP 503".into());
+        let e = s.readiness(121.0, max).unwrap_err();
+        assert!(e.contains("31.0 s ago") && e.contains("HTTP 503"), "{e}");
+        s.phase = Phase::Stopping;
+        assert!(s.readiness(100.0, max).is_err());
+    }
+
+    #[test]
+    fn summary_lines() {
+        let mut s = LiveStatus {
+            phase: Phase::Running,
+            confirmed: vec![GroupId::from_bytes([1; 32]); 3],
+            admitted: vec![GroupId::from_bytes([1; 32]); 3],
+            last_poll_at: Some(99.6),
+            last_ok_poll_at: Some(99.6),
+            ..LiveStatus::default()
+        };
+        assert_eq!(s.summary(100.0), "3 confirmed, last poll ok 0.4 s ago");
+        s.last_poll_error = Some("HTTP 503".into());
+        s.consecutive_failures = 2;
+        s.last_ok_poll_at = Some(90.0);
+        assert_eq!(
+            s.summary(100.0),
+            "3 confirmed, last 2 poll(s) failed (HTTP 503), last ok 10 s ago"
+        );
+        s.phase = Phase::WaitingForMerod;
+        s.waiting_for = Some("connection refused".into());
+        assert_eq!(s.summary(100.0), "waiting for merod: connection refused");
+    }
+
+    #[test]
+    fn metrics_encode_with_the_prefix() {
+        let t = Telemetry::new();
+        Telemetry::count(&t.polls, "ok");
+        Telemetry::count(&t.polls, "ok");
+        t.observe("should_join", Duration::from_millis(3));
+        t.set_mrtd_source(Some("sysfs"));
+        t.last_ok_poll.set(1234.5);
+        let text = t.encode_metrics();
+        assert!(
+            text.contains("fleet_sidecar_polls_total{outcome=\"ok\"} 2"),
+            "{text}"
+        );
+        assert!(
+            text.contains("fleet_sidecar_mrtd_source{source=\"sysfs\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("fleet_sidecar_call_duration_seconds_count{call=\"should_join\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("fleet_sidecar_last_successful_poll_timestamp_seconds 1234.5"),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"));
+    }
+}
