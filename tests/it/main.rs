@@ -11,3 +11,4 @@ mod paused;
 mod poll_gate;
 mod proto;
 mod reconcile_loop;
+mod tls;
