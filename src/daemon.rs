@@ -215,6 +215,7 @@ pub struct Sidecar {
     events_rx: mpsc::UnboundedReceiver<Event>,
     failures: FailureStreak,
     waiting: BTreeMap<GroupId, LeaveWait>,
+    persist_error: Option<String>,
 }
 
 /// Runs the daemon until `shutdown` is cancelled: load the state, wait for merod, read
@@ -395,6 +396,7 @@ impl Sidecar {
             events_rx,
             failures: FailureStreak::default(),
             waiting: BTreeMap::new(),
+            persist_error: None,
         };
         sidecar.publish();
         Ok(Some(sidecar))
@@ -631,9 +633,18 @@ impl Sidecar {
             return false;
         }
         match self.store.save(&self.state) {
-            Ok(_) => true,
+            Ok(_) => {
+                if self.persist_error.take().is_some() {
+                    info!(path = %self.store.path().display(), "state file written again");
+                }
+                true
+            }
             Err(e) => {
-                error!("{e}; admissions are not confirmed until the state can be written");
+                let text = e.to_string();
+                if self.persist_error.as_deref() != Some(text.as_str()) {
+                    error!("{text}; admissions are not confirmed until the state can be written (retried on every change)");
+                    self.persist_error = Some(text);
+                }
                 false
             }
         }

@@ -29,7 +29,10 @@ async fn a_hanging_join_delays_neither_polls_nor_another_leave() {
     let polls = sb.mdma.polls();
     let gaps: Vec<Duration> = polls.windows(2).map(|w| w[1].at - w[0].at).collect();
     let worst = gaps.iter().max().copied().unwrap_or_default();
-    eprintln!("poll gaps while a fleet-join hung: worst {worst:?}, {} polls", polls.len());
+    eprintln!(
+        "poll gaps while a fleet-join hung: worst {worst:?}, {} polls",
+        polls.len()
+    );
     assert!(
         worst < Duration::from_millis(1600),
         "polls kept their 1 s cadence while a fleet-join hung (worst gap {worst:?}, all {gaps:?})"

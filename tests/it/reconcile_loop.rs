@@ -277,3 +277,29 @@ async fn an_unreadable_mrtd_polls_with_the_peer_id_only() {
         .iter()
         .all(|p| p.mrtd.is_none() && p.peer_id.as_deref() == Some(PEER_ID)));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_confirmed_before_its_admission_is_on_disk() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    let d = start(&sb, "");
+    assert!(sb.mdma.wait_for_polls(1, LIMIT).await);
+    // The state directory becomes unwritable (a file where the directory was).
+    let state_dir = sb.state_file().parent().unwrap().to_owned();
+    std::fs::remove_dir_all(&state_dir).unwrap();
+    std::fs::write(&state_dir, "not a directory").unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    eventually("two join attempts", LIMIT, || sb.merod.joins(A) >= 2).await;
+    assert!(
+        sb.mdma.confirms().is_empty(),
+        "confirmed although the admission was not persisted"
+    );
+    std::fs::remove_file(&state_dir).unwrap();
+    std::fs::create_dir(&state_dir).unwrap();
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+    assert_eq!(sb.mdma.confirms().len(), 1);
+}
