@@ -283,7 +283,7 @@ async fn nothing_is_confirmed_before_its_admission_is_on_disk() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
     let d = start(&sb, "");
-    assert!(sb.mdma.wait_for_polls(1, LIMIT).await);
+    eventually("the first state write", LIMIT, || sb.state_file().exists()).await;
     // The state directory becomes unwritable (a file where the directory was).
     let state_dir = sb.state_file().parent().unwrap().to_owned();
     std::fs::remove_dir_all(&state_dir).unwrap();
