@@ -183,3 +183,33 @@ fn mrtd_subcommand_reads_and_parses_offline() {
         assert!(stderr.contains(source), "{stderr}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_repeated_every_poll_is_logged_once_and_its_recovery_once() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::Status(503));
+    // max_backoff = poll_interval: failed polls keep the 1 s cadence.
+    let cfg = sb.write_config("max_backoff = \"1s\"").unwrap();
+    let mut child = Command::new(BIN)
+        .args(["--config", cfg.to_str().unwrap(), "run"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    assert!(sb.mdma.wait_for_polls(6, Duration::from_secs(20)).await);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    eventually("A confirmed", Duration::from_secs(20), || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    let _ = child.wait();
+    let log = std::fs::read_to_string(sb.log_file()).unwrap();
+    let failures = sb.mdma.polls().iter().filter(|p| p.status == 503).count();
+    assert!(failures >= 6, "{failures}");
+    assert_eq!(log.matches("poll failed").count(), 1, "{log}");
+    assert_eq!(log.matches("poll succeeded again").count(), 1, "{log}");
+    assert!(log.contains(&format!("failures={failures}")), "{log}");
+}
