@@ -27,38 +27,62 @@ pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest poll answer read; a longer one fails the poll (a sane answer is a few KiB).
 pub const MAX_POLL_BODY: usize = 4 * 1024 * 1024;
 
-/// Why a poll failed. Every variant means: skip the whole cycle.
+/// A request to MDMA that got no usable answer.
 #[derive(Debug, thiserror::Error)]
-pub enum PollError {
+pub enum RequestError {
     /// No answer: connection refused, DNS, TLS, reset (reqwest's message, no secret in it).
     #[error("POST {url}: {reason}")]
     Transport {
-        /// The should-join URL.
+        /// The request URL.
         url: Url,
         /// What failed.
         reason: String,
     },
-    /// No complete answer within the bound.
+    /// No complete answer within [`MDMA_TIMEOUT`].
     #[error("POST {url}: no answer within {timeout:?}")]
     Timeout {
-        /// The should-join URL.
+        /// The request URL.
         url: Url,
         /// The bound.
         timeout: Duration,
     },
+    /// An answer with a status that does not count as success.
+    #[error("POST {url}: HTTP {status}")]
+    Status {
+        /// The request URL.
+        url: Url,
+        /// The HTTP status.
+        status: u16,
+    },
+}
+
+impl RequestError {
+    fn from_reqwest(url: &Url, e: &reqwest::Error) -> Self {
+        if e.is_timeout() {
+            RequestError::Timeout {
+                url: url.clone(),
+                timeout: MDMA_TIMEOUT,
+            }
+        } else {
+            RequestError::Transport {
+                url: url.clone(),
+                reason: describe(e),
+            }
+        }
+    }
+}
+
+/// Why a poll failed. Every variant means: skip the whole cycle.
+#[derive(Debug, thiserror::Error)]
+pub enum PollError {
+    /// No answer, a timeout, or a status other than 200 (redirects and 204 included).
+    #[error(transparent)]
+    Request(#[from] RequestError),
     /// The client did not finish within the loop's own deadline.
     #[error("poll gave no answer within {timeout:?}")]
     Deadline {
         /// The deadline.
         timeout: Duration,
-    },
-    /// An answer other than 200 (redirects and 204 included).
-    #[error("POST {url}: HTTP {status}")]
-    Status {
-        /// The should-join URL.
-        url: Url,
-        /// The HTTP status.
-        status: u16,
     },
     /// A 200 whose body is not a valid assignment document.
     #[error("POST {url}: HTTP 200 but {reason}")]
@@ -75,42 +99,19 @@ impl PollError {
     /// `timeout`, `status`, `malformed`.
     pub fn kind(&self) -> &'static str {
         match self {
-            PollError::Transport { .. } => "transport",
-            PollError::Timeout { .. } | PollError::Deadline { .. } => "timeout",
-            PollError::Status { .. } => "status",
+            PollError::Request(RequestError::Transport { .. }) => "transport",
+            PollError::Request(RequestError::Timeout { .. }) | PollError::Deadline { .. } => {
+                "timeout"
+            }
+            PollError::Request(RequestError::Status { .. }) => "status",
             PollError::Malformed { .. } => "malformed",
         }
     }
 }
 
-/// Why a confirm failed: the namespace stays unconfirmed and is confirmed again later.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfirmError {
-    /// No answer.
-    #[error("POST {url}: {reason}")]
-    Transport {
-        /// The confirm URL.
-        url: Url,
-        /// What failed.
-        reason: String,
-    },
-    /// No answer within the bound.
-    #[error("POST {url}: no answer within {timeout:?}")]
-    Timeout {
-        /// The confirm URL.
-        url: Url,
-        /// The bound.
-        timeout: Duration,
-    },
-    /// A non-2xx answer.
-    #[error("POST {url}: HTTP {status}")]
-    Status {
-        /// The confirm URL.
-        url: Url,
-        /// The HTTP status.
-        status: u16,
-    },
-}
+/// Why a confirm failed (no answer, a timeout, or a non-2xx status): the namespace stays
+/// unconfirmed and is confirmed again later.
+pub type ConfirmError = RequestError;
 
 /// Why the MDMA client could not be built.
 #[derive(Debug, thiserror::Error)]
@@ -265,26 +266,15 @@ impl ControlPlane for MdmaClient {
             peer_id: peer_id.as_str(),
             mrtd: mrtd.map(Mrtd::to_hex),
         };
-        let fail = |e: reqwest::Error| {
-            if e.is_timeout() {
-                PollError::Timeout {
-                    url: url.clone(),
-                    timeout: MDMA_TIMEOUT,
-                }
-            } else {
-                PollError::Transport {
-                    url: url.clone(),
-                    reason: describe(&e),
-                }
-            }
-        };
+        let fail = |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, &e));
         let mut resp = self.post(url, &body).send().await.map_err(fail)?;
         let status = resp.status().as_u16();
         if status != 200 {
-            return Err(PollError::Status {
+            return Err(RequestError::Status {
                 url: url.clone(),
                 status,
-            });
+            }
+            .into());
         }
         let mut bytes = Vec::new();
         while let Some(chunk) = resp.chunk().await.map_err(fail)? {
@@ -308,24 +298,16 @@ impl ControlPlane for MdmaClient {
             peer_id: peer_id.as_str(),
             group_id: group_id.to_string(),
         };
-        let resp = self.post(url, &body).send().await.map_err(|e| {
-            if e.is_timeout() {
-                ConfirmError::Timeout {
-                    url: url.clone(),
-                    timeout: MDMA_TIMEOUT,
-                }
-            } else {
-                ConfirmError::Transport {
-                    url: url.clone(),
-                    reason: describe(&e),
-                }
-            }
-        })?;
+        let resp = self
+            .post(url, &body)
+            .send()
+            .await
+            .map_err(|e| RequestError::from_reqwest(url, &e))?;
         let status = resp.status();
         if status.is_success() {
             Ok(())
         } else {
-            Err(ConfirmError::Status {
+            Err(RequestError::Status {
                 url: url.clone(),
                 status: status.as_u16(),
             })

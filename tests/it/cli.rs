@@ -1,7 +1,7 @@
 //! The binary as an operator runs it: exit codes, messages, signals, secrets in output.
 
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX};
@@ -94,17 +94,7 @@ async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
         })
         .await;
         kill(Pid::from_raw(child.id() as i32), signal).unwrap();
-        let t = Instant::now();
-        let status = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s;
-            }
-            assert!(
-                t.elapsed() < Duration::from_secs(15),
-                "{signal} did not stop the daemon"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let status = wait_exit(&mut child, Duration::from_secs(15)).await;
         assert_eq!(status.code(), Some(0), "{signal}");
         let out = child.wait_with_output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);

@@ -95,3 +95,69 @@ pub fn load(sb: &Sandbox) -> State {
         .expect("state readable")
         .unwrap_or_default()
 }
+
+/// Waits for a child process to exit (polling, so the runtime keeps serving the emulators);
+/// panics after `limit`.
+pub async fn wait_exit(
+    child: &mut std::process::Child,
+    limit: Duration,
+) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("child status") {
+            return s;
+        }
+        assert!(
+            t.elapsed() < limit,
+            "the daemon did not stop within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The first `fleet-join` request merod received.
+pub fn first_fleet_join(sb: &Sandbox) -> fleet_sidecar::emulator::merod::CallRecord {
+    sb.merod
+        .calls()
+        .into_iter()
+        .find(|c| c.path == "/admin-api/tee/fleet-join")
+        .expect("a fleet-join call")
+}
+
+/// A merod home (`{dir}/calimero/default/config.toml` with a PeerId) for tests that drive
+/// the loop with in-memory fakes; `config` points the daemon at it.
+pub struct NodeDir {
+    pub dir: tempfile::TempDir,
+}
+
+impl NodeDir {
+    pub fn new() -> Self {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let node = dir.path().join("calimero/default");
+        std::fs::create_dir_all(&node).expect("node dir");
+        std::fs::write(
+            node.join("config.toml"),
+            format!(
+                "[identity]\npeer_id = \"{}\"\n",
+                fleet_sidecar::emulator::sandbox::PEER_ID
+            ),
+        )
+        .expect("merod config");
+        Self { dir }
+    }
+
+    /// A config with the state in `{dir}/state.json`, the MRTD from `{dir}/none` (absent
+    /// unless a test writes it) and `extra` top-level keys.
+    pub fn config(&self, extra: &str) -> fleet_sidecar::config::Config {
+        let d = self.dir.path().display();
+        let text = format!(
+            "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\n{extra}\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n"
+        );
+        fleet_sidecar::config::Config::from_toml(&text, std::path::Path::new("test.toml"))
+            .expect("test config")
+    }
+
+    pub fn state_file(&self) -> std::path::PathBuf {
+        self.dir.path().join("state.json")
+    }
+}

@@ -12,16 +12,17 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
-use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError};
+use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
 use fleet_sidecar::merod::{Admission, MerodError, Node};
 use fleet_sidecar::mrtd::Mrtd;
 use fleet_sidecar::reconcile::Desired;
 use fleet_sidecar::state::StateStore;
 use proptest::prelude::*;
 use tokio_util::sync::CancellationToken;
+
+use crate::common::NodeDir;
 
 #[derive(Clone, Debug)]
 enum Poll {
@@ -95,11 +96,12 @@ impl ControlPlane for Fake {
         let url = url::Url::parse("https://mdma.test/api/fleet/should-join").unwrap();
         let result = match next {
             Poll::Good(a, r) => Ok(desired(&a, &r)),
-            Poll::Transport => Err(PollError::Transport {
+            Poll::Transport => Err(RequestError::Transport {
                 url,
                 reason: "refused".into(),
-            }),
-            Poll::Status => Err(PollError::Status { url, status: 503 }),
+            }
+            .into()),
+            Poll::Status => Err(RequestError::Status { url, status: 503 }.into()),
             Poll::Malformed => Err(PollError::Malformed {
                 url,
                 reason: "bad".into(),
@@ -130,7 +132,7 @@ impl ControlPlane for Fake {
         if ok {
             Ok(())
         } else {
-            Err(ConfirmError::Status {
+            Err(RequestError::Status {
                 url: url::Url::parse("https://mdma.test/api/fleet/confirm").unwrap(),
                 status: 500,
             })
@@ -220,14 +222,6 @@ impl Node for Fake {
     }
 }
 
-fn config(dir: &std::path::Path, leave_after: u32) -> Config {
-    let d = dir.display();
-    let text = format!(
-        "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\nleave_after_polls = {leave_after}\nmass_drop_hold = \"30s\"\njoin_timeout = \"20s\"\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n"
-    );
-    Config::from_toml(&text, std::path::Path::new("test.toml")).unwrap()
-}
-
 fn poll() -> impl Strategy<Value = Poll> {
     let set = || prop::collection::btree_set(1u8..7, 0..6);
     prop_oneof![
@@ -260,17 +254,10 @@ fn history(
         .start_paused(true)
         .build()
         .unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let node = dir.path().join("calimero/default");
-    std::fs::create_dir_all(&node).unwrap();
-    std::fs::write(
-        node.join("config.toml"),
-        format!(
-            "[identity]\npeer_id = \"{}\"\n",
-            fleet_sidecar::emulator::sandbox::PEER_ID
-        ),
-    )
-    .unwrap();
+    let node = NodeDir::new();
+    let cfg = node.config(&format!(
+        "leave_after_polls = {leave_after}\nmass_drop_hold = \"30s\"\njoin_timeout = \"20s\""
+    ));
     let fake = Fake::default();
     let scripted = polls.len();
     fake.with(|w| {
@@ -279,16 +266,12 @@ fn history(
         w.confirms = confirms;
         w.leaves = leaves;
     });
-    let state_path = dir.path().join("state.json");
+    let state_path = node.state_file();
     let mut confirmed_outside_admitted = Vec::new();
     rt.block_on(async {
         let deps = Deps::new(Arc::new(fake.clone()), Arc::new(fake.clone()));
         let stop = CancellationToken::new();
-        let task = tokio::spawn(daemon::run(
-            config(dir.path(), leave_after),
-            deps,
-            stop.clone(),
-        ));
+        let task = tokio::spawn(daemon::run(cfg, deps, stop.clone()));
         // The scripted polls (a hung one takes the 11 s deadline), checking the state as it goes.
         while fake.with(|w| w.counters[0]) < scripted {
             tokio::time::sleep(Duration::from_millis(500)).await;

@@ -30,17 +30,6 @@ async fn get(url: &str) -> (u16, String) {
     (resp.status().as_u16(), resp.text().await.unwrap())
 }
 
-fn wait_exit(child: &mut std::process::Child, limit: Duration) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            return s;
-        }
-        assert!(t.elapsed() < limit, "the daemon did not stop");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// Receives notify datagrams (one message per line) into `got` until `done` holds.
 async fn read_until(
     socket: &tokio::net::UnixDatagram,
@@ -112,7 +101,7 @@ async fn systemd_gets_ready_status_watchdog_and_stopping() {
         g.iter().any(|m| m == "STOPPING=1")
     })
     .await;
-    assert_eq!(wait_exit(&mut child, LIMIT).code(), Some(0));
+    assert_eq!(wait_exit(&mut child, LIMIT).await.code(), Some(0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +332,7 @@ async fn the_status_command_shows_state_and_live_status() {
     assert_eq!(report["live"]["phase"], "running");
     assert!(report["live"]["pending_leaves"][B].is_string(), "{report}");
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    wait_exit(&mut child, LIMIT);
+    wait_exit(&mut child, LIMIT).await;
     // Daemon stopped: the state file alone, and a clear word about the live part.
     let out = Command::new(BIN)
         .args(["--config", cfg.to_str().unwrap(), "status"])
@@ -436,7 +425,7 @@ async fn json_logs_sighup_reopen_and_no_token_anywhere() {
     })
     .await;
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    assert_eq!(wait_exit(&mut child, LIMIT).code(), Some(0));
+    assert_eq!(wait_exit(&mut child, LIMIT).await.code(), Some(0));
     let out = child.wait_with_output().unwrap();
     let old = std::fs::read_to_string(&rotated).unwrap();
     let new = std::fs::read_to_string(sb.log_file()).unwrap();

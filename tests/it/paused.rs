@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
-use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError};
+use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
 use fleet_sidecar::merod::{Admission, MerodError, Node};
 use fleet_sidecar::mrtd::Mrtd;
 use fleet_sidecar::reconcile::Desired;
@@ -46,10 +46,11 @@ impl ControlPlane for Fake {
             w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
             w.mdma_down
         }) {
-            return Err(PollError::Status {
+            return Err(RequestError::Status {
                 url: url::Url::parse("https://mdma.test/api/fleet/should-join").unwrap(),
                 status: 503,
-            });
+            }
+            .into());
         }
         Ok(self.with(|w| Desired {
             assigned: w.assigned.clone(),
@@ -93,31 +94,18 @@ impl Node for Fake {
 }
 
 struct Node0 {
-    dir: tempfile::TempDir,
+    node: NodeDir,
 }
 
 impl Node0 {
     fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let node = dir.path().join("calimero/default");
-        std::fs::create_dir_all(&node).unwrap();
-        std::fs::write(
-            node.join("config.toml"),
-            format!(
-                "[identity]\npeer_id = \"{}\"\n",
-                fleet_sidecar::emulator::sandbox::PEER_ID
-            ),
-        )
-        .unwrap();
-        Self { dir }
+        Self {
+            node: NodeDir::new(),
+        }
     }
 
     fn config(&self, extra: &str) -> Config {
-        let d = self.dir.path().display();
-        let text = format!(
-            "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\n{extra}\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n"
-        );
-        Config::from_toml(&text, std::path::Path::new("test.toml")).unwrap()
+        self.node.config(extra)
     }
 
     fn seed(&self, held: &BTreeSet<GroupId>) {
@@ -126,13 +114,13 @@ impl Node0 {
             confirmed: held.clone(),
             absent_polls: Default::default(),
         };
-        StateStore::new(self.dir.path().join("state.json"))
+        StateStore::new(self.node.state_file())
             .save(&state)
             .unwrap();
     }
 
     fn state(&self) -> State {
-        StateStore::new(self.dir.path().join("state.json"))
+        StateStore::new(self.node.state_file())
             .load()
             .unwrap()
             .unwrap_or_default()
@@ -265,7 +253,7 @@ async fn an_mrtd_that_appears_later_is_picked_up_within_minutes() {
     let (stop, h) = run(&fake, node.config(""));
     tokio::time::sleep(Duration::from_secs(10)).await;
     // A later module load makes the attribute appear.
-    std::fs::write(node.dir.path().join("none"), [7u8; 48]).unwrap();
+    std::fs::write(node.node.dir.path().join("none"), [7u8; 48]).unwrap();
     tokio::time::sleep(Duration::from_secs(300)).await;
     stop.cancel();
     h.await.unwrap();

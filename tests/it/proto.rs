@@ -55,12 +55,7 @@ async fn the_requests_are_what_the_clients_send() {
     let confirm = &sb.mdma.confirms()[0];
     let sent = serde_json::json!({"peer_id": confirm.peer_id, "group_id": confirm.group_id});
     assert_eq!(sent, json(&proto("mdma-confirm.request.json")));
-    let join = sb
-        .merod
-        .calls()
-        .into_iter()
-        .find(|c| c.path == "/admin-api/tee/fleet-join")
-        .unwrap();
+    let join = first_fleet_join(&sb);
     assert_eq!(
         json(&join.body),
         json(&proto("merod-fleet-join.request.json"))

@@ -25,12 +25,7 @@ async fn joins_confirms_and_records_both() {
     assert_eq!(poll.peer_id.as_deref(), Some(PEER_ID));
     assert_eq!(poll.mrtd.as_deref(), Some(MRTD_HEX));
     // fleet-join went out as merod wants it: camelCase body, JSON content type.
-    let join = sb
-        .merod
-        .calls()
-        .into_iter()
-        .find(|c| c.path == "/admin-api/tee/fleet-join")
-        .unwrap();
+    let join = first_fleet_join(&sb);
     assert!(join.body.contains("\"groupId\""), "{}", join.body);
     assert_eq!(join.status, 200);
 }

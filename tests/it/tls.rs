@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::ids::PeerId;
-use fleet_sidecar::mdma::{ControlPlane, MdmaClient, MdmaClientError, PollError};
+use fleet_sidecar::mdma::{ControlPlane, MdmaClient, MdmaClientError, PollError, RequestError};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
@@ -111,7 +111,10 @@ async fn a_private_ca_file_is_trusted_and_nothing_else_is() {
     // Without the CA file the same server is refused: verification is never off.
     let untrusted = MdmaClient::new(&url, None, None).unwrap();
     let err = untrusted.should_join(&peer(), None).await.unwrap_err();
-    assert!(matches!(err, PollError::Transport { .. }), "{err}");
+    assert!(
+        matches!(err, PollError::Request(RequestError::Transport { .. })),
+        "{err}"
+    );
     assert!(
         err.to_string().to_lowercase().contains("certificate"),
         "{err}"
