@@ -453,33 +453,23 @@ impl RawConfig {
         let leave_timeout = nonzero("leave_timeout", self.leave_timeout)?;
         let ready_max_poll_age = nonzero("ready_max_poll_age", self.ready_max_poll_age)?;
         let max_backoff = nonzero("max_backoff", self.max_backoff)?;
-        if self.leave_after_polls == 0 {
-            return Err(invalid(
-                "leave_after_polls",
-                "0".to_owned(),
-                "must be at least 1".to_owned(),
-            ));
-        }
-        if self.max_leaves_per_minute == 0 {
-            return Err(invalid(
+        for (key, value, why) in [
+            ("leave_after_polls", self.leave_after_polls as usize, ""),
+            (
                 "max_leaves_per_minute",
-                "0".to_owned(),
-                "must be at least 1 (0 would block every leave forever)".to_owned(),
-            ));
-        }
-        if self.max_concurrent_joins == 0 {
-            return Err(invalid(
-                "max_concurrent_joins",
-                "0".to_owned(),
-                "must be at least 1".to_owned(),
-            ));
-        }
-        if self.mass_drop_min == 0 {
-            return Err(invalid(
-                "mass_drop_min",
-                "0".to_owned(),
-                "must be at least 1".to_owned(),
-            ));
+                self.max_leaves_per_minute as usize,
+                " (0 would block every leave forever)",
+            ),
+            ("max_concurrent_joins", self.max_concurrent_joins, ""),
+            ("mass_drop_min", self.mass_drop_min, ""),
+        ] {
+            if value == 0 {
+                return Err(invalid(
+                    key,
+                    "0".to_owned(),
+                    format!("must be at least 1{why}"),
+                ));
+            }
         }
         self.tdx.validate().map_err(|e| {
             invalid(
@@ -701,6 +691,9 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             ("leave_after_polls = 0", "leave_after_polls"),
             ("max_leaves_per_minute = 0", "max_leaves_per_minute"),
             ("max_concurrent_joins = 0", "max_concurrent_joins"),
+            ("mass_drop_min = 0", "mass_drop_min"),
+            ("max_backoff = \"0s\"", "max_backoff"),
+            ("ready_max_poll_age = \"0s\"", "ready_max_poll_age"),
             ("join_timeout = \"0s\"", "join_timeout"),
             ("fleet_token = \"\"", "fleet_token"),
             ("[merod]\nadmin_url = \"unix:/x\"", "merod.admin_url"),
