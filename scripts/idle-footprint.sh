@@ -7,14 +7,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
 cargo build --release --locked --quiet --bin fleet-sidecar --example sandbox
+bin=${CARGO_TARGET_DIR:-target}/release
 out=$(mktemp)
-target/release/examples/sandbox >"$out" &
+"$bin/examples/sandbox" >"$out" &
 emu=$!
 trap 'kill "$emu" 2>/dev/null || true; [ -n "${pid:-}" ] && kill "$pid" 2>/dev/null || true; rm -f "$out"' EXIT
 for _ in $(seq 50); do grep -q '^STATE=' "$out" && break; sleep 0.1; done
 config=$(sed -n 's/^CONFIG=//p' "$out")
 state=$(sed -n 's/^STATE=//p' "$out")
-target/release/fleet-sidecar --config "$config" run 2>/dev/null &
+"$bin/fleet-sidecar" --config "$config" run 2>/dev/null &
 pid=$!
 # Let it join and confirm, then measure from a settled start.
 for _ in $(seq 100); do [ -s "$state" ] && grep -q confirmed "$state" && break; sleep 0.1; done
