@@ -7,6 +7,7 @@ mod contract;
 mod heartbeat;
 mod history;
 mod operability;
+mod packaging;
 mod paused;
 mod poll_gate;
 mod proto;
