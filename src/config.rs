@@ -45,9 +45,19 @@ impl fmt::Debug for Secret {
 }
 
 impl<'de> Deserialize<'de> for Secret {
+    /// A string. Anything else is refused without echoing the value (an unquoted token
+    /// that parses as a number must not appear in the error).
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        String::deserialize(d).map(Secret)
+        match toml::Value::deserialize(d)? {
+            toml::Value::String(s) => Ok(Secret(s)),
+            _ => Err(serde::de::Error::custom("must be a quoted string")),
+        }
     }
+}
+
+/// Whether a token can be sent as an HTTP header value (no control chars, no line break).
+fn header_safe(token: &str) -> bool {
+    reqwest::header::HeaderValue::from_str(token).is_ok()
 }
 
 /// The config file as written, before validation. Every key is optional except
@@ -390,6 +400,26 @@ impl RawConfig {
                 "is empty: leave the key out to send no token".to_owned(),
             ));
         }
+        if self
+            .fleet_token
+            .as_ref()
+            .is_some_and(|t| !header_safe(t.expose()))
+        {
+            return Err(invalid(
+                "fleet_token",
+                String::new(),
+                "holds characters not allowed in an HTTP header (a control char or line break)"
+                    .to_owned(),
+            ));
+        }
+        if self.fleet_token.is_some() {
+            if let Some(mode) = group_or_world_readable(path) {
+                warnings.push(format!(
+                    "config file {} holds fleet_token and is readable by group or others (mode {mode:04o}): chmod 600 it, or use fleet_token_file",
+                    path.display()
+                ));
+            }
+        }
         let fleet_token = match (self.fleet_token, &self.fleet_token_file) {
             (Some(_), Some(file)) => {
                 return Err(invalid(
@@ -413,6 +443,23 @@ impl RawConfig {
                 )
             })?),
         };
+        if let Some(addr) = status_listen.filter(|a| !a.ip().is_loopback()) {
+            warnings.push(format!(
+                "status_listen {addr} is not a loopback address: the listener has no authentication"
+            ));
+        }
+        for (key, p) in [
+            ("state_file", &self.state_file),
+            ("log_file", &self.log_file),
+        ] {
+            if p.as_os_str().is_empty() || p.file_name().is_none() {
+                return Err(invalid(
+                    key,
+                    p.display().to_string(),
+                    "must be a file path".to_owned(),
+                ));
+            }
+        }
 
         let admin_url = match self.merod.admin_url {
             None => None,
@@ -472,11 +519,8 @@ impl RawConfig {
             }
         }
         self.tdx.validate().map_err(|e| {
-            invalid(
-                "tdx.sources",
-                format!("{:?}", self.tdx.sources),
-                e.to_string(),
-            )
+            let names: Vec<&str> = self.tdx.sources.iter().map(|s| s.as_str()).collect();
+            invalid("tdx.sources", names.join(", "), e.to_string())
         })?;
 
         Ok(Config {
@@ -531,7 +575,20 @@ fn read_token_file(path: &Path) -> Result<Secret, String> {
     if token.is_empty() {
         return Err("is empty".to_owned());
     }
+    if !header_safe(token) {
+        return Err(
+            "holds characters not allowed in an HTTP header (a control char, or a second line)"
+                .to_owned(),
+        );
+    }
     Ok(Secret::new(token))
+}
+
+/// The file's mode if group or others may read it; `None` if private or not readable.
+fn group_or_world_readable(path: &Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o044 != 0).then_some(mode)
 }
 
 /// Parses a base URL and makes sure its path ends in `/`, so joining `api/fleet/...` keeps
@@ -699,6 +756,12 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             ("[merod]\nadmin_url = \"unix:/x\"", "merod.admin_url"),
             ("[merod]\nnode = \"a/b\"", "merod.node"),
             ("[tdx]\nsources = []", "tdx.sources"),
+            (
+                "[tdx]\nsources = [\"sysfs\", \"sysfs\"]",
+                "\"sysfs, sysfs\"",
+            ),
+            ("state_file = \"\"", "state_file"),
+            ("log_file = \"\"", "log_file"),
         ] {
             let err = load(&format!("mdma_url = \"https://m\"\n{text}")).unwrap_err();
             assert!(err.to_string().contains(key), "{text}: {err}");
@@ -776,6 +839,71 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         assert!(err.to_string().contains("status_listen"), "{err}");
         let err = load("mdma_url = \"https://m\"\nlog_format = \"xml\"").unwrap_err();
         assert!(err.to_string().contains("log_format"), "{err}");
+    }
+
+    #[test]
+    fn an_unsendable_or_unquoted_token_is_refused_without_echo() {
+        for (line, want) in [
+            ("fleet_token = \"SUPER\\nSECRET\"", "HTTP header"),
+            ("fleet_token = 123456789", "quoted string"),
+            ("fleet_token = 1500.25", "quoted string"),
+        ] {
+            let err = load(&format!("mdma_url = \"https://m\"\n{line}"))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("fleet_token") && err.contains(want),
+                "{line}: {err}"
+            );
+            for secret in ["SUPER", "SECRET", "123456789", "1500"] {
+                assert!(!err.contains(secret), "{line}: {err}");
+            }
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "LINE1\nLINE2\n").unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let text = format!(
+            "mdma_url = \"https://m\"\nfleet_token_file = \"{}\"",
+            file.display()
+        );
+        let err = load(&text).unwrap_err().to_string();
+        assert!(
+            err.contains("second line") && !err.contains("LINE1"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn warnings_for_a_readable_config_with_a_token_and_a_public_listener() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(
+            &path,
+            "mdma_url = \"https://m\"\nfleet_token = \"t\"\nstatus_listen = \"0.0.0.0:9464\"",
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let cfg = Config::load(&path).unwrap();
+        assert!(
+            cfg.warnings.iter().any(|w| w.contains("chmod 600")),
+            "{:?}",
+            cfg.warnings
+        );
+        assert!(
+            cfg.warnings.iter().any(|w| w.contains("not a loopback")),
+            "{:?}",
+            cfg.warnings
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let cfg = Config::load(&path).unwrap();
+        assert!(
+            !cfg.warnings.iter().any(|w| w.contains("chmod 600")),
+            "{:?}",
+            cfg.warnings
+        );
     }
 
     #[test]

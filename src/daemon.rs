@@ -105,7 +105,21 @@ pub enum DaemonError {
     /// The PeerId could not be read (after one retry).
     #[error(transparent)]
     Identity(#[from] IdentityError),
+    /// merod's admin API did not answer within the wait allowed (`once` only).
+    #[error("merod's admin API did not answer within {waited:?}: {last}")]
+    MerodNotReady {
+        /// How long it was waited for.
+        waited: Duration,
+        /// What the last probe saw.
+        last: String,
+    },
+    /// `once` ended with changes the state file could not record.
+    #[error("the cycle ran but its outcome could not be persisted: {0}")]
+    NotPersisted(String),
 }
+
+/// How long `once` waits for merod's admin API before giving up.
+pub const ONCE_MEROD_WAIT: Duration = Duration::from_secs(60);
 
 /// How one cycle went.
 #[derive(Debug)]
@@ -224,43 +238,62 @@ pub struct Sidecar {
 /// Errors: [`DaemonError`] for an unusable state file or an unreadable PeerId. A shutdown
 /// before merod answered returns `Ok`.
 pub async fn run(cfg: Config, deps: Deps, shutdown: CancellationToken) -> Result<(), DaemonError> {
-    let Some(mut sidecar) = Sidecar::start(cfg, deps, shutdown).await? else {
+    let Some(mut sidecar) = Sidecar::start(cfg, deps, shutdown, None).await? else {
         return Ok(());
     };
     sidecar.run_loop().await;
     Ok(())
 }
 
-/// One full cycle (`fleet-sidecar once`): start as [`run`] does, poll once, run the
-/// planned joins and leaves to their end, persist.
+/// One full cycle (`fleet-sidecar once`): start as [`run`] does (but wait at most
+/// [`ONCE_MEROD_WAIT`] for merod), poll once, run the planned joins and leaves to their
+/// end, persist.
 ///
-/// Errors: as [`run`]. `Ok(None)` when shut down before the cycle.
+/// Errors: as [`run`], [`DaemonError::MerodNotReady`], and [`DaemonError::NotPersisted`]
+/// when the state could not be written. `Ok(None)` when shut down before the cycle.
 pub async fn once(
     cfg: Config,
     deps: Deps,
     shutdown: CancellationToken,
 ) -> Result<Option<CycleOutcome>, DaemonError> {
-    let Some(mut sidecar) = Sidecar::start(cfg, deps, shutdown).await? else {
+    let Some(mut sidecar) = Sidecar::start(cfg, deps, shutdown, Some(ONCE_MEROD_WAIT)).await?
+    else {
         return Ok(None);
     };
     let outcome = sidecar.cycle().await;
     sidecar.drain(None).await;
-    Ok(Some(outcome))
+    match sidecar.persist_error.take() {
+        Some(e) => Err(DaemonError::NotPersisted(e)),
+        None => Ok(Some(outcome)),
+    }
 }
 
-/// Probes merod every [`PROBE_INTERVAL`] until it answers; logs one line per change of
-/// what it sees, and reports each probe as a heartbeat. `false` if shut down first.
+/// How waiting for merod ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// merod answered.
+    Ready,
+    /// Shut down first.
+    ShutDown,
+    /// `limit` passed; the last probe saw this.
+    GaveUp(String),
+}
+
+/// Probes merod every [`PROBE_INTERVAL`] until it answers (or `limit`, if any, passes);
+/// logs one line per change of what it sees, and reports each probe as a heartbeat.
 pub async fn wait_for_merod(
     merod: &dyn Node,
     telemetry: &Telemetry,
     shutdown: &CancellationToken,
-) -> bool {
+    limit: Option<Duration>,
+) -> Readiness {
     let mut last: Option<String> = None;
+    let deadline = limit.map(|l| Instant::now() + l);
     loop {
         let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
             Ok(Ok(())) => {
                 info!("merod admin API answers");
-                return true;
+                return Readiness::Ready;
             }
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
@@ -274,9 +307,12 @@ pub async fn wait_for_merod(
             info!("waiting for merod: {reason}");
             last = Some(reason);
         }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Readiness::GaveUp(last.unwrap_or_default());
+        }
         tokio::select! {
             () = tokio::time::sleep(PROBE_INTERVAL) => {}
-            () = shutdown.cancelled() => return false,
+            () = shutdown.cancelled() => return Readiness::ShutDown,
         }
     }
 }
@@ -300,14 +336,16 @@ async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, String> {
 }
 
 impl Sidecar {
-    /// Loads the state, waits for merod, reads the PeerId (one retry) and the MRTD
-    /// (logged once if unreadable: polls then carry the PeerId only).
+    /// Loads the state and checks it can be written, waits for merod (for at most
+    /// `merod_wait`, if set), reads the PeerId (one retry) and the MRTD (logged once if
+    /// unreadable: polls then carry the PeerId only).
     ///
     /// Errors: [`DaemonError`]. `Ok(None)` when shut down while waiting for merod.
     pub async fn start(
         cfg: Config,
         deps: Deps,
         shutdown: CancellationToken,
+        merod_wait: Option<Duration>,
     ) -> Result<Option<Self>, DaemonError> {
         let mut store = StateStore::new(&cfg.state_file);
         let state = match store.load()? {
@@ -330,8 +368,18 @@ impl Sidecar {
         telemetry.update(|st| st.dry_run = cfg.dry_run);
         if cfg.dry_run {
             warn!("dry run: polling and logging plans only; merod is not called, nothing is confirmed, the state file is not written");
-        } else if !wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown).await {
-            return Ok(None);
+        } else {
+            store.check_writable()?;
+            match wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown, merod_wait).await {
+                Readiness::Ready => {}
+                Readiness::ShutDown => return Ok(None),
+                Readiness::GaveUp(last) => {
+                    return Err(DaemonError::MerodNotReady {
+                        waited: merod_wait.unwrap_or_default(),
+                        last,
+                    })
+                }
+            }
         }
 
         let peer_config = cfg.merod.config_toml();

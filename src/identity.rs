@@ -44,8 +44,9 @@ pub enum IdentityError {
         /// The I/O error.
         source: std::io::Error,
     },
-    /// The file is not TOML (only the parser's message is kept: the file holds a secret).
-    #[error("merod config {path} is not valid TOML: {message}")]
+    /// The file is not TOML, or a key has the wrong type (only the parser's message is
+    /// kept: the file holds a secret).
+    #[error("merod config {path} cannot be read: {message}")]
     Parse {
         /// merod's config.toml.
         path: PathBuf,

@@ -23,6 +23,8 @@ use fleet_sidecar::{notify, status};
 const EXIT_FAILURE: u8 = 1;
 /// Exit code of `once` when the poll failed (nothing was joined or left).
 const EXIT_POLL_FAILED: u8 = 3;
+/// Exit code for a bad command line (as clap uses).
+const EXIT_USAGE: u8 = 2;
 /// Exit code for an unusable config file (sysexits EX_CONFIG).
 const EXIT_CONFIG: u8 = 78;
 
@@ -30,9 +32,9 @@ const EXIT_CONFIG: u8 = 78;
 #[derive(Parser, Debug)]
 #[command(name = "fleet-sidecar", version, about, long_about = None)]
 struct Cli {
-    /// The config file (TOML).
-    #[arg(long, global = true, default_value = DEFAULT_CONFIG_PATH, value_name = "PATH")]
-    config: PathBuf,
+    /// The config file (TOML) [default: /etc/calimero/fleet-sidecar.toml].
+    #[arg(long, global = true, value_name = "PATH")]
+    config: Option<PathBuf>,
     /// Poll and log the plan only: merod is not called, nothing is confirmed, the state
     /// file is not written (with `run` or `once`).
     #[arg(long, global = true)]
@@ -68,10 +70,18 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    match cli.command.unwrap_or(Command::Run) {
-        Command::Mrtd { tdreport, quote } => mrtd_command(&cli.config, tdreport, quote),
+    let command = cli.command.unwrap_or(Command::Run);
+    if cli.dry_run && !matches!(command, Command::Run | Command::Once) {
+        eprintln!("fleet-sidecar: --dry-run goes with run or once");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    match command {
+        Command::Mrtd { tdreport, quote } => mrtd_command(cli.config.as_deref(), tdreport, quote),
         command => {
-            let mut cfg = match Config::load(&cli.config) {
+            let path = cli
+                .config
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+            let mut cfg = match Config::load(&path) {
                 Ok(c) => c,
                 Err(e) => {
                     eprintln!("fleet-sidecar: {e}");
@@ -109,22 +119,12 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
     for w in &cfg.warnings {
         warn!("{w}");
     }
-    let admin_url = match &cfg.merod.admin_url {
-        Some(u) => u.clone(),
-        None => match admin_url_from_merod_config(&cfg.merod.config_toml()) {
-            Ok(Some(u)) => u,
-            Ok(None) => match DEFAULT_ADMIN_URL.parse() {
-                Ok(u) => u,
-                Err(e) => {
-                    error!("built-in admin URL is invalid: {e}");
-                    return ExitCode::from(EXIT_FAILURE);
-                }
-            },
-            Err(e) => {
-                error!("{e}");
-                return ExitCode::from(EXIT_CONFIG);
-            }
-        },
+    let admin_url = match admin_url(&cfg) {
+        Ok(u) => u,
+        Err(e) => {
+            error!("built-in admin URL is invalid: {e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
     };
     let mdma = match MdmaClient::new(
         &cfg.mdma_url,
@@ -208,6 +208,29 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
     }
 }
 
+/// merod's admin URL: `[merod].admin_url`, else `[server].listen[0]` of merod's config.toml,
+/// else the default — saying why when it falls back (a wrong `[merod].home` shows here
+/// first; the PeerId read then fails loudly).
+fn admin_url(cfg: &Config) -> Result<url::Url, url::ParseError> {
+    if let Some(u) = &cfg.merod.admin_url {
+        return Ok(u.clone());
+    }
+    let merod_config = cfg.merod.config_toml();
+    match admin_url_from_merod_config(&merod_config) {
+        Ok(Some(u)) => return Ok(u),
+        Ok(None) if !merod_config.exists() => warn!(
+            "merod config {} not found (is [merod] home/node right?): using {DEFAULT_ADMIN_URL}",
+            merod_config.display()
+        ),
+        Ok(None) => info!(
+            "merod config {} has no [server].listen: using {DEFAULT_ADMIN_URL}",
+            merod_config.display()
+        ),
+        Err(e) => warn!("{e}; using {DEFAULT_ADMIN_URL}"),
+    }
+    DEFAULT_ADMIN_URL.parse()
+}
+
 /// `fleet-sidecar status`: the state file and, if the listener is on, the live status.
 async fn status_command(cfg: &Config, json: bool) -> ExitCode {
     let report = status::report(cfg).await;
@@ -256,17 +279,54 @@ fn spawn_signal_handler(
     Ok(())
 }
 
-/// `fleet-sidecar mrtd`: read (or parse offline) and print the MRTD with its source.
+/// Largest file `mrtd --tdreport/--quote` reads (real quotes are a few KiB).
+const OFFLINE_LIMIT: u64 = 1 << 20;
+
+/// Reads at most [`OFFLINE_LIMIT`] bytes of `path`; a larger file is an error.
+fn read_offline(path: &std::path::Path) -> Result<Vec<u8>, String> {
+    use std::io::Read;
+    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let mut bytes = Vec::new();
+    file.take(OFFLINE_LIMIT + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| e.to_string())?;
+    if bytes.len() as u64 > OFFLINE_LIMIT {
+        return Err(format!(
+            "larger than {OFFLINE_LIMIT} bytes: not a TDREPORT or quote"
+        ));
+    }
+    Ok(bytes)
+}
+
+/// A saved TDREPORT is exactly what `TDX_CMD_GET_REPORT0` returns: 1024 bytes.
+fn parse_saved_tdreport(bytes: &[u8]) -> Result<fleet_sidecar::mrtd::Mrtd, String> {
+    if bytes.len() != fleet_sidecar::mrtd::TDREPORT_LEN {
+        return Err(format!(
+            "a TDREPORT is {} bytes, this file is {}",
+            fleet_sidecar::mrtd::TDREPORT_LEN,
+            bytes.len()
+        ));
+    }
+    parse_tdreport(bytes).map_err(|e| e.to_string())
+}
+
+fn parse_saved_quote(bytes: &[u8]) -> Result<fleet_sidecar::mrtd::Mrtd, String> {
+    parse_quote(bytes).map_err(|e| e.to_string())
+}
+
+/// `fleet-sidecar mrtd`: read (or parse offline) and print the MRTD with its source. With
+/// no `--config`, the default config file is used if it exists, else the default sources.
 fn mrtd_command(
-    config: &std::path::Path,
+    config: Option<&std::path::Path>,
     tdreport: Option<PathBuf>,
     quote: Option<PathBuf>,
 ) -> ExitCode {
+    type Parser = fn(&[u8]) -> Result<fleet_sidecar::mrtd::Mrtd, String>;
     let offline = tdreport
-        .map(|p| (p, "tdreport", parse_tdreport as fn(&[u8]) -> _))
-        .or_else(|| quote.map(|p| (p, "quote", parse_quote as fn(&[u8]) -> _)));
+        .map(|p| (p, "tdreport", parse_saved_tdreport as Parser))
+        .or_else(|| quote.map(|p| (p, "quote", parse_saved_quote as Parser)));
     if let Some((path, kind, parse)) = offline {
-        let bytes = match std::fs::read(&path) {
+        let bytes = match read_offline(&path) {
             Ok(b) => b,
             Err(e) => {
                 eprintln!("fleet-sidecar: cannot read {}: {e}", path.display());
@@ -284,16 +344,18 @@ fn mrtd_command(
             }
         };
     }
-    let tdx = if config.exists() {
-        match Config::load(config) {
-            Ok(c) => c.tdx,
-            Err(e) => {
-                eprintln!("fleet-sidecar: {e}");
-                return ExitCode::from(EXIT_CONFIG);
-            }
+    let default = std::path::Path::new(DEFAULT_CONFIG_PATH);
+    let path = match config {
+        Some(p) => Some(p),
+        None => default.exists().then_some(default),
+    };
+    let tdx = match path.map(Config::load) {
+        None => TdxConfig::default(),
+        Some(Ok(c)) => c.tdx,
+        Some(Err(e)) => {
+            eprintln!("fleet-sidecar: {e}");
+            return ExitCode::from(EXIT_CONFIG);
         }
-    } else {
-        TdxConfig::default()
     };
     match read_mrtd(&tdx) {
         Ok(r) => {

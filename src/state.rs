@@ -124,8 +124,19 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
         path: path.to_owned(),
         reason,
     };
-    let doc: DocumentIn = serde_json::from_slice(bytes)
-        .map_err(|e| corrupt(format!("not a JSON object or array of 64-hex ids ({e})")))?;
+    let doc: DocumentIn = match serde_json::from_slice(bytes) {
+        Ok(doc) => doc,
+        Err(e) => {
+            let detail = match serde_json::from_slice::<serde_json::Value>(bytes) {
+                Err(json) => format!("not JSON ({json})"),
+                Ok(serde_json::Value::Array(_)) => "an array, but not of 64-hex ids".to_owned(),
+                Ok(other) => format!("a JSON {} ({e})", json_kind(&other)),
+            };
+            return Err(corrupt(format!(
+                "expected an object with \"version\" or an array of 64-hex ids, found {detail}"
+            )));
+        }
+    };
     let mut map = match doc {
         DocumentIn::Bare(confirmed) => {
             return Ok(State {
@@ -160,6 +171,17 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
         }
     };
     Ok(state.normalize())
+}
+
+fn json_kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "boolean",
+        serde_json::Value::Number(_) => "number",
+        serde_json::Value::String(_) => "string",
+        serde_json::Value::Array(_) => "array",
+        serde_json::Value::Object(_) => "object",
+    }
 }
 
 /// Renders the current-version document (pretty JSON, trailing newline).
@@ -215,6 +237,30 @@ impl StateStore {
         Ok(Some(state))
     }
 
+    /// Checks that the state can be written: the directory exists (it is created if
+    /// missing) and a file can be created in it. Run before anything is joined, so a
+    /// read-only or wrong `state_file` stops the daemon instead of admissions that can never
+    /// be recorded.
+    ///
+    /// Errors: [`StateError::Write`] naming the failed step.
+    pub fn check_writable(&self) -> Result<(), StateError> {
+        let err = |step: &'static str| {
+            move |source: std::io::Error| StateError::Write {
+                path: self.path.clone(),
+                step,
+                source,
+            }
+        };
+        let dir = parent_dir(&self.path);
+        std::fs::create_dir_all(dir).map_err(err("create directory"))?;
+        tempfile::Builder::new()
+            .prefix(".fleet-confirmed.")
+            .suffix(".probe")
+            .tempfile_in(dir)
+            .map(drop)
+            .map_err(err("create a file in the directory"))
+    }
+
     /// Writes `state` if its document differs from what the file holds; returns whether it
     /// wrote. Atomic: a crash at any point leaves either the old or the new document.
     ///
@@ -238,10 +284,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
             source,
         }
     };
-    let dir = match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
-    };
+    let dir = parent_dir(path);
     std::fs::create_dir_all(dir).map_err(err("create directory"))?;
     let mut tmp = tempfile::Builder::new()
         .prefix(".fleet-confirmed.")
@@ -256,6 +299,14 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
         .and_then(|d| d.sync_all())
         .map_err(err("fsync directory"))?;
     Ok(())
+}
+
+/// The directory a state file lives in (`.` for a bare file name).
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
 }
 
 /// The state holds no secret: make it readable (0644) for `fleet-sidecar status` and
@@ -412,6 +463,40 @@ mod tests {
                 String::from_utf8_lossy(bytes)
             );
         }
+    }
+
+    #[test]
+    fn writability_is_checked_before_anything_happens() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = StateStore::new(dir.path().join("new").join("fleet-confirmed.json"));
+        ok.check_writable().unwrap();
+        assert!(dir.path().join("new").is_dir());
+        assert_eq!(
+            std::fs::read_dir(dir.path().join("new")).unwrap().count(),
+            0
+        );
+        // A file where the directory should be: even root cannot write there.
+        std::fs::write(dir.path().join("blocker"), "").unwrap();
+        let bad = StateStore::new(dir.path().join("blocker").join("fleet-confirmed.json"));
+        let err = bad.check_writable().unwrap_err().to_string();
+        assert!(
+            err.contains("blocker") && err.contains("create directory"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn corrupt_messages_say_what_was_found() {
+        let p = Path::new("s.json");
+        let msg = |b: &[u8]| parse_state(b, p).unwrap_err().to_string();
+        assert!(
+            msg(b"null").contains("found a JSON null"),
+            "{}",
+            msg(b"null")
+        );
+        assert!(msg(b"7").contains("found a JSON number"));
+        assert!(msg(b"[1]").contains("an array, but not of 64-hex ids"));
+        assert!(msg(b"{").contains("not JSON"));
     }
 
     #[test]

@@ -166,7 +166,7 @@ async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, String> {
         .get(&url)
         .send()
         .await
-        .map_err(|e| format!("GET {url}: {e}"))?;
+        .map_err(|e| format!("GET {url}: {e} (is the daemon running?)"))?;
     if !resp.status().is_success() {
         return Err(format!("GET {url}: HTTP {}", resp.status().as_u16()));
     }
@@ -216,7 +216,7 @@ pub fn render_text(r: &Report, now: f64) -> String {
     }
     match (&r.live, &r.live_error) {
         (Some(l), _) => {
-            out.push_str(&format!("live: {:?}: {}\n", l.phase, l.summary(now)));
+            out.push_str(&format!("live: {}: {}\n", l.phase, l.summary(now)));
             if let Some(p) = &l.peer_id {
                 out.push_str(&format!("  peer id: {p}\n"));
             }

@@ -53,7 +53,8 @@ fn latency_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.005, 2.0, 16))
 }
 
-/// The lifecycle phase, as systemd and `/readyz` see it.
+/// The lifecycle phase, as systemd and `/readyz` see it. Displayed (and serialized) as
+/// `starting`, `waiting_for_merod`, `running`, `stopping`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Phase {
@@ -66,6 +67,17 @@ pub enum Phase {
     Running,
     /// Shutting down.
     Stopping,
+}
+
+impl std::fmt::Display for Phase {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Phase::Starting => "starting",
+            Phase::WaitingForMerod => "waiting_for_merod",
+            Phase::Running => "running",
+            Phase::Stopping => "stopping",
+        })
+    }
 }
 
 /// A snapshot of the daemon, served as JSON at `/status` and read by `fleet-sidecar status`.
@@ -117,7 +129,7 @@ impl LiveStatus {
     /// succeeded within `max_poll_age`. Errors: the reason it is not ready.
     pub fn readiness(&self, now: f64, max_poll_age: Duration) -> Result<(), String> {
         if self.peer_id.is_none() {
-            return Err(format!("identity not read yet ({:?})", self.phase));
+            return Err(format!("identity not read yet ({})", self.phase));
         }
         if self.phase == Phase::Stopping {
             return Err("stopping".to_owned());
@@ -264,6 +276,24 @@ impl Telemetry {
             "1 for where the MRTD was read from (none: unreadable)",
             mrtd_source.clone(),
         );
+        // Every known outcome is exported from the start (at 0), so dashboards and alerts
+        // see the series before the first event.
+        for (family, outcomes) in [
+            (
+                &polls,
+                &["ok", "transport", "timeout", "status", "malformed"][..],
+            ),
+            (
+                &joins,
+                &["admitted", "not_admitted", "error", "not_held"][..],
+            ),
+            (&confirms, &["ok", "error"][..]),
+            (&leaves, &["left", "failed"][..]),
+        ] {
+            for outcome in outcomes {
+                drop(family.get_or_create(&OutcomeLabel { outcome }));
+            }
+        }
         Self {
             registry,
             polls,
@@ -347,8 +377,12 @@ mod tests {
     #[test]
     fn readiness_needs_identity_and_a_recent_good_poll() {
         let max = Duration::from_secs(30);
-        let mut s = LiveStatus::default();
-        assert!(s.readiness(100.0, max).unwrap_err().contains("identity"));
+        let mut s = LiveStatus {
+            phase: Phase::WaitingForMerod,
+            ..LiveStatus::default()
+        };
+        let e = s.readiness(100.0, max).unwrap_err();
+        assert_eq!(e, "identity not read yet (waiting_for_merod)");
         s.peer_id = Some("12D3KooW".into());
         s.phase = Phase::Running;
         assert!(s

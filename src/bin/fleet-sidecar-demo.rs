@@ -60,7 +60,11 @@ async fn main() -> ExitCode {
 
 async fn scenario() -> Result<(), String> {
     let sb = Sandbox::start(None).await.map_err(|e| e.to_string())?;
-    let cfg = sb.config("").map_err(|e| e.to_string())?;
+    // The outage's failed polls back off up to max_backoff (default 10 s); 2 s keeps the
+    // demo short while still showing the backoff.
+    let cfg = sb
+        .config("max_backoff = \"2s\"")
+        .map_err(|e| e.to_string())?;
     let deps = sb.deps(&cfg)?;
     info!(
         "demo: MDMA emulator at {}, merod emulator at {}, state in {}",

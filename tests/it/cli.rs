@@ -203,3 +203,55 @@ async fn a_failure_repeated_every_poll_is_logged_once_and_its_recovery_once() {
     assert_eq!(log.matches("poll succeeded again").count(), 1, "{log}");
     assert!(log.contains(&format!("failures={failures}")), "{log}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unwritable_state_directory_stops_before_any_merod_call() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let blocker = sb.dir().join("blocker");
+    std::fs::write(&blocker, "a file, not a directory").unwrap();
+    let text = sb.config_text("").replace(
+        &format!("state_file = \"{}\"", sb.state_file().display()),
+        &format!(
+            "state_file = \"{}/fleet-confirmed.json\"",
+            blocker.display()
+        ),
+    );
+    let cfg = sb.dir().join("blocked.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let out =
+        tokio::task::spawn_blocking(move || run(&["--config", cfg.to_str().unwrap(), "once"]))
+            .await
+            .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("blocker/fleet-confirmed.json"), "{stderr}");
+    assert!(
+        sb.merod.joins(A) == 0 && sb.mdma.polls().is_empty(),
+        "acted before checking"
+    );
+}
+
+#[test]
+fn command_line_misuse_is_refused() {
+    let out = run(&["--dry-run", "status"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--dry-run goes with run or once"));
+    let out = run(&["--config", "/nonexistent/fleet-sidecar.toml", "mrtd"]);
+    assert_eq!(
+        out.status.code(),
+        Some(78),
+        "an explicit config path must exist"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let long = dir.path().join("long.bin");
+    let mut report = tdreport_with(&[9u8; 48]);
+    report.push(0);
+    std::fs::write(&long, &report).unwrap();
+    let out = run(&["mrtd", "--tdreport", long.to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("1024 bytes, this file is 1025"));
+    let out = run(&["mrtd", "--quote", "/dev/zero"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("larger than"));
+}

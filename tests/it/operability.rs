@@ -317,7 +317,7 @@ async fn the_status_command_shows_state_and_live_status() {
         text.contains("of the 1000 successful polls needed"),
         "{text}"
     );
-    assert!(text.contains("live: Running: 1 confirmed"), "{text}");
+    assert!(text.contains("live: running: 1 confirmed"), "{text}");
     let c = cfg.clone();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(BIN)
@@ -348,6 +348,7 @@ async fn the_status_command_shows_state_and_live_status() {
         text.contains(&format!("live: GET http://127.0.0.1:{port}/status")),
         "{text}"
     );
+    assert!(text.contains("is the daemon running?"), "{text}");
     // A corrupt state file: exit 1, the error shown.
     std::fs::write(sb.state_file(), "{").unwrap();
     let out = Command::new(BIN)

@@ -323,3 +323,50 @@ async fn failed_polls_back_off_with_jitter_and_the_cadence_returns() {
         assert!(after.iter().all(|g| (*g - 1.0).abs() < 1e-3), "{after:?}");
     });
 }
+
+#[tokio::test(start_paused = true)]
+async fn the_wait_for_merod_can_be_bounded() {
+    struct Down;
+    #[async_trait]
+    impl Node for Down {
+        async fn probe(&self) -> Result<(), MerodError> {
+            Err(MerodError::Call {
+                op: "peers",
+                url: "http://127.0.0.1:2528/admin-api/peers".into(),
+                reason: "connection refused".into(),
+            })
+        }
+        async fn fleet_join(&self, _: GroupId) -> Result<Admission, MerodError> {
+            unreachable!("never called while merod is down")
+        }
+        async fn leave_namespace(&self, _: GroupId) -> Result<(), MerodError> {
+            unreachable!("never called while merod is down")
+        }
+        async fn holds_namespace(&self, _: GroupId) -> Result<bool, MerodError> {
+            unreachable!("never called while merod is down")
+        }
+    }
+    let telemetry = fleet_sidecar::telemetry::Telemetry::new();
+    let started = Instant::now();
+    let r = daemon::wait_for_merod(
+        &Down,
+        &telemetry,
+        &CancellationToken::new(),
+        Some(daemon::ONCE_MEROD_WAIT),
+    )
+    .await;
+    assert!(
+        matches!(r, daemon::Readiness::GaveUp(ref last) if last.contains("connection refused")),
+        "{r:?}"
+    );
+    let waited = started.elapsed();
+    assert!(
+        waited >= daemon::ONCE_MEROD_WAIT
+            && waited <= daemon::ONCE_MEROD_WAIT + Duration::from_secs(2),
+        "{waited:?}"
+    );
+    assert!(
+        telemetry.snapshot().heartbeats >= 59,
+        "each probe is a heartbeat"
+    );
+}
