@@ -1,6 +1,6 @@
 //! The binary as an operator runs it: exit codes, messages, signals, secrets in output.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use fleet_sidecar::emulator::mdma::PollReply;
@@ -83,12 +83,7 @@ async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
         let sb = Sandbox::start(Some("NEVER-LOGGED-TOKEN-42")).await.unwrap();
         let cfg = sb.write_config("").unwrap();
         sb.mdma.set_reply(PollReply::assign([A]));
-        let mut child = Command::new(BIN)
-            .args(["--config", cfg.to_str().unwrap(), "run"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = spawn_daemon(&cfg, true, &[]);
         eventually("A confirmed", Duration::from_secs(20), || {
             load(&sb).confirmed.contains(&gid(A))
         })
@@ -182,12 +177,7 @@ async fn a_failure_repeated_every_poll_is_logged_once_and_its_recovery_once() {
     sb.mdma.set_reply(PollReply::Status(503));
     // max_backoff = poll_interval: failed polls keep the 1 s cadence.
     let cfg = sb.write_config("max_backoff = \"1s\"").unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "run"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_daemon(&cfg, false, &[]);
     assert!(sb.mdma.wait_for_polls(6, Duration::from_secs(20)).await);
     sb.mdma.set_reply(PollReply::assign([A]));
     eventually("A confirmed", Duration::from_secs(20), || {

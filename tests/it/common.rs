@@ -161,3 +161,28 @@ impl NodeDir {
         self.dir.path().join("state.json")
     }
 }
+
+/// The daemon binary's `run` with `config`, its output piped (to read) or dropped, and
+/// extra environment variables.
+pub fn spawn_daemon(
+    config: &std::path::Path,
+    piped: bool,
+    env: &[(&str, &std::ffi::OsStr)],
+) -> std::process::Child {
+    let out = || {
+        if piped {
+            std::process::Stdio::piped()
+        } else {
+            std::process::Stdio::null()
+        }
+    };
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"));
+    cmd.arg("--config").arg(config).arg("run");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.stdout(out())
+        .stderr(out())
+        .spawn()
+        .expect("the daemon starts")
+}

@@ -1,7 +1,7 @@
 //! Operating the daemon: systemd notify, health/readiness/metrics, status, dry run, JSON
 //! logs, SIGHUP, and the token never in any output.
 
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -61,13 +61,7 @@ async fn systemd_gets_ready_status_watchdog_and_stopping() {
     let cfg = sb.write_config("").unwrap();
     let socket_path = sb.dir().join("notify.sock");
     let socket = tokio::net::UnixDatagram::bind(&socket_path).unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "run"])
-        .env("NOTIFY_SOCKET", &socket_path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_daemon(&cfg, false, &[("NOTIFY_SOCKET", socket_path.as_os_str())]);
     let mut got: Vec<String> = Vec::new();
     read_until(&socket, &mut got, "waiting status", |g| {
         g.iter().any(|m| m.starts_with("STATUS=waiting for merod"))
@@ -286,12 +280,7 @@ async fn the_status_command_shows_state_and_live_status() {
             "status_listen = \"127.0.0.1:{port}\"\nleave_after_polls = 1000"
         ))
         .unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "run"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_daemon(&cfg, false, &[]);
     eventually("A confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(A))
     })
@@ -404,13 +393,7 @@ async fn json_logs_sighup_reopen_and_no_token_anywhere() {
     sb.mdma.fail_next_confirms(A, 1);
     sb.mdma.set_reply(PollReply::assign([A]));
     let cfg = sb.write_config("log_format = \"json\"").unwrap();
-    let mut child = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "run"])
-        .env("RUST_LOG", "debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = spawn_daemon(&cfg, true, &[("RUST_LOG", std::ffi::OsStr::new("debug"))]);
     eventually("A confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(A))
     })
