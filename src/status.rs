@@ -127,11 +127,18 @@ pub async fn report(cfg: &Config) -> Report {
             s.absent_polls
                 .iter()
                 .map(|(id, polls)| {
-                    let wait = LeaveWait::NotStable {
-                        polls: *polls,
-                        needed: cfg.leave_policy.leave_after_polls,
+                    let needed = cfg.leave_policy.leave_after_polls;
+                    let why = if *polls < needed {
+                        describe_wait(&LeaveWait::NotStable {
+                            polls: *polls,
+                            needed,
+                        })
+                    } else {
+                        format!(
+                            "absent from {polls} successful polls: due to leave (the live status tells whether the mass-withdrawal guard or the rate limit holds it)"
+                        )
                     };
-                    (id.to_string(), describe_wait(&wait))
+                    (id.to_string(), why)
                 })
                 .collect()
         })
@@ -236,4 +243,36 @@ pub fn render_text(r: &Report, now: f64) -> String {
         (None, None) => {}
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::GroupId;
+    use std::path::Path;
+
+    #[tokio::test]
+    async fn pending_leaves_from_the_state_file_say_how_far_along_they_are() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_file = dir.path().join("s.json");
+        let (a, b) = (GroupId::from_bytes([1; 32]), GroupId::from_bytes([2; 32]));
+        let state = State {
+            admitted: [a, b].into(),
+            confirmed: [a, b].into(),
+            absent_polls: [(a, 1), (b, 3)].into(),
+        };
+        StateStore::new(&state_file).save(&state).unwrap();
+        let text = format!(
+            "mdma_url = \"https://m\"\nstate_file = \"{}\"",
+            state_file.display()
+        );
+        let cfg = Config::from_toml(&text, Path::new("c.toml")).unwrap();
+        let r = report(&cfg).await;
+        assert_eq!(
+            r.pending_leaves[&a.to_string()],
+            "absent from 1 of the 3 successful polls needed"
+        );
+        assert!(r.pending_leaves[&b.to_string()].contains("due to leave"));
+        assert!(r.live.is_none() && r.live_error.is_some());
+    }
 }
