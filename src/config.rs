@@ -321,27 +321,125 @@ impl Config {
     /// Errors: [`ConfigError::Parse`], [`ConfigError::MissingMdmaUrl`],
     /// [`ConfigError::Invalid`].
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
-        let raw: RawConfig = toml::from_str(text).map_err(|e| {
-            let before = e.span().and_then(|span| text.get(..span.start));
-            let line = before.map_or(0, |b| b.matches('\n').count() + 1);
-            // The key of the faulty line (never its value: it could be the token).
-            let key = line
-                .checked_sub(1)
-                .and_then(|i| text.lines().nth(i))
-                .and_then(|l| l.split_once('='))
-                .map(|(k, _)| k.trim())
-                .filter(|k| !k.is_empty() && !k.starts_with('#'));
-            let message = match key {
-                Some(k) => format!("{k}: {}", e.message()),
-                None => e.message().to_owned(),
-            };
-            ConfigError::Parse {
-                path: path.to_owned(),
-                line,
-                message,
-            }
+        parse_raw(text, path)?.validate(path)
+    }
+}
+
+/// The TOML text as written, with the daemon's whole schema (unknown keys are errors).
+fn parse_raw(text: &str, path: &Path) -> Result<RawConfig, ConfigError> {
+    toml::from_str(text).map_err(|e| {
+        let before = e.span().and_then(|span| text.get(..span.start));
+        let line = before.map_or(0, |b| b.matches('\n').count() + 1);
+        // The key of the faulty line (never its value: it could be the token).
+        let key = line
+            .checked_sub(1)
+            .and_then(|i| text.lines().nth(i))
+            .and_then(|l| l.split_once('='))
+            .map(|(k, _)| k.trim())
+            .filter(|k| !k.is_empty() && !k.starts_with('#'));
+        let message = match key {
+            Some(k) => format!("{k}: {}", e.message()),
+            None => e.message().to_owned(),
+        };
+        ConfigError::Parse {
+            path: path.to_owned(),
+            line,
+            message,
+        }
+    })
+}
+
+/// What an admin tool that works beside the sidecar needs from the sidecar's config file:
+/// where merod is (`[merod]`) and where the state is (`state_file`).
+///
+/// Read from the same TOML file as [`Config`], with the same schema (an unknown or mistyped
+/// key is still an error naming it), but nothing else is required or touched: `mdma_url`
+/// may be absent, and `fleet_token_file` is never opened, so a tool that only talks to merod
+/// and reads the state works on a node whose token it must not (or cannot) read.
+#[derive(Debug, Clone)]
+pub struct ToolConfig {
+    /// The validated `[merod]` table (see [`crate::identity::resolve_admin_url`] for the
+    /// admin URL the daemon would use).
+    pub merod: MerodConfig,
+    /// `state_file`: the sidecar's state (default `/var/lib/calimero/fleet-confirmed.json`).
+    pub state_file: PathBuf,
+}
+
+impl ToolConfig {
+    /// Reads the config file at `path` and keeps `[merod]` and `state_file`.
+    ///
+    /// Errors: [`ConfigError::Read`], [`ConfigError::Parse`], and [`ConfigError::Invalid`]
+    /// for `merod.*` or `state_file`; never [`ConfigError::MissingMdmaUrl`].
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
         })?;
-        raw.validate(path)
+        Self::from_toml(&text, path)
+    }
+
+    /// Parses config text as [`ToolConfig::load`] does; `path` only names the file in errors.
+    ///
+    /// Errors: as [`ToolConfig::load`], without [`ConfigError::Read`].
+    pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let raw = parse_raw(text, path)?;
+        check_file_path(path, "state_file", &raw.state_file)?;
+        Ok(Self {
+            merod: raw.merod.validate(path)?,
+            state_file: raw.state_file,
+        })
+    }
+}
+
+/// A path key must name a file (not be empty or end in `..`/`/`).
+fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), ConfigError> {
+    if value.as_os_str().is_empty() || value.file_name().is_none() {
+        return Err(ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            value: value.display().to_string(),
+            reason: "must be a file path".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+impl RawMerod {
+    /// Checks `[merod]`; `path` names the config file in errors.
+    fn validate(self, path: &Path) -> Result<MerodConfig, ConfigError> {
+        let invalid = |key: &'static str, value: String, reason: &str| ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            value,
+            reason: reason.to_owned(),
+        };
+        let admin_url = match self.admin_url {
+            None => None,
+            Some(raw) => {
+                let url = parse_base_url(&raw)
+                    .map_err(|reason| invalid("merod.admin_url", raw.clone(), &reason))?;
+                if !matches!(url.scheme(), "http" | "https") {
+                    return Err(invalid(
+                        "merod.admin_url",
+                        raw,
+                        "must be http:// or https://",
+                    ));
+                }
+                Some(url)
+            }
+        };
+        if self.node.is_empty() || self.node.contains('/') {
+            return Err(invalid(
+                "merod.node",
+                self.node,
+                "must be a plain directory name",
+            ));
+        }
+        Ok(MerodConfig {
+            home: self.home,
+            node: self.node,
+            admin_url,
+        })
     }
 }
 
@@ -452,37 +550,10 @@ impl RawConfig {
             ("state_file", &self.state_file),
             ("log_file", &self.log_file),
         ] {
-            if p.as_os_str().is_empty() || p.file_name().is_none() {
-                return Err(invalid(
-                    key,
-                    p.display().to_string(),
-                    "must be a file path".to_owned(),
-                ));
-            }
+            check_file_path(path, key, p)?;
         }
 
-        let admin_url = match self.merod.admin_url {
-            None => None,
-            Some(raw) => {
-                let url = parse_base_url(&raw)
-                    .map_err(|reason| invalid("merod.admin_url", raw.clone(), reason))?;
-                if !matches!(url.scheme(), "http" | "https") {
-                    return Err(invalid(
-                        "merod.admin_url",
-                        raw,
-                        "must be http:// or https://".to_owned(),
-                    ));
-                }
-                Some(url)
-            }
-        };
-        if self.merod.node.is_empty() || self.merod.node.contains('/') {
-            return Err(invalid(
-                "merod.node",
-                self.merod.node,
-                "must be a plain directory name".to_owned(),
-            ));
-        }
+        let merod = self.merod.validate(path)?;
 
         let nonzero = |key: &'static str, d: Duration| {
             if d.is_zero() {
@@ -544,11 +615,7 @@ impl RawConfig {
             max_concurrent_joins: self.max_concurrent_joins,
             join_timeout,
             leave_timeout,
-            merod: MerodConfig {
-                home: self.merod.home,
-                node: self.merod.node,
-                admin_url,
-            },
+            merod,
             tdx: self.tdx,
             warnings,
         })
@@ -912,5 +979,60 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         let debug = format!("{cfg:?}");
         assert!(!debug.contains("hunter2-token"));
         assert!(debug.contains("[redacted]"));
+    }
+
+    #[test]
+    fn a_tool_needs_only_merod_and_state_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        // A token file the tool has no business reading, readable by all: the daemon refuses
+        // it, the tool's view never opens it.
+        let token = dir.path().join("token");
+        std::fs::write(&token, "NEVER-LOGGED-TOKEN-tool\n").unwrap();
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let text = format!(
+            "state_file = \"/x/state.json\"\nfleet_token_file = \"{}\"\n[merod]\nhome = \"/h\"\nnode = \"n1\"\n",
+            token.display()
+        );
+        let path = Path::new("/etc/x.toml");
+        assert!(matches!(
+            Config::from_toml(&text, path),
+            Err(ConfigError::MissingMdmaUrl { .. })
+        ));
+        let tool = ToolConfig::from_toml(&text, path).unwrap();
+        assert_eq!(tool.state_file, PathBuf::from("/x/state.json"));
+        assert_eq!(tool.merod.config_toml(), PathBuf::from("/h/n1/config.toml"));
+        assert!(tool.merod.admin_url.is_none());
+        // Same schema: a mistyped key is named, a bad merod key too.
+        let err = ToolConfig::from_toml("statefile = \"/x\"\n", path).unwrap_err();
+        assert!(err.to_string().contains("statefile"), "{err}");
+        let err = ToolConfig::from_toml("[merod]\nnode = \"a/b\"\n", path).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::Invalid {
+                    key: "merod.node",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        let err = ToolConfig::from_toml("state_file = \"/x/..\"\n", path).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                ConfigError::Invalid {
+                    key: "state_file",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        // Defaults are the daemon's.
+        let tool = ToolConfig::from_toml("", path).unwrap();
+        assert_eq!(
+            tool.state_file,
+            PathBuf::from("/var/lib/calimero/fleet-confirmed.json")
+        );
     }
 }

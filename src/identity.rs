@@ -11,6 +11,7 @@ use multiaddr::{Multiaddr, Protocol};
 use serde::Deserialize;
 use url::Url;
 
+use crate::config::{MerodConfig, DEFAULT_ADMIN_URL};
 use crate::ids::{PeerId, PeerIdError};
 
 /// The parts of merod's config.toml the sidecar uses; every other key is skipped unread.
@@ -138,6 +139,68 @@ pub fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, IdentityE
         })
 }
 
+/// Where [`resolve_admin_url`] found merod's admin URL.
+#[derive(Debug)]
+pub enum AdminUrlSource {
+    /// `[merod].admin_url` of the sidecar's config.
+    Configured,
+    /// `[server].listen[0]` of merod's config.toml at this path.
+    MerodListen(PathBuf),
+    /// [`DEFAULT_ADMIN_URL`]: merod's config.toml at this path does not exist (a wrong
+    /// `[merod]` home or node shows here first).
+    DefaultNoMerodConfig(PathBuf),
+    /// [`DEFAULT_ADMIN_URL`]: merod's config.toml at this path has no `[server].listen`.
+    DefaultNoListen(PathBuf),
+    /// [`DEFAULT_ADMIN_URL`]: merod's config.toml could not be used.
+    DefaultUnreadable(IdentityError),
+}
+
+/// merod's admin API base URL and where it came from.
+#[derive(Debug)]
+pub struct AdminUrl {
+    /// The base URL, e.g. `http://127.0.0.1:2528/`.
+    pub url: Url,
+    /// Where it came from; the `Default*` variants say why the default was used.
+    pub source: AdminUrlSource,
+}
+
+/// merod's admin URL as the daemon resolves it, in this order: `[merod].admin_url` of the
+/// sidecar's config, else `[server].listen[0]` of merod's config.toml
+/// (`{home}/{node}/config.toml`), else [`DEFAULT_ADMIN_URL`] (`http://127.0.0.1:2528`).
+///
+/// Never fails: a missing or unreadable merod config.toml falls back to the default, and
+/// [`AdminUrl::source`] says why, for the caller to log.
+pub fn resolve_admin_url(merod: &MerodConfig) -> AdminUrl {
+    if let Some(url) = &merod.admin_url {
+        return AdminUrl {
+            url: url.clone(),
+            source: AdminUrlSource::Configured,
+        };
+    }
+    let path = merod.config_toml();
+    let source = match admin_url_from_merod_config(&path) {
+        Ok(Some(url)) => {
+            return AdminUrl {
+                url,
+                source: AdminUrlSource::MerodListen(path),
+            }
+        }
+        Ok(None) if !path.exists() => AdminUrlSource::DefaultNoMerodConfig(path),
+        Ok(None) => AdminUrlSource::DefaultNoListen(path),
+        Err(e) => AdminUrlSource::DefaultUnreadable(e),
+    };
+    AdminUrl {
+        url: default_admin_url(),
+        source,
+    }
+}
+
+/// [`DEFAULT_ADMIN_URL`] as a URL.
+fn default_admin_url() -> Url {
+    // A constant, not outside input; the unit tests resolve it.
+    Url::parse(DEFAULT_ADMIN_URL).expect("DEFAULT_ADMIN_URL is a valid URL")
+}
+
 /// `/ip4/A/tcp/P`, `/ip6/A/tcp/P`, `/dns*/H/tcp/P` → `http://host:P/`; an unspecified
 /// address (0.0.0.0, ::) is reached through loopback.
 fn multiaddr_to_url(text: &str) -> Result<Url, String> {
@@ -237,5 +300,48 @@ mod tests {
         );
         let (_d, path) = write(&format!("[identity]\npeer_id = \"{PEER}\"\n"));
         assert!(admin_url_from_merod_config(&path).unwrap().is_none());
+    }
+
+    fn merod_at(home: &Path, admin_url: Option<&str>) -> MerodConfig {
+        MerodConfig {
+            home: home.to_owned(),
+            node: "default".to_owned(),
+            admin_url: admin_url.map(|u| Url::parse(u).unwrap()),
+        }
+    }
+
+    #[test]
+    fn admin_url_resolution_order() {
+        let home = tempfile::tempdir().unwrap();
+        // Nothing anywhere: the default, because merod's config.toml is missing.
+        let got = resolve_admin_url(&merod_at(home.path(), None));
+        assert_eq!(got.url.as_str(), "http://127.0.0.1:2528/");
+        assert!(matches!(
+            got.source,
+            AdminUrlSource::DefaultNoMerodConfig(_)
+        ));
+
+        let node_dir = home.path().join("default");
+        std::fs::create_dir_all(&node_dir).unwrap();
+        let toml = node_dir.join("config.toml");
+        std::fs::write(&toml, format!("[identity]\npeer_id = \"{PEER}\"\n")).unwrap();
+        let got = resolve_admin_url(&merod_at(home.path(), None));
+        assert_eq!(got.url.as_str(), "http://127.0.0.1:2528/");
+        assert!(matches!(got.source, AdminUrlSource::DefaultNoListen(_)));
+
+        std::fs::write(&toml, "[server]\nlisten = [\"/ip4/127.0.0.1/tcp/9999\"]\n").unwrap();
+        let got = resolve_admin_url(&merod_at(home.path(), None));
+        assert_eq!(got.url.as_str(), "http://127.0.0.1:9999/");
+        assert!(matches!(got.source, AdminUrlSource::MerodListen(p) if p == toml));
+
+        // The sidecar's own key wins over merod's config.toml.
+        let got = resolve_admin_url(&merod_at(home.path(), Some("http://127.0.0.1:7777/")));
+        assert_eq!(got.url.as_str(), "http://127.0.0.1:7777/");
+        assert!(matches!(got.source, AdminUrlSource::Configured));
+
+        std::fs::write(&toml, "[server]\nlisten = \"not a list\"\n").unwrap();
+        let got = resolve_admin_url(&merod_at(home.path(), None));
+        assert_eq!(got.url.as_str(), "http://127.0.0.1:2528/");
+        assert!(matches!(got.source, AdminUrlSource::DefaultUnreadable(_)));
     }
 }

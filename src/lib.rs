@@ -29,16 +29,22 @@
 #![warn(missing_docs)]
 
 pub mod config;
+#[cfg(feature = "daemon")]
 pub mod daemon;
+#[cfg(feature = "emulator")]
 pub mod emulator;
 pub mod identity;
 pub mod ids;
+#[cfg(feature = "daemon")]
 pub mod logging;
 pub mod mdma;
 pub mod merod;
 pub mod mrtd;
+#[cfg(feature = "daemon")]
 pub mod notify;
 pub mod reconcile;
 pub mod state;
+#[cfg(feature = "daemon")]
 pub mod status;
+#[cfg(feature = "daemon")]
 pub mod telemetry;

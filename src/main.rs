@@ -11,7 +11,7 @@ use tracing::{error, info, warn};
 
 use fleet_sidecar::config::{Config, DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH};
 use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
-use fleet_sidecar::identity::admin_url_from_merod_config;
+use fleet_sidecar::identity::{resolve_admin_url, AdminUrlSource};
 use fleet_sidecar::logging;
 use fleet_sidecar::mdma::MdmaClient;
 use fleet_sidecar::merod::MerodClient;
@@ -119,13 +119,7 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
     for w in &cfg.warnings {
         warn!("{w}");
     }
-    let admin_url = match admin_url(&cfg) {
-        Ok(u) => u,
-        Err(e) => {
-            error!("built-in admin URL is invalid: {e}");
-            return ExitCode::from(EXIT_FAILURE);
-        }
-    };
+    let admin_url = admin_url(&cfg);
     let mdma = match MdmaClient::new(
         &cfg.mdma_url,
         cfg.fleet_token.clone(),
@@ -208,27 +202,23 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
     }
 }
 
-/// merod's admin URL: `[merod].admin_url`, else `[server].listen[0]` of merod's config.toml,
-/// else the default — saying why when it falls back (a wrong `[merod].home` shows here
-/// first; the PeerId read then fails loudly).
-fn admin_url(cfg: &Config) -> Result<url::Url, url::ParseError> {
-    if let Some(u) = &cfg.merod.admin_url {
-        return Ok(u.clone());
-    }
-    let merod_config = cfg.merod.config_toml();
-    match admin_url_from_merod_config(&merod_config) {
-        Ok(Some(u)) => return Ok(u),
-        Ok(None) if !merod_config.exists() => warn!(
+/// merod's admin URL, saying why when it falls back to the default (a wrong `[merod].home`
+/// shows here first; the PeerId read then fails loudly).
+fn admin_url(cfg: &Config) -> url::Url {
+    let resolved = resolve_admin_url(&cfg.merod);
+    match &resolved.source {
+        AdminUrlSource::Configured | AdminUrlSource::MerodListen(_) => {}
+        AdminUrlSource::DefaultNoMerodConfig(path) => warn!(
             "merod config {} not found (is [merod] home/node right?): using {DEFAULT_ADMIN_URL}",
-            merod_config.display()
+            path.display()
         ),
-        Ok(None) => info!(
+        AdminUrlSource::DefaultNoListen(path) => info!(
             "merod config {} has no [server].listen: using {DEFAULT_ADMIN_URL}",
-            merod_config.display()
+            path.display()
         ),
-        Err(e) => warn!("{e}; using {DEFAULT_ADMIN_URL}"),
+        AdminUrlSource::DefaultUnreadable(e) => warn!("{e}; using {DEFAULT_ADMIN_URL}"),
     }
-    DEFAULT_ADMIN_URL.parse()
+    resolved.url
 }
 
 /// `fleet-sidecar status`: the state file and, if the listener is on, the live status.
