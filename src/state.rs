@@ -47,12 +47,89 @@ pub struct State {
 }
 
 impl State {
-    fn normalize(mut self) -> Self {
+    /// Restores the invariants, returning what had to change.
+    fn repair(&mut self) -> Vec<Repair> {
+        let mut repairs: Vec<Repair> = self
+            .confirmed
+            .difference(&self.admitted)
+            .map(|&id| Repair::ConfirmedNotAdmitted(id))
+            .collect();
         self.admitted.extend(self.confirmed.iter().copied());
         let admitted = &self.admitted;
+        repairs.extend(
+            self.absent_polls
+                .keys()
+                .filter(|id| !admitted.contains(id))
+                .map(|&id| Repair::AbsentNotAdmitted(id)),
+        );
         self.absent_polls.retain(|id, _| admitted.contains(id));
-        self
+        repairs
     }
+}
+
+/// Which document format a state file holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StateFormat {
+    /// A bare JSON array of 64-hex ids: the Bash sidecar's confirmed set.
+    BareArray,
+    /// `{"version": 1, "confirmed": [...]}`.
+    V1,
+    /// `{"version": 2, "admitted": [...], "confirmed": [...], "absent_polls": {...}}`.
+    V2,
+}
+
+/// Something loading had to change to restore the invariants of [`State`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Repair {
+    /// Listed as confirmed but not as admitted (a v2 document only: the older formats have
+    /// no admitted set). Must never happen; loading adds it to `admitted`, so the namespace
+    /// stays protected from a leave that only `admitted` would allow.
+    ConfirmedNotAdmitted(GroupId),
+    /// An `absent_polls` count for a namespace not admitted; loading drops the count.
+    AbsentNotAdmitted(GroupId),
+}
+
+impl std::fmt::Display for Repair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Repair::ConfirmedNotAdmitted(id) => {
+                write!(
+                    f,
+                    "{id} is confirmed but was not admitted: added to admitted"
+                )
+            }
+            Repair::AbsentNotAdmitted(id) => {
+                write!(
+                    f,
+                    "{id} has an absent_polls count but is not admitted: dropped"
+                )
+            }
+        }
+    }
+}
+
+/// What [`inspect_state`] found in a state document.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateReport {
+    /// The document's format.
+    pub format: StateFormat,
+    /// The sets exactly as the file holds them. The bare and v1 formats hold no
+    /// `admitted` set (it is empty here) and no `absent_polls`.
+    pub on_disk: State,
+    /// What the daemon runs on: the bare and v1 formats read with `admitted = confirmed`,
+    /// then [`StateReport::repairs`] applied.
+    pub state: State,
+    /// What loading changed to restore the invariants (empty for a sound file).
+    pub repairs: Vec<Repair>,
+}
+
+/// What a state file path holds: [`StateStore::inspect`] tells "no file" apart from a file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum StateFile {
+    /// No file at the path: a node that never confirmed anything, or a mistyped path.
+    Missing,
+    /// A readable state document.
+    Present(StateReport),
 }
 
 #[derive(Serialize)]
@@ -115,11 +192,36 @@ pub enum StateError {
     },
 }
 
-/// Parses a state document (any supported version).
+/// Parses a state document (any supported version) into the state the daemon runs on.
 ///
 /// Errors: [`StateError::Corrupt`], [`StateError::UnsupportedVersion`]; `path` only names
 /// the file in them.
 pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
+    inspect_state(bytes, path).map(|report| report.state)
+}
+
+/// Parses a state document (any supported version) and reports what it holds as written,
+/// what loading made of it, and what had to be repaired.
+///
+/// Errors: [`StateError::Corrupt`], [`StateError::UnsupportedVersion`]; `path` only names
+/// the file in them.
+pub fn inspect_state(bytes: &[u8], path: &Path) -> Result<StateReport, StateError> {
+    let (format, on_disk) = parse_document(bytes, path)?;
+    let mut state = on_disk.clone();
+    if format != StateFormat::V2 {
+        state.admitted = state.confirmed.clone();
+    }
+    let repairs = state.repair();
+    Ok(StateReport {
+        format,
+        on_disk,
+        state,
+        repairs,
+    })
+}
+
+/// The document's format and its sets as written.
+fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), StateError> {
     let corrupt = |reason: String| StateError::Corrupt {
         path: path.to_owned(),
         reason,
@@ -139,11 +241,13 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
     };
     let mut map = match doc {
         DocumentIn::Bare(confirmed) => {
-            return Ok(State {
-                admitted: confirmed.clone(),
-                confirmed,
-                absent_polls: BTreeMap::new(),
-            })
+            return Ok((
+                StateFormat::BareArray,
+                State {
+                    confirmed,
+                    ..State::default()
+                },
+            ))
         }
         DocumentIn::Versioned(map) => map,
     };
@@ -153,24 +257,26 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
         .as_u64()
         .ok_or_else(|| corrupt("\"version\" is not a whole number".to_owned()))?;
     let value = serde_json::Value::Object(map);
-    let state = match version {
+    match version {
         1 => {
             let v1: V1 = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
-            State {
-                admitted: v1.confirmed.clone(),
-                confirmed: v1.confirmed,
-                absent_polls: BTreeMap::new(),
-            }
+            Ok((
+                StateFormat::V1,
+                State {
+                    confirmed: v1.confirmed,
+                    ..State::default()
+                },
+            ))
         }
-        2 => serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?,
-        version => {
-            return Err(StateError::UnsupportedVersion {
-                path: path.to_owned(),
-                version,
-            })
-        }
-    };
-    Ok(state.normalize())
+        2 => Ok((
+            StateFormat::V2,
+            serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?,
+        )),
+        version => Err(StateError::UnsupportedVersion {
+            path: path.to_owned(),
+            version,
+        }),
+    }
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {
@@ -232,9 +338,29 @@ impl StateStore {
                 })
             }
         };
-        let state = parse_state(&bytes, &self.path)?;
+        let report = inspect_state(&bytes, &self.path)?;
+        for repair in &report.repairs {
+            tracing::warn!(path = %self.path.display(), "state file repaired on load: {repair}");
+        }
         self.last_written = Some(bytes);
-        Ok(Some(state))
+        Ok(Some(report.state))
+    }
+
+    /// Reads the state file without adopting it, telling a missing file apart from a
+    /// present one and reporting what loading would repair (for tools; the daemon uses
+    /// [`StateStore::load`]).
+    ///
+    /// Errors: [`StateError::Read`], [`StateError::Corrupt`],
+    /// [`StateError::UnsupportedVersion`].
+    pub fn inspect(&self) -> Result<StateFile, StateError> {
+        match std::fs::read(&self.path) {
+            Ok(bytes) => inspect_state(&bytes, &self.path).map(StateFile::Present),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(StateFile::Missing),
+            Err(source) => Err(StateError::Read {
+                path: self.path.clone(),
+                source,
+            }),
+        }
     }
 
     /// Checks that the state can be written: the directory exists (it is created if
@@ -430,6 +556,61 @@ mod tests {
         let s = parse_state(text.as_bytes(), Path::new("s")).unwrap();
         assert_eq!(s.admitted, [id(1)].into(), "confirmed implies admitted");
         assert!(s.absent_polls.is_empty(), "counts only for admitted ids");
+
+        // The report keeps what the file said and names each repair.
+        let report = inspect_state(text.as_bytes(), Path::new("s")).unwrap();
+        assert_eq!(report.format, StateFormat::V2);
+        assert!(report.on_disk.admitted.is_empty());
+        assert_eq!(report.on_disk.confirmed, [id(1)].into());
+        assert_eq!(report.on_disk.absent_polls.get(&id(2)), Some(&2));
+        assert_eq!(report.state, s);
+        assert_eq!(
+            report.repairs,
+            vec![
+                Repair::ConfirmedNotAdmitted(id(1)),
+                Repair::AbsentNotAdmitted(id(2))
+            ]
+        );
+        assert!(report.repairs[0]
+            .to_string()
+            .contains("confirmed but was not admitted"));
+    }
+
+    #[test]
+    fn inspect_tells_a_missing_file_from_a_sound_one_and_older_formats_need_no_repair() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = StateStore::new(dir.path().join("fleet-confirmed.json"));
+        assert_eq!(store.inspect().unwrap(), StateFile::Missing);
+
+        std::fs::write(store.path(), format!("[\"{}\"]", id(3))).unwrap();
+        let StateFile::Present(report) = store.inspect().unwrap() else {
+            panic!("a present file")
+        };
+        assert_eq!(report.format, StateFormat::BareArray);
+        assert!(
+            report.on_disk.admitted.is_empty(),
+            "the bare format has no admitted set"
+        );
+        assert_eq!(report.state.admitted, [id(3)].into());
+        assert!(
+            report.repairs.is_empty(),
+            "admitted = confirmed is the format's meaning"
+        );
+
+        let mut writer = StateStore::new(store.path());
+        let sound = State {
+            admitted: [id(1), id(2)].into(),
+            confirmed: [id(1)].into(),
+            absent_polls: [(id(2), 1)].into(),
+        };
+        writer.save(&sound).unwrap();
+        let StateFile::Present(report) = store.inspect().unwrap() else {
+            panic!("a present file")
+        };
+        assert_eq!(report.format, StateFormat::V2);
+        assert_eq!(report.on_disk, sound);
+        assert_eq!(report.state, sound);
+        assert!(report.repairs.is_empty());
     }
 
     #[test]
