@@ -10,6 +10,8 @@
 //! daemon bounds every call itself, and the membership check (where 404 means "gone" and
 //! 500 means "ask again") reads the status with the connection's own HTTP client.
 
+use std::collections::BTreeSet;
+use std::fmt;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -17,13 +19,23 @@ use calimero_client::auth::HeadlessAuthenticator;
 use calimero_client::storage::JwtToken;
 use calimero_client::{Client, ClientStorage, ConnectionInfo};
 use calimero_server_primitives::admin::FleetJoinRequest;
+use serde::Deserialize;
 use serde_json::Value;
 use url::Url;
 
 use crate::ids::GroupId;
 
-/// Bound of a connection attempt to merod (it is on loopback: longer means it is not up).
+/// Default bound of a connection attempt to merod (it is on loopback: longer means it is
+/// not up).
 pub const MEROD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default bound of a readiness probe (`GET /admin-api/peers`).
+pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default bound of a `fleet-join`: TDX-attested admission takes ~30 s, and more under load.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(90);
+/// Default bound of a namespace leave.
+pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default bound of a membership check or a namespace listing.
+pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// merod's answer to a `fleet-join` that completed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,25 +46,69 @@ pub struct Admission {
     pub status: String,
 }
 
-/// A failed merod call. Each names the operation and the URL.
+/// The admin-API call an error is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MerodOp {
+    /// Building the HTTP client.
+    Connect,
+    /// `GET /admin-api/peers` (readiness).
+    Peers,
+    /// `POST /admin-api/tee/fleet-join`.
+    FleetJoin,
+    /// `POST /admin-api/namespaces/{id}/leave`.
+    Leave,
+    /// `GET /admin-api/namespaces/{id}`.
+    GetNamespace,
+    /// `GET /admin-api/namespaces`.
+    ListNamespaces,
+}
+
+impl fmt::Display for MerodOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            MerodOp::Connect => "connect",
+            MerodOp::Peers => "peers",
+            MerodOp::FleetJoin => "fleet-join",
+            MerodOp::Leave => "leave",
+            MerodOp::GetNamespace => "get namespace",
+            MerodOp::ListNamespaces => "list namespaces",
+        })
+    }
+}
+
+/// The cause of a failed call, as the HTTP layer or calimero-client reported it.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// A failed merod call. Each names the operation and the URL and keeps its cause.
 #[derive(Debug, thiserror::Error)]
 pub enum MerodError {
-    /// The call failed (transport, non-2xx, or an undecodable answer); calimero-client
-    /// reports these as text, e.g. `Internal server error`.
-    #[error("{op} {url}: {reason}")]
+    /// The call failed: transport (connection refused, reset) or a non-2xx answer, as
+    /// calimero-client reports it (its errors carry the reason as text, not the status).
+    #[error("{op} {url}: {source}")]
     Call {
-        /// The operation, e.g. `fleet-join`.
-        op: &'static str,
+        /// The operation.
+        op: MerodOp,
         /// The request URL.
         url: String,
         /// What failed.
-        reason: String,
+        #[source]
+        source: BoxError,
     },
-    /// An answer with an unexpected HTTP status.
+    /// No complete answer within the call's deadline (see [`MerodClientBuilder`]).
+    #[error("{op} {url}: no answer within {after:?}")]
+    Timeout {
+        /// The operation.
+        op: MerodOp,
+        /// The request URL.
+        url: String,
+        /// The deadline that passed.
+        after: Duration,
+    },
+    /// An answer with an HTTP status that does not say what was asked.
     #[error("{op} {url}: HTTP {status}")]
     Status {
         /// The operation.
-        op: &'static str,
+        op: MerodOp,
         /// The request URL.
         url: String,
         /// The HTTP status.
@@ -62,12 +118,29 @@ pub enum MerodError {
     #[error("{op} {url}: unexpected answer: {reason}")]
     Answer {
         /// The operation.
-        op: &'static str,
+        op: MerodOp,
         /// The request URL.
         url: String,
-        /// What is wrong.
+        /// What is wrong with it.
         reason: String,
     },
+}
+
+impl MerodError {
+    /// The operation that failed.
+    pub fn op(&self) -> MerodOp {
+        match self {
+            MerodError::Call { op, .. }
+            | MerodError::Timeout { op, .. }
+            | MerodError::Status { op, .. }
+            | MerodError::Answer { op, .. } => *op,
+        }
+    }
+
+    /// Whether the call ran out of time (rather than being refused or answered wrongly).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, MerodError::Timeout { .. })
+    }
 }
 
 /// The node as the daemon sees it; [`MerodClient`] is the real one, tests supply their own.
@@ -98,7 +171,7 @@ pub trait Node: Send + Sync + 'static {
 
 /// calimero-client wants somewhere to keep JWTs; a headless proxy-mode caller has none.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct NoTokenStorage;
+struct NoTokenStorage;
 
 #[async_trait]
 impl ClientStorage for NoTokenStorage {
@@ -117,22 +190,78 @@ impl ClientStorage for NoTokenStorage {
 
 type Connection = ConnectionInfo<HeadlessAuthenticator, NoTokenStorage>;
 
-/// merod's admin API over calimero-client.
-#[derive(Clone, Debug)]
-pub struct MerodClient {
-    client: Client<HeadlessAuthenticator, NoTokenStorage>,
-    connection: Connection,
+/// The deadlines a [`MerodClient`] applies to its calls; the defaults are the daemon's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Deadlines {
+    connect: Duration,
+    probe: Duration,
+    join: Duration,
+    leave: Duration,
+    check: Duration,
 }
 
-impl MerodClient {
-    /// A client for the admin API at `admin_url` (e.g. `http://127.0.0.1:2528/`).
+/// Builds a [`MerodClient`] with per-call deadlines other than the defaults.
+///
+/// ```
+/// use std::time::Duration;
+/// use fleet_sidecar::MerodClient;
+///
+/// let url = "http://127.0.0.1:2528/".parse().unwrap();
+/// let merod = MerodClient::builder(url)
+///     .join_timeout(Duration::from_secs(45))
+///     .check_timeout(Duration::from_secs(3))
+///     .build()
+///     .expect("a loopback URL builds a client");
+/// assert_eq!(merod.admin_url().as_str(), "http://127.0.0.1:2528/");
+/// ```
+#[derive(Clone, Debug)]
+pub struct MerodClientBuilder {
+    admin_url: Url,
+    deadlines: Deadlines,
+}
+
+impl MerodClientBuilder {
+    /// Bound of establishing a connection (default [`MEROD_CONNECT_TIMEOUT`], 5 s).
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.deadlines.connect = d;
+        self
+    }
+
+    /// Bound of [`MerodClient::probe`] (default [`PROBE_TIMEOUT`], 5 s).
+    pub fn probe_timeout(mut self, d: Duration) -> Self {
+        self.deadlines.probe = d;
+        self
+    }
+
+    /// Bound of [`MerodClient::fleet_join`] (default [`JOIN_TIMEOUT`], 90 s).
+    pub fn join_timeout(mut self, d: Duration) -> Self {
+        self.deadlines.join = d;
+        self
+    }
+
+    /// Bound of [`MerodClient::leave_namespace`] (default [`LEAVE_TIMEOUT`], 60 s).
+    pub fn leave_timeout(mut self, d: Duration) -> Self {
+        self.deadlines.leave = d;
+        self
+    }
+
+    /// Bound of [`MerodClient::holds_namespace`] and [`MerodClient::list_namespaces`]
+    /// (default [`CHECK_TIMEOUT`], 10 s).
+    pub fn check_timeout(mut self, d: Duration) -> Self {
+        self.deadlines.check = d;
+        self
+    }
+
+    /// Builds the client. Nothing is sent yet.
     ///
-    /// Errors: [`MerodError::Call`] when the HTTP client cannot be built.
-    pub fn new(admin_url: &Url) -> Result<Self, MerodError> {
-        let build_err = |reason: String| MerodError::Call {
-            op: "connect",
+    /// Errors: [`MerodError::Call`] with [`MerodOp::Connect`] when the HTTP client cannot
+    /// be built.
+    pub fn build(self) -> Result<MerodClient, MerodError> {
+        let admin_url = self.admin_url;
+        let build_err = |source: BoxError| MerodError::Call {
+            op: MerodOp::Connect,
             url: admin_url.to_string(),
-            reason,
+            source,
         };
         let mut connection = ConnectionInfo::new(
             admin_url.clone(),
@@ -141,11 +270,59 @@ impl MerodClient {
             NoTokenStorage,
         );
         connection.client = reqwest::Client::builder()
-            .connect_timeout(MEROD_CONNECT_TIMEOUT)
+            .connect_timeout(self.deadlines.connect)
             .build()
-            .map_err(|e| build_err(e.to_string()))?;
-        let client = Client::new(connection.clone()).map_err(|e| build_err(format!("{e:#}")))?;
-        Ok(Self { client, connection })
+            .map_err(|e| build_err(e.into()))?;
+        let client = Client::new(connection.clone()).map_err(|e| build_err(e.into()))?;
+        Ok(MerodClient {
+            client,
+            connection,
+            deadlines: self.deadlines,
+        })
+    }
+}
+
+/// merod's admin API over calimero-client, every call bounded by its own deadline.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), fleet_sidecar::MerodError> {
+/// use fleet_sidecar::MerodClient;
+///
+/// let merod = MerodClient::new(&"http://127.0.0.1:2528/".parse().unwrap())?;
+/// merod.probe().await?;
+/// for id in merod.list_namespaces().await? {
+///     println!("merod holds {id}");
+/// }
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct MerodClient {
+    client: Client<HeadlessAuthenticator, NoTokenStorage>,
+    connection: Connection,
+    deadlines: Deadlines,
+}
+
+impl MerodClient {
+    /// A client for the admin API at `admin_url` (e.g. `http://127.0.0.1:2528/`) with the
+    /// daemon's deadlines.
+    ///
+    /// Errors: [`MerodError::Call`] when the HTTP client cannot be built.
+    pub fn new(admin_url: &Url) -> Result<Self, MerodError> {
+        Self::builder(admin_url.clone()).build()
+    }
+
+    /// A builder for a client with other deadlines than the daemon's.
+    pub fn builder(admin_url: Url) -> MerodClientBuilder {
+        MerodClientBuilder {
+            admin_url,
+            deadlines: Deadlines {
+                connect: MEROD_CONNECT_TIMEOUT,
+                probe: PROBE_TIMEOUT,
+                join: JOIN_TIMEOUT,
+                leave: LEAVE_TIMEOUT,
+                check: CHECK_TIMEOUT,
+            },
+        }
     }
 
     /// The admin API base URL.
@@ -159,80 +336,153 @@ impl MerodClient {
         url
     }
 
-    fn url_text(&self, path: &str) -> String {
-        self.url(path).to_string()
+    /// Runs `call` within `after`; a deadline passed, in calimero-client's or reqwest's
+    /// own timeout or in ours, is [`MerodError::Timeout`].
+    async fn bounded<T>(
+        &self,
+        op: MerodOp,
+        path: &str,
+        after: Duration,
+        call: impl std::future::Future<Output = Result<T, MerodError>>,
+    ) -> Result<T, MerodError> {
+        match tokio::time::timeout(after, call).await {
+            Ok(result) => result,
+            Err(_) => Err(MerodError::Timeout {
+                op,
+                url: self.url(path).to_string(),
+                after,
+            }),
+        }
     }
+
+    /// A calimero-client error as a [`MerodError`] that keeps it as its source.
+    fn client_error(&self, op: MerodOp, path: &str, e: impl Into<BoxError>) -> MerodError {
+        MerodError::Call {
+            op,
+            url: self.url(path).to_string(),
+            source: e.into(),
+        }
+    }
+
+    /// Lists the namespaces merod holds (`GET /admin-api/namespaces`): each entry's
+    /// `namespaceId`, a 64-hex group id. Other fields of the entries are not read.
+    ///
+    /// Errors: [`MerodError::Call`] (transport, non-2xx), [`MerodError::Timeout`]
+    /// (default 10 s), [`MerodError::Answer`] when an entry has no valid `namespaceId`.
+    pub async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        let op = MerodOp::ListNamespaces;
+        let path = "admin-api/namespaces";
+        self.bounded(op, path, self.deadlines.check, async {
+            let answer: NamespaceList = self
+                .connection
+                .get(path)
+                .await
+                .map_err(|e| self.client_error(op, path, e))?;
+            answer
+                .data
+                .into_iter()
+                .map(|entry| {
+                    entry.namespace_id.parse().map_err(|e| MerodError::Answer {
+                        op,
+                        url: self.url(path).to_string(),
+                        reason: format!("namespaceId {:?}: {e}", entry.namespace_id),
+                    })
+                })
+                .collect()
+        })
+        .await
+    }
+}
+
+/// `GET /admin-api/namespaces` as merod 0.11 answers it. calimero-client's own type for it
+/// requires fields a recorded merod 0.11.0-rc.25 answer does not have (`upgradePolicy`), so
+/// only what is used is declared here.
+#[derive(Deserialize)]
+struct NamespaceList {
+    data: Vec<NamespaceEntry>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct NamespaceEntry {
+    namespace_id: String,
 }
 
 #[async_trait]
 impl Node for MerodClient {
     async fn probe(&self) -> Result<(), MerodError> {
-        self.client
-            .get_peers_count()
-            .await
-            .map(|_| ())
-            .map_err(|e| MerodError::Call {
-                op: "peers",
-                url: self.url_text("admin-api/peers"),
-                reason: format!("{e:#}"),
-            })
+        let op = MerodOp::Peers;
+        let path = "admin-api/peers";
+        self.bounded(op, path, self.deadlines.probe, async {
+            self.client
+                .get_peers_count()
+                .await
+                .map(|_| ())
+                .map_err(|e| self.client_error(op, path, e))
+        })
+        .await
     }
 
     async fn fleet_join(&self, group_id: GroupId) -> Result<Admission, MerodError> {
+        let op = MerodOp::FleetJoin;
         let path = "admin-api/tee/fleet-join";
         let body = FleetJoinRequest {
             group_id: group_id.to_string(),
         };
-        let answer: Value =
-            self.connection
+        self.bounded(op, path, self.deadlines.join, async {
+            let answer: Value = self
+                .connection
                 .post(path, body)
                 .await
-                .map_err(|e| MerodError::Call {
-                    op: "fleet-join",
-                    url: self.url_text(path),
-                    reason: format!("{e:#}"),
-                })?;
-        parse_fleet_join(&answer).map_err(|reason| MerodError::Answer {
-            op: "fleet-join",
-            url: self.url_text(path),
-            reason,
+                .map_err(|e| self.client_error(op, path, e))?;
+            parse_fleet_join(&answer).map_err(|reason| MerodError::Answer {
+                op,
+                url: self.url(path).to_string(),
+                reason,
+            })
         })
+        .await
     }
 
     async fn leave_namespace(&self, group_id: GroupId) -> Result<(), MerodError> {
+        let op = MerodOp::Leave;
         let id = group_id.to_string();
-        self.client
-            .leave_namespace(&id)
-            .await
-            .map(|_| ())
-            .map_err(|e| MerodError::Call {
-                op: "leave",
-                url: self.url_text(&format!("admin-api/namespaces/{id}/leave")),
-                reason: format!("{e:#}"),
-            })
+        let path = format!("admin-api/namespaces/{id}/leave");
+        self.bounded(op, &path, self.deadlines.leave, async {
+            self.client
+                .leave_namespace(&id)
+                .await
+                .map(|_| ())
+                .map_err(|e| self.client_error(op, &path, e))
+        })
+        .await
     }
 
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError> {
-        let url = self.url(&format!("admin-api/namespaces/{group_id}"));
-        let op = "get namespace";
-        let resp = self
-            .connection
-            .client
-            .get(url.clone())
-            .send()
-            .await
-            .map_err(|e| MerodError::Call {
+        let op = MerodOp::GetNamespace;
+        let path = format!("admin-api/namespaces/{group_id}");
+        let url = self.url(&path);
+        self.bounded(op, &path, self.deadlines.check, async {
+            let resp = self
+                .connection
+                .client
+                .get(url.clone())
+                .send()
+                .await
+                .map_err(|e| MerodError::Call {
+                    op,
+                    url: url.to_string(),
+                    source: e.without_url().into(),
+                })?;
+            let status = resp.status().as_u16();
+            let body: Value = resp.json().await.unwrap_or(Value::Null);
+            parse_namespace_get(status, &body, group_id).map_err(|status| MerodError::Status {
                 op,
                 url: url.to_string(),
-                reason: e.without_url().to_string(),
-            })?;
-        let status = resp.status().as_u16();
-        let body: Value = resp.json().await.unwrap_or(Value::Null);
-        parse_namespace_get(status, &body, group_id).map_err(|status| MerodError::Status {
-            op,
-            url: url.to_string(),
-            status,
+                status,
+            })
         })
+        .await
     }
 }
 

@@ -171,9 +171,11 @@ fn every_copied_fixture_is_covered() {
         "namespace-leave-unknown",
         "namespace-leave-bad-id",
         "peers",
+        "namespaces-list-member",
+        "namespaces-list-empty",
     ];
     // Served by the merod emulator only (the sidecar does not call these routes).
-    let emulator_only = ["health", "ready", "namespaces-list-member"];
+    let emulator_only = ["health", "ready"];
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/merod");
     for entry in std::fs::read_dir(dir).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
@@ -185,4 +187,70 @@ fn every_copied_fixture_is_covered() {
             "fixture {name} is copied but no test reads it"
         );
     }
+}
+
+#[tokio::test]
+async fn namespace_listings() {
+    let (_s, client, _f) = replay("namespaces-list-member").await;
+    let held = client
+        .list_namespaces()
+        .await
+        .expect("a recorded listing reads");
+    let want: GroupId = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df"
+        .parse()
+        .unwrap();
+    assert_eq!(held, [want].into());
+
+    let (_s, client, _f) = replay("namespaces-list-empty").await;
+    assert!(client.list_namespaces().await.unwrap().is_empty());
+}
+
+/// The client bounds its own calls: a tool that reuses it cannot hang on a stuck merod.
+#[tokio::test]
+async fn every_call_has_its_own_deadline() {
+    use fleet_sidecar::merod::MerodOp;
+    use std::time::{Duration, Instant};
+
+    let router = Router::new().fallback(|| async {
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        StatusCode::OK
+    });
+    let server = serve(router).await.unwrap();
+    let short = Duration::from_millis(200);
+    let client = MerodClient::builder(server.url())
+        .probe_timeout(short)
+        .join_timeout(short)
+        .leave_timeout(short)
+        .check_timeout(short)
+        .build()
+        .unwrap();
+    let id: GroupId = "ab".repeat(32).parse().unwrap();
+    let started = Instant::now();
+    let errors = [
+        client.probe().await.unwrap_err(),
+        client.fleet_join(id).await.unwrap_err(),
+        client.leave_namespace(id).await.unwrap_err(),
+        client.holds_namespace(id).await.unwrap_err(),
+        client.list_namespaces().await.unwrap_err(),
+    ];
+    let ops: Vec<MerodOp> = errors.iter().map(|e| e.op()).collect();
+    assert_eq!(
+        ops,
+        [
+            MerodOp::Peers,
+            MerodOp::FleetJoin,
+            MerodOp::Leave,
+            MerodOp::GetNamespace,
+            MerodOp::ListNamespaces
+        ]
+    );
+    for e in &errors {
+        assert!(e.is_timeout(), "{e}");
+        assert!(
+            e.to_string().contains(&server.url().to_string()[..20]),
+            "{e}"
+        );
+    }
+    // Five calls bounded at 0.2 s each: far from the daemon's default deadlines.
+    assert!(started.elapsed() < Duration::from_secs(30));
 }

@@ -15,7 +15,7 @@ use async_trait::async_trait;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
 use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
-use fleet_sidecar::merod::{Admission, MerodError, Node};
+use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
 use fleet_sidecar::mrtd::Mrtd;
 use fleet_sidecar::reconcile::Desired;
 use fleet_sidecar::state::StateStore;
@@ -140,11 +140,11 @@ impl ControlPlane for Fake {
     }
 }
 
-fn merod_err(op: &'static str) -> MerodError {
+fn merod_err(op: MerodOp) -> MerodError {
     MerodError::Call {
         op,
         url: "http://merod.test/".into(),
-        reason: "emulated".into(),
+        source: "emulated".into(),
     }
 }
 
@@ -178,7 +178,7 @@ impl Node for Fake {
                 admitted: false,
                 status: "announced".into(),
             }),
-            Join::Error => Err(merod_err("fleet-join")),
+            Join::Error => Err(merod_err(MerodOp::FleetJoin)),
             Join::Hang => {
                 std::future::pending::<()>().await;
                 unreachable!()
@@ -212,7 +212,7 @@ impl Node for Fake {
                 w.held.remove(&g);
                 Ok(())
             } else {
-                Err(merod_err("leave"))
+                Err(merod_err(MerodOp::Leave))
             }
         })
     }

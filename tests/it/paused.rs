@@ -10,7 +10,7 @@ use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
 use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
-use fleet_sidecar::merod::{Admission, MerodError, Node};
+use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
 use fleet_sidecar::mrtd::Mrtd;
 use fleet_sidecar::reconcile::Desired;
 use fleet_sidecar::state::{State, StateStore};
@@ -331,9 +331,9 @@ async fn the_wait_for_merod_can_be_bounded() {
     impl Node for Down {
         async fn probe(&self) -> Result<(), MerodError> {
             Err(MerodError::Call {
-                op: "peers",
+                op: MerodOp::Peers,
                 url: "http://127.0.0.1:2528/admin-api/peers".into(),
-                reason: "connection refused".into(),
+                source: "connection refused".into(),
             })
         }
         async fn fleet_join(&self, _: GroupId) -> Result<Admission, MerodError> {
