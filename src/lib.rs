@@ -4,27 +4,60 @@
 //! plane (MDMA) assigns to it. Runs beside `merod` on a TDX confidential VM: it reads the
 //! node's PeerId and the TD's MRTD, polls MDMA's `should-join` every second, joins newly
 //! assigned namespaces through merod's admin API (TDX-attested admission), confirms each
-//! admission to MDMA, and leaves namespaces MDMA withdrew — leaving is irreversible (merod
+//! admission to MDMA, and leaves namespaces MDMA withdrew. Leaving is irreversible (merod
 //! purges the node's keys), so it never follows a failed or malformed poll.
 //!
-//! The modules are a library other admin tools can reuse:
+//! ## For authors of other admin tools
 //!
-//! * [`config`] — the TOML config file, validated into strong types.
-//! * [`identity`] — PeerId and admin URL from merod's `config.toml`.
-//! * [`mrtd`] — the TD's MRTD from sysfs, the TDREPORT ioctl, or a TD quote.
-//! * [`mdma`] — the control-plane client (`should-join`, `confirm`).
-//! * [`merod`] — the node's admin API client over `calimero-client`.
-//! * [`reconcile`] — the pure decision of what to join and leave (no I/O, no clock).
-//! * [`state`] — the persisted admitted/confirmed sets, written atomically.
-//! * [`daemon`] — the loop that wires them together.
-//! * [`telemetry`] — metrics and the live status the loop records.
-//! * [`status`] — the optional `/healthz` `/readyz` `/metrics` `/status` listener and the
-//!   `fleet-sidecar status` report.
-//! * [`notify`] — systemd `Type=notify` readiness, status and watchdog.
-//! * [`logging`] — text or JSON lines to stderr and the log file.
-//! * [`emulator`] — loopback MDMA and merod test doubles for the demo and the tests.
+//! The crate is also a library. With `default-features = false` it is only the pieces below
+//! (no HTTP listener, metrics, systemd notify, command line or log subscriber):
 //!
-//! See ARCHITECTURE.md for the invariants.
+//! | need | items |
+//! |---|---|
+//! | merod's admin API, every call with its own deadline | [`MerodClient`], [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
+//! | MDMA's fleet API (`should-join`, `confirm`) | [`MdmaClient`], [`ShouldJoin`], [`FleetToken`], [`PollError`] |
+//! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
+//! | the TD's MRTD, live or from saved bytes | [`read_mrtd`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
+//! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
+//! | the sidecar's config | [`Config`] (the daemon's, every check), [`ToolConfig`] (`[merod]` and `state_file` only), [`resolve_admin_url`], [`read_peer_id`] |
+//!
+//! A tool that compares the state with what merod holds (the whole of
+//! `examples/fleet-inspect.rs` is built this way):
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::path::Path;
+//! use fleet_sidecar::{resolve_admin_url, MerodClient, StateFile, StateStore, ToolConfig};
+//!
+//! // Needs only [merod] and state_file: no MDMA URL, the token file is never opened.
+//! let cfg = ToolConfig::load(Path::new("/etc/calimero/fleet-sidecar.toml"))?;
+//! let merod = MerodClient::new(&resolve_admin_url(&cfg.merod).url)?;
+//! let held = merod.list_namespaces().await?;
+//! match StateStore::new(&cfg.state_file).inspect()? {
+//!     StateFile::Missing => println!("no state file at {}", cfg.state_file.display()),
+//!     StateFile::Present(report) => {
+//!         for id in report.state.admitted.difference(&held) {
+//!             println!("admitted in the state but not held by merod: {id}");
+//!         }
+//!         for repair in &report.repairs {
+//!             println!("repaired on load: {repair}");
+//!         }
+//!     }
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! Never send `should-join` from a tool: MDMA counts it as the node's heartbeat.
+//!
+//! ## Features
+//!
+//! * `daemon` (default): the loop, the `fleet-sidecar` binary and what only it needs.
+//! * `emulator`: loopback MDMA and merod stand-ins for the demo and the tests; never in a
+//!   production build.
+//!
+//! The contracts the code relies on are written down in `docs/` of the repository
+//! (`docs/mdma.md`, `docs/merod-admin.md`, `docs/tdx.md`); ARCHITECTURE.md gives the
+//! invariants.
 
 #![warn(missing_docs)]
 
@@ -48,3 +81,13 @@ pub mod state;
 pub mod status;
 #[cfg(feature = "daemon")]
 pub mod telemetry;
+
+pub use config::{Config, ConfigError, MerodConfig, ToolConfig, DEFAULT_CONFIG_PATH};
+pub use identity::{read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError};
+pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
+pub use merod::{Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp};
+pub use mrtd::{
+    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, Mrtd, MrtdError, MrtdReading, MrtdSource,
+    MrtdUnavailable, TdxConfig,
+};
+pub use state::{Repair, State, StateError, StateFile, StateFormat, StateReport, StateStore};

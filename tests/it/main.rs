@@ -6,6 +6,7 @@ mod common;
 mod contract;
 mod heartbeat;
 mod history;
+mod inspect;
 mod operability;
 mod packaging;
 mod paused;

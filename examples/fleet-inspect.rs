@@ -1,0 +1,171 @@
+//! `fleet-inspect`: an admin tool built only on `fleet_sidecar`'s public API. It compares the
+//! sidecar's state file with the namespaces merod holds and prints the drift:
+//!
+//! - **held by merod, not in the state**: joined outside the sidecar (or by a sidecar whose
+//!   state was lost); the sidecar will never leave it on its own.
+//! - **admitted in the state, not held by merod**: left outside the sidecar; the sidecar
+//!   will re-join it while MDMA assigns it.
+//! - **confirmed but not admitted**: must be impossible (the sidecar confirms only what it
+//!   recorded as admitted). Flagged, with what loading the file repaired.
+//!
+//! It reads only `[merod]` and `state_file` of the sidecar's config (no MDMA keys needed, the
+//! token file is never opened) and never calls MDMA: a `should-join` from a tool would count
+//! as the node's heartbeat.
+//!
+//! ```text
+//! cargo run --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--json]
+//! ```
+//!
+//! Exit status: 0 in sync, 1 drift found, 2 the config, the state file or merod could not
+//! be read.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use clap::Parser;
+use fleet_sidecar::{
+    resolve_admin_url, GroupId, MerodClient, Repair, StateFile, StateStore, ToolConfig,
+    DEFAULT_CONFIG_PATH,
+};
+use serde::Serialize;
+
+/// Compares the sidecar's state file with the namespaces merod holds.
+#[derive(Parser, Debug)]
+#[command(name = "fleet-inspect")]
+struct Args {
+    /// The sidecar's config file (only `[merod]` and `state_file` are read).
+    #[arg(long, value_name = "PATH", default_value = DEFAULT_CONFIG_PATH)]
+    config: PathBuf,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// What the tool found.
+#[derive(Debug, Serialize)]
+pub struct Drift {
+    /// The state file read.
+    pub state_file: PathBuf,
+    /// Whether it exists (a missing file is reported, never taken for "nothing held" silently).
+    pub state_file_present: bool,
+    /// merod's admin URL asked.
+    pub admin_url: String,
+    /// Held by merod and in the state as admitted: in sync.
+    pub in_sync: BTreeSet<GroupId>,
+    /// Held by merod, not admitted in the state.
+    pub held_not_in_state: BTreeSet<GroupId>,
+    /// Admitted in the state, not held by merod.
+    pub admitted_not_held: BTreeSet<GroupId>,
+    /// Confirmed but not admitted in the file as written: must never happen.
+    pub confirmed_not_admitted: BTreeSet<GroupId>,
+    /// What loading the file repaired, in words.
+    pub repairs: Vec<String>,
+}
+
+impl Drift {
+    /// Whether anything differs.
+    pub fn found(&self) -> bool {
+        !(self.held_not_in_state.is_empty()
+            && self.admitted_not_held.is_empty()
+            && self.confirmed_not_admitted.is_empty()
+            && self.repairs.is_empty())
+    }
+}
+
+/// Reads the config, the state file and merod's listing, and compares them.
+///
+/// Errors: a one-line description of what could not be read.
+pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>> {
+    let cfg = ToolConfig::load(config)?;
+    let admin_url = resolve_admin_url(&cfg.merod).url;
+    let (present, admitted, confirmed_not_admitted, repairs) =
+        match StateStore::new(&cfg.state_file).inspect()? {
+            StateFile::Missing => (false, BTreeSet::new(), BTreeSet::new(), Vec::new()),
+            StateFile::Present(report) => {
+                let flagged = report
+                    .repairs
+                    .iter()
+                    .filter_map(|r| match r {
+                        Repair::ConfirmedNotAdmitted(id) => Some(*id),
+                        Repair::AbsentNotAdmitted(_) => None,
+                    })
+                    .collect();
+                let words = report.repairs.iter().map(ToString::to_string).collect();
+                (true, report.state.admitted, flagged, words)
+            }
+        };
+    let held = MerodClient::new(&admin_url)?.list_namespaces().await?;
+    Ok(Drift {
+        state_file: cfg.state_file,
+        state_file_present: present,
+        admin_url: admin_url.to_string(),
+        in_sync: held.intersection(&admitted).copied().collect(),
+        held_not_in_state: held.difference(&admitted).copied().collect(),
+        admitted_not_held: admitted.difference(&held).copied().collect(),
+        confirmed_not_admitted,
+        repairs,
+    })
+}
+
+/// The drift as a table, one namespace a line.
+pub fn render_text(drift: &Drift) -> String {
+    let mut out = format!(
+        "state file {}{}\nmerod      {}\n",
+        drift.state_file.display(),
+        if drift.state_file_present {
+            ""
+        } else {
+            " (missing: read as nothing admitted)"
+        },
+        drift.admin_url
+    );
+    let rows = [
+        ("in sync", &drift.in_sync),
+        ("held by merod, not in state", &drift.held_not_in_state),
+        ("admitted in state, not held", &drift.admitted_not_held),
+        (
+            "IMPOSSIBLE: confirmed, not admitted",
+            &drift.confirmed_not_admitted,
+        ),
+    ];
+    for (what, ids) in rows {
+        for id in ids {
+            out.push_str(&format!("{what:<36} {id}\n"));
+        }
+    }
+    for repair in &drift.repairs {
+        out.push_str(&format!("repaired on load: {repair}\n"));
+    }
+    out.push_str(if drift.found() {
+        "drift found\n"
+    } else {
+        "no drift\n"
+    });
+    out
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let args = Args::parse();
+    match inspect(&args.config).await {
+        Ok(drift) => {
+            if args.json {
+                match serde_json::to_string_pretty(&drift) {
+                    Ok(text) => println!("{text}"),
+                    Err(e) => {
+                        eprintln!("fleet-inspect: {e}");
+                        return ExitCode::from(2);
+                    }
+                }
+            } else {
+                print!("{}", render_text(&drift));
+            }
+            ExitCode::from(u8::from(drift.found()))
+        }
+        Err(e) => {
+            eprintln!("fleet-inspect: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,80 @@
+//! The example admin tool (`examples/fleet-inspect.rs`), built only on the public API, run
+//! in-process against the merod emulator.
+
+use std::os::unix::fs::PermissionsExt;
+
+use fleet_sidecar::emulator::sandbox::Sandbox;
+
+use crate::common::{set, A, B, C, D};
+
+#[allow(dead_code)] // its `main` is the example's, not the test's
+#[path = "../../examples/fleet-inspect.rs"]
+mod fleet_inspect;
+
+#[tokio::test]
+async fn drift_between_state_and_merod_with_a_tool_only_config() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.hold(A);
+    sb.merod.hold(B);
+    // As written: C admitted but gone from merod; D confirmed but never admitted (the one
+    // drift that must never happen); B held by merod but unknown to the state.
+    let state_file = sb.dir().join("state.json");
+    std::fs::write(
+        &state_file,
+        format!("{{\"version\":2,\"admitted\":[\"{A}\",\"{C}\"],\"confirmed\":[\"{A}\",\"{D}\"]}}"),
+    )
+    .unwrap();
+    // A token file the daemon would refuse (readable by all): the tool never opens it.
+    let token = sb.dir().join("token");
+    std::fs::write(&token, "NEVER-LOGGED-TOKEN-inspect\n").unwrap();
+    std::fs::set_permissions(&token, std::fs::Permissions::from_mode(0o644)).unwrap();
+    let config = sb.dir().join("tool.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "state_file = \"{}\"\nfleet_token_file = \"{}\"\n[merod]\nhome = \"{}\"\n",
+            state_file.display(),
+            token.display(),
+            sb.dir().join("calimero").display()
+        ),
+    )
+    .unwrap();
+
+    let drift = fleet_inspect::inspect(&config)
+        .await
+        .expect("the tool runs");
+    assert!(drift.state_file_present);
+    assert_eq!(drift.in_sync, set(&[A]));
+    assert_eq!(drift.held_not_in_state, set(&[B]));
+    assert_eq!(
+        drift.admitted_not_held,
+        set(&[C, D]),
+        "D is admitted once repaired"
+    );
+    assert_eq!(drift.confirmed_not_admitted, set(&[D]));
+    assert_eq!(drift.repairs.len(), 1, "{:?}", drift.repairs);
+    assert!(drift.found());
+
+    let text = fleet_inspect::render_text(&drift);
+    assert!(
+        text.contains(&format!("IMPOSSIBLE: confirmed, not admitted  {D}")),
+        "{text}"
+    );
+    assert!(
+        text.contains(&format!("held by merod, not in state          {B}")),
+        "{text}"
+    );
+    assert!(text.contains("repaired on load"), "{text}");
+    let json: serde_json::Value = serde_json::to_value(&drift).unwrap();
+    assert_eq!(json["confirmed_not_admitted"], serde_json::json!([D]));
+
+    // MDMA is never asked: a should-join from a tool would count as the node's heartbeat.
+    assert!(sb.mdma.polls().is_empty() && sb.mdma.confirms().is_empty());
+
+    // A missing state file is said, not read silently as "nothing held".
+    std::fs::remove_file(&state_file).unwrap();
+    let drift = fleet_inspect::inspect(&config).await.unwrap();
+    assert!(!drift.state_file_present);
+    assert_eq!(drift.held_not_in_state, set(&[A, B]));
+    assert!(fleet_inspect::render_text(&drift).contains("(missing"));
+}
