@@ -94,7 +94,9 @@ impl Boot {
     pub async fn up() -> Result<Self, String> {
         let base = base_dir();
         std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
-        let idle = base.join("sysd-test-idle.target");
+        // Its own directory: tests boot in parallel, and the tool copies the file.
+        let idle_dir = tempfile::tempdir_in(&base).map_err(|e| e.to_string())?;
+        let idle = idle_dir.path().join("sysd-test-idle.target");
         std::fs::write(
             &idle,
             "[Unit]\nDescription=test harness: boot without starting the unit under test\n",
