@@ -888,6 +888,27 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             .contains("/nonexistent/token"));
     }
 
+    /// A systemd credential (`LoadCredential=`, the recommended delivery) is a 0400 file in
+    /// a 0500 directory, as tests/systemd sees under a real systemd: accepted as it is.
+    #[test]
+    fn a_systemd_credential_is_accepted_as_a_token_file() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("credentials");
+        std::fs::create_dir(&creds).unwrap();
+        let file = creds.join("fleet-token");
+        std::fs::write(&file, "credential-token\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o400)).unwrap();
+        std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o500)).unwrap();
+        let text = format!(
+            "mdma_url = \"https://m\"\nfleet_token_file = \"{}\"",
+            file.display()
+        );
+        let token = load(&text).map(|c| c.fleet_token.map(|t| t.expose().to_owned()));
+        std::fs::set_permissions(&creds, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert_eq!(token.unwrap().as_deref(), Some("credential-token"));
+    }
+
     #[test]
     fn operability_keys() {
         let cfg = load(
