@@ -70,7 +70,7 @@ pub enum IdentityError {
     },
     /// `[server].listen[0]` is not a multiaddr of an IP or DNS host and a TCP port.
     #[error(
-        "merod config {path}: [server].listen[0] = {value:?} cannot be turned into a URL: {reason}"
+        "merod config {path}: [server].listen[0] = {value:?} cannot be turned into a URL: {source}"
     )]
     InvalidListen {
         /// merod's config.toml.
@@ -78,8 +78,26 @@ pub enum IdentityError {
         /// The multiaddr as written.
         value: String,
         /// What is wrong with it.
-        reason: String,
+        #[source]
+        source: ListenAddrError,
     },
+}
+
+/// Why a `[server].listen` multiaddr gives no admin URL.
+#[derive(Debug, thiserror::Error)]
+pub enum ListenAddrError {
+    /// Not a multiaddr.
+    #[error("not a multiaddr: {0}")]
+    Multiaddr(#[from] multiaddr::Error),
+    /// No `/ip4`, `/ip6` or `/dns*` component.
+    #[error("no IP or DNS host")]
+    NoHost,
+    /// No `/tcp` component.
+    #[error("no TCP port")]
+    NoPort,
+    /// The host and port do not form a URL.
+    #[error("not a URL host: {0}")]
+    Url(#[from] url::ParseError),
 }
 
 fn load(path: &Path) -> Result<MerodToml, IdentityError> {
@@ -132,10 +150,10 @@ pub fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, IdentityE
     };
     multiaddr_to_url(&first)
         .map(Some)
-        .map_err(|reason| IdentityError::InvalidListen {
+        .map_err(|source| IdentityError::InvalidListen {
             path: path.to_owned(),
             value: first,
-            reason,
+            source,
         })
 }
 
@@ -203,8 +221,8 @@ fn default_admin_url() -> Url {
 
 /// `/ip4/A/tcp/P`, `/ip6/A/tcp/P`, `/dns*/H/tcp/P` → `http://host:P/`; an unspecified
 /// address (0.0.0.0, ::) is reached through loopback.
-fn multiaddr_to_url(text: &str) -> Result<Url, String> {
-    let addr: Multiaddr = text.parse().map_err(|e| format!("{e}"))?;
+fn multiaddr_to_url(text: &str) -> Result<Url, ListenAddrError> {
+    let addr: Multiaddr = text.parse()?;
     let mut host = None;
     let mut port = None;
     for proto in addr.iter() {
@@ -219,9 +237,9 @@ fn multiaddr_to_url(text: &str) -> Result<Url, String> {
         }
     }
     match (host, port) {
-        (Some(h), Some(p)) => Url::parse(&format!("http://{h}:{p}/")).map_err(|e| e.to_string()),
-        (None, _) => Err("no IP or DNS host".to_owned()),
-        (_, None) => Err("no TCP port".to_owned()),
+        (Some(h), Some(p)) => Ok(Url::parse(&format!("http://{h}:{p}/"))?),
+        (None, _) => Err(ListenAddrError::NoHost),
+        (_, None) => Err(ListenAddrError::NoPort),
     }
 }
 

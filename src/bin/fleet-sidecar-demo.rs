@@ -28,11 +28,18 @@ fn short(id: &str) -> &str {
     id.get(..8).unwrap_or(id)
 }
 
-async fn until(what: &str, mut done: impl FnMut() -> bool) -> Result<(), String> {
+/// A step of the scenario that did not happen in time.
+#[derive(Debug, thiserror::Error)]
+#[error("timed out waiting for: {0}")]
+struct NotInTime(String);
+
+type DemoResult = Result<(), Box<dyn std::error::Error + Send + Sync>>;
+
+async fn until(what: &str, mut done: impl FnMut() -> bool) -> Result<(), NotInTime> {
     let start = Instant::now();
     while !done() {
         if start.elapsed() > PHASE_LIMIT {
-            return Err(format!("timed out waiting for: {what}"));
+            return Err(NotInTime(what.to_owned()));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -58,13 +65,11 @@ async fn main() -> ExitCode {
     }
 }
 
-async fn scenario() -> Result<(), String> {
-    let sb = Sandbox::start(None).await.map_err(|e| e.to_string())?;
+async fn scenario() -> DemoResult {
+    let sb = Sandbox::start(None).await?;
     // The outage's failed polls back off up to max_backoff (default 10 s); 2 s keeps the
     // demo short while still showing the backoff.
-    let cfg = sb
-        .config("max_backoff = \"2s\"")
-        .map_err(|e| e.to_string())?;
+    let cfg = sb.config("max_backoff = \"2s\"")?;
     let deps = sb.deps(&cfg)?;
     info!(
         "demo: MDMA emulator at {}, merod emulator at {}, state in {}",
@@ -113,7 +118,7 @@ async fn scenario() -> Result<(), String> {
     })
     .await?;
     if sb.merod.leaves(A) + sb.merod.leaves(B) != 0 {
-        return Err("a namespace was left during the outage".to_owned());
+        return Err("a namespace was left during the outage".into());
     }
     info!("demo: outage over: nothing was left during it");
 
@@ -146,10 +151,10 @@ async fn scenario() -> Result<(), String> {
     shutdown.cancel();
     match daemon.await {
         Ok(Ok(())) => {}
-        Ok(Err(e)) => return Err(format!("daemon stopped with an error: {e}")),
-        Err(e) => return Err(format!("daemon task failed: {e}")),
+        Ok(Err(e)) => return Err(e.into()),
+        Err(e) => return Err(e.into()),
     }
-    let state = std::fs::read_to_string(sb.state_file()).map_err(|e| e.to_string())?;
+    let state = std::fs::read_to_string(sb.state_file())?;
     info!(
         "== final state file {}:\n{state}",
         sb.state_file().display()
@@ -160,10 +165,7 @@ async fn scenario() -> Result<(), String> {
     );
     let want: std::collections::BTreeSet<String> = [A, C].iter().map(|s| s.to_string()).collect();
     if sb.merod.held() != want {
-        return Err(format!(
-            "merod holds {:?}, expected A and C",
-            sb.merod.held()
-        ));
+        return Err(format!("merod holds {:?}, expected A and C", sb.merod.held()).into());
     }
     Ok(())
 }

@@ -28,7 +28,7 @@ use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 use url::Url;
 
-use super::{is_json_content_type, json_response, lock, serve, ServerHandle};
+use super::{is_json_content_type, json_response, lock, serve, BadRequest, ServerHandle};
 
 /// The header carrying the fleet token.
 pub const TOKEN_HEADER: &str = "x-fleet-token";
@@ -245,18 +245,20 @@ fn header(headers: &HeaderMap, name: &str) -> Option<String> {
 }
 
 /// The request body as a JSON object, or why it is refused.
-fn json_object(headers: &HeaderMap, body: &[u8]) -> Result<Map<String, Value>, String> {
+fn json_object(headers: &HeaderMap, body: &[u8]) -> Result<Map<String, Value>, BadRequest> {
     if !is_json_content_type(headers) {
-        return Err("expected Content-Type: application/json".to_owned());
+        return Err(BadRequest(
+            "expected Content-Type: application/json".to_owned(),
+        ));
     }
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(map)) => Ok(map),
-        Ok(_) => Err("the body must be a JSON object".to_owned()),
-        Err(err) => Err(format!("the body is not JSON: {err}")),
+        Ok(_) => Err(BadRequest("the body must be a JSON object".to_owned())),
+        Err(err) => Err(BadRequest(format!("the body is not JSON: {err}"))),
     }
 }
 
-fn string_field(body: &Result<Map<String, Value>, String>, name: &str) -> Option<String> {
+fn string_field(body: &Result<Map<String, Value>, BadRequest>, name: &str) -> Option<String> {
     body.as_ref()
         .ok()
         .and_then(|map| map.get(name))
@@ -266,22 +268,26 @@ fn string_field(body: &Result<Map<String, Value>, String>, name: &str) -> Option
 
 /// Checks `required` are strings and `optional` are strings when present.
 fn check_fields(
-    body: Result<Map<String, Value>, String>,
+    body: Result<Map<String, Value>, BadRequest>,
     required: &[&str],
     optional: &[&str],
-) -> Result<(), String> {
+) -> Result<(), BadRequest> {
     let map = body?;
     for name in required {
         match map.get(*name) {
             Some(Value::String(_)) => {}
-            Some(_) => return Err(format!("field `{name}` must be a string")),
-            None => return Err(format!("missing field `{name}`")),
+            Some(_) => return Err(BadRequest(format!("field `{name}` must be a string"))),
+            None => return Err(BadRequest(format!("missing field `{name}`"))),
         }
     }
     for name in optional {
         match map.get(*name) {
             None | Some(Value::String(_)) => {}
-            Some(_) => return Err(format!("field `{name}` must be a string when present")),
+            Some(_) => {
+                return Err(BadRequest(format!(
+                    "field `{name}` must be a string when present"
+                )))
+            }
         }
     }
     Ok(())
@@ -344,7 +350,7 @@ async fn should_join(
         let answer = if !authorised(&inner.token, &token) {
             Answer::Json(401, error_body("missing or wrong X-Fleet-Token"))
         } else if let Err(message) = valid {
-            Answer::Json(400, error_body(&message))
+            Answer::Json(400, error_body(&message.0))
         } else {
             let reply = match inner.queue.pop_front() {
                 Some(reply) => reply,
@@ -398,7 +404,7 @@ async fn confirm(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: By
     let (status, body) = if !authorised(&inner.token, &token) {
         (401, error_body("missing or wrong X-Fleet-Token"))
     } else if let Err(message) = valid {
-        (400, error_body(&message))
+        (400, error_body(&message.0))
     } else {
         let key = group_id.as_deref().unwrap_or_default().to_ascii_lowercase();
         match inner.confirm_failures.get_mut(&key) {

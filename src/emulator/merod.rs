@@ -32,7 +32,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use url::Url;
 
-use super::{content_type, is_json_content_type, json_response, lock, serve, ServerHandle};
+use super::{
+    content_type, is_json_content_type, json_response, lock, serve, BadRequest, ServerHandle,
+};
 
 /// Largest request body the emulator reads.
 const BODY_LIMIT: usize = 1024 * 1024;
@@ -636,7 +638,7 @@ async fn get_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<String
 }
 
 /// `offset` and `limit` from the query (default 0 and 100).
-fn paging(uri: &Uri) -> Result<(usize, usize), String> {
+fn paging(uri: &Uri) -> Result<(usize, usize), BadRequest> {
     let (mut offset, mut limit) = (0usize, 100usize);
     for pair in uri.query().unwrap_or_default().split('&') {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
@@ -645,9 +647,11 @@ fn paging(uri: &Uri) -> Result<(usize, usize), String> {
             "limit" => &mut limit,
             _ => continue,
         };
-        *slot = value
-            .parse()
-            .map_err(|_| format!("Invalid query: {key} must be a non-negative integer"))?;
+        *slot = value.parse().map_err(|_| {
+            BadRequest(format!(
+                "Invalid query: {key} must be a non-negative integer"
+            ))
+        })?;
     }
     Ok((offset, limit))
 }
@@ -655,7 +659,7 @@ fn paging(uri: &Uri) -> Result<(usize, usize), String> {
 async fn list_namespaces(State(shared): State<Arc<Shared>>, uri: Uri) -> Response {
     let (offset, limit) = match paging(&uri) {
         Ok(paging) => paging,
-        Err(message) => return json_response(400, json!({ "error": message })),
+        Err(message) => return json_response(400, json!({ "error": message.0 })),
     };
     let held = lock(&shared.inner).held.clone();
     let entries: Vec<Value> = held

@@ -90,6 +90,12 @@ pub async fn serve(router: Router) -> std::io::Result<ServerHandle> {
 }
 
 /// Locks a mutex, ignoring poisoning (the emulators' state stays usable after a panicking test).
+/// Why an emulator refuses a request: the message its 400 answer carries, worded as the real
+/// service words it.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub(crate) struct BadRequest(pub(crate) String);
+
 pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
         .lock()

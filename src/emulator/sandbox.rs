@@ -117,11 +117,10 @@ impl Sandbox {
 
     /// The real MDMA and merod clients, pointed at the emulators as `cfg` says.
     ///
-    /// Errors: a client that cannot be built, as text.
-    pub fn deps(&self, cfg: &Config) -> Result<Deps, String> {
-        let mdma = MdmaClient::new(&cfg.mdma_url, cfg.fleet_token.clone(), None)
-            .map_err(|e| e.to_string())?;
-        let merod = MerodClient::new(&self.merod.url()).map_err(|e| e.to_string())?;
+    /// Errors: a client that cannot be built.
+    pub fn deps(&self, cfg: &Config) -> Result<Deps, Box<dyn std::error::Error + Send + Sync>> {
+        let mdma = MdmaClient::new(&cfg.mdma_url, cfg.fleet_token.clone(), None)?;
+        let merod = MerodClient::new(&self.merod.url())?;
         Ok(Deps::new(Arc::new(mdma), Arc::new(merod)))
     }
 }
