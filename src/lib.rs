@@ -17,7 +17,7 @@
 //! | merod's admin API, every call with its own deadline | [`MerodClient`], [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
 //! | MDMA's fleet API (`should-join`, `confirm`) | [`MdmaClient`], [`ShouldJoin`], [`FleetToken`], [`PollError`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
-//! | the TD's MRTD, live or from saved bytes | [`read_mrtd`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
+//! | the TD's MRTD, live or from saved bytes | [`read_mrtd`], [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
 //! | the sidecar's config | [`Config`] (the daemon's, every check), [`ToolConfig`] (`[merod]` and `state_file` only), [`resolve_admin_url`], [`read_peer_id`] |
 //!

@@ -15,7 +15,7 @@ use fleet_sidecar::identity::{resolve_admin_url, AdminUrlSource};
 use fleet_sidecar::logging;
 use fleet_sidecar::mdma::MdmaClient;
 use fleet_sidecar::merod::MerodClient;
-use fleet_sidecar::mrtd::{parse_quote, parse_tdreport, read_mrtd, TdxConfig};
+use fleet_sidecar::mrtd::{read_mrtd, read_saved, SavedEvidence, TdxConfig};
 use fleet_sidecar::telemetry::unix_now;
 use fleet_sidecar::{notify, status};
 
@@ -269,41 +269,6 @@ fn spawn_signal_handler(
     Ok(())
 }
 
-/// Largest file `mrtd --tdreport/--quote` reads (real quotes are a few KiB).
-const OFFLINE_LIMIT: u64 = 1 << 20;
-
-/// Reads at most [`OFFLINE_LIMIT`] bytes of `path`; a larger file is an error.
-fn read_offline(path: &std::path::Path) -> Result<Vec<u8>, String> {
-    use std::io::Read;
-    let file = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut bytes = Vec::new();
-    file.take(OFFLINE_LIMIT + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| e.to_string())?;
-    if bytes.len() as u64 > OFFLINE_LIMIT {
-        return Err(format!(
-            "larger than {OFFLINE_LIMIT} bytes: not a TDREPORT or quote"
-        ));
-    }
-    Ok(bytes)
-}
-
-/// A saved TDREPORT is exactly what `TDX_CMD_GET_REPORT0` returns: 1024 bytes.
-fn parse_saved_tdreport(bytes: &[u8]) -> Result<fleet_sidecar::mrtd::Mrtd, String> {
-    if bytes.len() != fleet_sidecar::mrtd::TDREPORT_LEN {
-        return Err(format!(
-            "a TDREPORT is {} bytes, this file is {}",
-            fleet_sidecar::mrtd::TDREPORT_LEN,
-            bytes.len()
-        ));
-    }
-    parse_tdreport(bytes).map_err(|e| e.to_string())
-}
-
-fn parse_saved_quote(bytes: &[u8]) -> Result<fleet_sidecar::mrtd::Mrtd, String> {
-    parse_quote(bytes).map_err(|e| e.to_string())
-}
-
 /// `fleet-sidecar mrtd`: read (or parse offline) and print the MRTD with its source. With
 /// no `--config`, the default config file is used if it exists, else the default sources.
 fn mrtd_command(
@@ -311,25 +276,17 @@ fn mrtd_command(
     tdreport: Option<PathBuf>,
     quote: Option<PathBuf>,
 ) -> ExitCode {
-    type Parser = fn(&[u8]) -> Result<fleet_sidecar::mrtd::Mrtd, String>;
     let offline = tdreport
-        .map(|p| (p, "tdreport", parse_saved_tdreport as Parser))
-        .or_else(|| quote.map(|p| (p, "quote", parse_saved_quote as Parser)));
-    if let Some((path, kind, parse)) = offline {
-        let bytes = match read_offline(&path) {
-            Ok(b) => b,
-            Err(e) => {
-                eprintln!("fleet-sidecar: cannot read {}: {e}", path.display());
-                return ExitCode::from(EXIT_FAILURE);
-            }
-        };
-        return match parse(&bytes) {
+        .map(|p| (p, SavedEvidence::TdReport, "tdreport"))
+        .or_else(|| quote.map(|p| (p, SavedEvidence::Quote, "quote")));
+    if let Some((path, kind, name)) = offline {
+        return match read_saved(&path, kind) {
             Ok(m) => {
-                println!("{m}\t{kind} file {}", path.display());
+                println!("{m}\t{name} file {}", path.display());
                 ExitCode::SUCCESS
             }
             Err(e) => {
-                eprintln!("fleet-sidecar: {}: {e}", path.display());
+                eprintln!("fleet-sidecar: {e}");
                 ExitCode::from(EXIT_FAILURE)
             }
         };

@@ -501,6 +501,38 @@ pub fn parse_quote(bytes: &[u8]) -> Result<Mrtd, MrtdError> {
     non_zero(Mrtd::from_bytes(mrtd)?)
 }
 
+/// Largest saved TDREPORT or quote [`read_saved`] reads (real quotes are a few KiB): 1 MiB.
+pub const SAVED_EVIDENCE_LIMIT: usize = 1 << 20;
+
+/// What a file given to [`read_saved`] holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SavedEvidence {
+    /// A TDREPORT as `TDX_CMD_GET_REPORT0` returns it: exactly [`TDREPORT_LEN`] (1024) bytes.
+    TdReport,
+    /// A TD quote, version 4 or 5.
+    Quote,
+}
+
+/// Reads the MRTD from a saved TDREPORT or quote at `path`, offline (e.g. evidence copied
+/// off a node). Reads at most [`SAVED_EVIDENCE_LIMIT`] bytes.
+///
+/// Errors: [`MrtdError::Io`], [`MrtdError::TooLarge`], and [`MrtdError::Invalid`] naming
+/// `path` around the parser's error ([`MrtdError::WrongLength`] for a TDREPORT that is not
+/// 1024 bytes, or what [`parse_tdreport`] / [`parse_quote`] say).
+pub fn read_saved(path: &Path, kind: SavedEvidence) -> Result<Mrtd, MrtdError> {
+    let bytes = read_limited(path, SAVED_EVIDENCE_LIMIT)?;
+    let parsed = match kind {
+        SavedEvidence::TdReport if bytes.len() != TDREPORT_LEN => Err(MrtdError::WrongLength {
+            what: "saved tdreport",
+            expected: TDREPORT_LEN,
+            actual: bytes.len(),
+        }),
+        SavedEvidence::TdReport => parse_tdreport(&bytes),
+        SavedEvidence::Quote => parse_quote(&bytes),
+    };
+    parsed.map_err(|e| invalid(path, e))
+}
+
 fn non_zero(mrtd: Mrtd) -> Result<Mrtd, MrtdError> {
     if mrtd.is_all_zero() {
         Err(MrtdError::AllZero)

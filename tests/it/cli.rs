@@ -240,8 +240,9 @@ fn command_line_misuse_is_refused() {
     std::fs::write(&long, &report).unwrap();
     let out = run(&["mrtd", "--tdreport", long.to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("1024 bytes, this file is 1025"));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("saved tdreport is 1025 bytes, expected exactly 1024"));
     let out = run(&["mrtd", "--quote", "/dev/zero"]);
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("larger than"));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("more than 1048576 bytes"));
 }
