@@ -28,7 +28,9 @@ use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane, PollError, MDMA_TIMEOUT};
 use crate::merod::Node;
 use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable};
-use crate::reconcile::{self, Desired, Guard, LeaveWait, MassDrop, MassDropEvent, Outcome};
+use crate::reconcile::{
+    self, Desired, Guard, LeaveWait, MassDrop, MassDropEvent, Outcome, PlanInput,
+};
 use crate::state::{State, StateError, StateStore};
 use crate::telemetry::{unix_now, Phase, Telemetry};
 
@@ -599,7 +601,7 @@ impl Sidecar {
             st.pending_leaves = self
                 .waiting
                 .iter()
-                .map(|(id, w)| (*id, describe_wait(w)))
+                .map(|(id, w)| (*id, w.to_string()))
                 .collect();
             st.mass_drop = match self.guard.mass_drop {
                 MassDrop::Idle => "idle".to_owned(),
@@ -618,15 +620,15 @@ impl Sidecar {
         self.join_retry.retain(|_, (until, _)| *until > now);
         let backoff: BTreeSet<GroupId> = self.join_retry.keys().copied().collect();
         let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
-        let plan = reconcile::plan(
-            &self.cfg.leave_policy,
+        let plan = reconcile::plan(PlanInput {
+            policy: &self.cfg.leave_policy,
             desired,
-            &self.state,
-            &in_flight,
-            &backoff,
-            &self.guard,
+            state: &self.state,
+            in_flight: &in_flight,
+            join_backoff: &backoff,
+            guard: &self.guard,
             now,
-        );
+        });
         match plan.mass_drop_event {
             Some(MassDropEvent::HoldStarted { withdrawn, held }) => error!(
                 withdrawn,
@@ -965,21 +967,6 @@ async fn leave_task(
         None => LeaveEnd::StillHeld(format!(
             "leave: {leave}; membership check gave no answer within {CHECK_TIMEOUT:?}"
         )),
-    }
-}
-
-/// A pending leave's reason, as `/status` and `fleet-sidecar status` show it.
-pub fn describe_wait(wait: &LeaveWait) -> String {
-    match wait {
-        LeaveWait::NotStable { polls, needed } => {
-            format!("absent from {polls} of the {needed} successful polls needed")
-        }
-        LeaveWait::MassDropHold { remaining } => format!(
-            "held by the mass-withdrawal guard for {} s more",
-            remaining.as_secs()
-        ),
-        LeaveWait::RateLimited => "waiting for the leave rate limit".to_owned(),
-        LeaveWait::InFlight => "a join or leave of it is running".to_owned(),
     }
 }
 

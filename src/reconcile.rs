@@ -21,6 +21,7 @@
 //!   confirmed anew. `admitted` shrinks only when merod no longer holds a namespace.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::fmt;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -42,6 +43,15 @@ pub struct LeavePolicy {
 }
 
 impl LeavePolicy {
+    /// The stability rule: a withdrawn namespace absent from `polls` consecutive successful
+    /// polls waits until `leave_after_polls`; `None` once the withdrawal is stable.
+    pub fn stability_wait(&self, polls: u32) -> Option<LeaveWait> {
+        (polls < self.leave_after_polls).then_some(LeaveWait::NotStable {
+            polls,
+            needed: self.leave_after_polls,
+        })
+    }
+
     /// The reference sidecar's behaviour: leave on the first poll that withdraws, no guard.
     pub const REFERENCE: Self = Self {
         leave_after_polls: 1,
@@ -106,6 +116,26 @@ pub enum LeaveWait {
     InFlight,
 }
 
+impl fmt::Display for LeaveWait {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            LeaveWait::NotStable { polls, needed } => {
+                write!(
+                    f,
+                    "absent from {polls} of the {needed} successful polls needed"
+                )
+            }
+            LeaveWait::MassDropHold { remaining } => write!(
+                f,
+                "held by the mass-withdrawal guard for {} s more",
+                remaining.as_secs()
+            ),
+            LeaveWait::RateLimited => f.write_str("waiting for the leave rate limit"),
+            LeaveWait::InFlight => f.write_str("a join or leave of it is running"),
+        }
+    }
+}
+
 /// A change of the mass-withdrawal guard worth a loud log line.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MassDropEvent {
@@ -142,22 +172,36 @@ pub struct Plan {
     pub mass_drop_event: Option<MassDropEvent>,
 }
 
+/// Everything [`plan`] decides from, by name.
+#[derive(Clone, Copy, Debug)]
+pub struct PlanInput<'a> {
+    /// The leave rules from the config.
+    pub policy: &'a LeavePolicy,
+    /// This poll's assignments and retains.
+    pub desired: &'a Desired,
+    /// The persisted sets before this poll.
+    pub state: &'a State,
+    /// Namespaces with a join or leave task running (planned neither way).
+    pub in_flight: &'a BTreeSet<GroupId>,
+    /// Namespaces whose last join failed recently (not joined yet again).
+    pub join_backoff: &'a BTreeSet<GroupId>,
+    /// The guard state after the previous successful poll.
+    pub guard: &'a Guard,
+    /// The time of this poll.
+    pub now: Instant,
+}
+
 /// Plans one cycle from a successful poll.
-///
-/// * `state`: the persisted sets before this poll.
-/// * `in_flight`: namespaces with a join or leave task running (planned neither way).
-/// * `join_backoff`: namespaces whose last join failed recently (not joined yet again).
-/// * `guard`: the guard state after the previous successful poll.
-/// * `now`: the time of this poll.
-pub fn plan(
-    policy: &LeavePolicy,
-    desired: &Desired,
-    state: &State,
-    in_flight: &BTreeSet<GroupId>,
-    join_backoff: &BTreeSet<GroupId>,
-    guard: &Guard,
-    now: Instant,
-) -> Plan {
+pub fn plan(input: PlanInput<'_>) -> Plan {
+    let PlanInput {
+        policy,
+        desired,
+        state,
+        in_flight,
+        join_backoff,
+        guard,
+        now,
+    } = input;
     let joins = desired
         .assigned
         .iter()
@@ -237,11 +281,8 @@ pub fn plan(
     for (id, polls) in &absent_polls {
         let wait = if in_flight.contains(id) {
             Some(LeaveWait::InFlight)
-        } else if *polls < policy.leave_after_polls {
-            Some(LeaveWait::NotStable {
-                polls: *polls,
-                needed: policy.leave_after_polls,
-            })
+        } else if let Some(wait) = policy.stability_wait(*polls) {
+            Some(wait)
         } else if let MassDrop::Holding { since } = next_guard.mass_drop {
             Some(LeaveWait::MassDropHold {
                 remaining: policy

@@ -19,8 +19,6 @@ use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::daemon::describe_wait;
-use crate::reconcile::LeaveWait;
 use crate::state::{State, StateStore};
 use crate::telemetry::{unix_now, LiveStatus, Telemetry};
 
@@ -127,12 +125,8 @@ pub async fn report(cfg: &Config) -> Report {
             s.absent_polls
                 .iter()
                 .map(|(id, polls)| {
-                    let needed = cfg.leave_policy.leave_after_polls;
-                    let why = if *polls < needed {
-                        describe_wait(&LeaveWait::NotStable {
-                            polls: *polls,
-                            needed,
-                        })
+                    let why = if let Some(wait) = cfg.leave_policy.stability_wait(*polls) {
+                        wait.to_string()
                     } else {
                         format!(
                             "absent from {polls} successful polls: due to leave (the live status tells whether the mass-withdrawal guard or the rate limit holds it)"

@@ -39,15 +39,15 @@ fn none() -> BTreeSet<GroupId> {
 }
 
 fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Plan {
-    plan(
+    plan(PlanInput {
         policy,
-        d,
-        s,
-        &none(),
-        &none(),
-        &Guard::default(),
-        Instant::now(),
-    )
+        desired: d,
+        state: s,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &Guard::default(),
+        now: Instant::now(),
+    })
 }
 
 #[test]
@@ -182,15 +182,15 @@ fn a_re_added_namespace_is_joined_again() {
 fn nothing_in_flight_is_planned_either_way() {
     let s = state(&[1, 2], &[1]);
     let in_flight = ids(&[2, 3]);
-    let p = plan(
-        &LeavePolicy::REFERENCE,
-        &desired(&[3], &[]),
-        &s,
-        &in_flight,
-        &none(),
-        &Guard::default(),
-        Instant::now(),
-    );
+    let p = plan(PlanInput {
+        policy: &LeavePolicy::REFERENCE,
+        desired: &desired(&[3], &[]),
+        state: &s,
+        in_flight: &in_flight,
+        join_backoff: &none(),
+        guard: &Guard::default(),
+        now: Instant::now(),
+    });
     assert!(p.joins.is_empty(), "3 is being joined");
     assert_eq!(p.leaves, vec![id(1)]);
     assert_eq!(p.waiting.get(&id(2)), Some(&LeaveWait::InFlight));
@@ -198,15 +198,15 @@ fn nothing_in_flight_is_planned_either_way() {
 
 #[test]
 fn join_backoff_delays_only_joins() {
-    let p = plan(
-        &LeavePolicy::REFERENCE,
-        &desired(&[1, 2], &[]),
-        &state(&[3], &[3]),
-        &none(),
-        &ids(&[1, 3]),
-        &Guard::default(),
-        Instant::now(),
-    );
+    let p = plan(PlanInput {
+        policy: &LeavePolicy::REFERENCE,
+        desired: &desired(&[1, 2], &[]),
+        state: &state(&[3], &[3]),
+        in_flight: &none(),
+        join_backoff: &ids(&[1, 3]),
+        guard: &Guard::default(),
+        now: Instant::now(),
+    });
     assert_eq!(p.joins, vec![id(2)]);
     assert_eq!(p.leaves, vec![id(3)]);
 }
@@ -224,7 +224,15 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
     let t0 = Instant::now();
     let s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
     let d = desired(&[1], &[]);
-    let p = plan(&policy, &d, &s, &none(), &none(), &Guard::default(), t0);
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &d,
+        state: &s,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &Guard::default(),
+        now: t0,
+    });
     assert!(p.leaves.is_empty());
     assert_eq!(
         p.mass_drop_event,
@@ -240,11 +248,27 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
         })
     );
     let t1 = t0 + Duration::from_secs(599);
-    let p = plan(&policy, &d, &p.state, &none(), &none(), &p.guard, t1);
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &d,
+        state: &p.state,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &p.guard,
+        now: t1,
+    });
     assert!(p.leaves.is_empty());
     assert_eq!(p.mass_drop_event, None);
     let t2 = t0 + Duration::from_secs(600);
-    let p = plan(&policy, &d, &p.state, &none(), &none(), &p.guard, t2);
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &d,
+        state: &p.state,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &p.guard,
+        now: t2,
+    });
     assert_eq!(p.leaves, vec![id(2), id(3), id(4)]);
     assert_eq!(
         p.mass_drop_event,
@@ -257,37 +281,37 @@ fn a_reverted_mass_withdrawal_clears_the_hold() {
     let policy = no_stability();
     let t0 = Instant::now();
     let s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
-    let p = plan(
-        &policy,
-        &desired(&[1], &[]),
-        &s,
-        &none(),
-        &none(),
-        &Guard::default(),
-        t0,
-    );
-    let p = plan(
-        &policy,
-        &desired(&[1, 2, 3, 4], &[]),
-        &p.state,
-        &none(),
-        &none(),
-        &p.guard,
-        t0 + Duration::from_secs(1),
-    );
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &desired(&[1], &[]),
+        state: &s,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &Guard::default(),
+        now: t0,
+    });
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &desired(&[1, 2, 3, 4], &[]),
+        state: &p.state,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &p.guard,
+        now: t0 + Duration::from_secs(1),
+    });
     assert_eq!(p.mass_drop_event, Some(MassDropEvent::Cleared));
     assert_eq!(p.guard.mass_drop, MassDrop::Idle);
     // A new withdrawal later starts a full new hold.
     let t2 = t0 + Duration::from_secs(2000);
-    let p = plan(
-        &policy,
-        &desired(&[1], &[]),
-        &p.state,
-        &none(),
-        &none(),
-        &p.guard,
-        t2,
-    );
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &desired(&[1], &[]),
+        state: &p.state,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &p.guard,
+        now: t2,
+    });
     assert!(p.leaves.is_empty());
     assert_eq!(p.guard.mass_drop, MassDrop::Holding { since: t2 });
 }
@@ -335,23 +359,39 @@ fn leaves_are_rate_limited_per_minute() {
     let t0 = Instant::now();
     let s = state(&[1, 2, 3, 4, 5], &[]);
     let d = desired(&[], &[]);
-    let p = plan(&policy, &d, &s, &none(), &none(), &Guard::default(), t0);
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &d,
+        state: &s,
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &Guard::default(),
+        now: t0,
+    });
     assert_eq!(p.leaves, vec![id(1), id(2)]);
     assert_eq!(p.waiting.get(&id(3)), Some(&LeaveWait::RateLimited));
     // Leaves 1 and 2 run (in flight) a while later: still no budget inside the minute.
     let t1 = t0 + Duration::from_secs(59);
-    let p = plan(&policy, &d, &s, &ids(&[1, 2]), &none(), &p.guard, t1);
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &d,
+        state: &s,
+        in_flight: &ids(&[1, 2]),
+        join_backoff: &none(),
+        guard: &p.guard,
+        now: t1,
+    });
     assert!(p.leaves.is_empty());
     let t2 = t0 + Duration::from_secs(60);
-    let p = plan(
-        &policy,
-        &d,
-        &state(&[3, 4, 5], &[]),
-        &none(),
-        &none(),
-        &p.guard,
-        t2,
-    );
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &d,
+        state: &state(&[3, 4, 5], &[]),
+        in_flight: &none(),
+        join_backoff: &none(),
+        guard: &p.guard,
+        now: t2,
+    });
     assert_eq!(p.leaves, vec![id(3), id(4)]);
 }
 
@@ -458,7 +498,15 @@ fn simulate(
         };
         let d = desired(&a, &r);
         let in_flight: BTreeSet<GroupId> = hung.keys().copied().collect();
-        let p = plan(policy, &d, &s, &in_flight, &none(), &guard, now);
+        let p = plan(PlanInput {
+            policy,
+            desired: &d,
+            state: &s,
+            in_flight: &in_flight,
+            join_backoff: &none(),
+            guard: &guard,
+            now,
+        });
         for l in &p.leaves {
             prop_assert!(
                 !d.assigned.contains(l) && !d.retain.contains(l),
@@ -568,7 +616,7 @@ proptest! {
         let d = desired(&assigned.iter().copied().collect::<Vec<_>>(), &retain.iter().copied().collect::<Vec<_>>());
         let s = state(&admitted, &confirmed);
         let fl = ids(&in_flight.iter().copied().collect::<Vec<_>>());
-        let p = plan(&LeavePolicy::REFERENCE, &d, &s, &fl, &none(), &Guard::default(), Instant::now());
+        let p = plan(PlanInput { policy: &LeavePolicy::REFERENCE, desired: &d, state: &s, in_flight: &fl, join_backoff: &none(), guard: &Guard::default(), now: Instant::now() });
         for l in &p.leaves {
             prop_assert!(!d.assigned.contains(l) && !d.retain.contains(l) && !fl.contains(l));
             prop_assert!(s.admitted.contains(l));
@@ -579,4 +627,39 @@ proptest! {
         prop_assert!(p.state.confirmed.is_subset(&p.state.admitted));
         prop_assert_eq!(&p.state.admitted, &s.admitted);
     }
+}
+
+#[test]
+fn leave_waits_say_why_in_words_and_the_stability_rule_has_one_home() {
+    let policy = LeavePolicy {
+        leave_after_polls: 3,
+        ..LeavePolicy::REFERENCE
+    };
+    assert_eq!(
+        policy.stability_wait(2),
+        Some(LeaveWait::NotStable {
+            polls: 2,
+            needed: 3
+        })
+    );
+    assert_eq!(policy.stability_wait(3), None);
+    assert_eq!(
+        policy.stability_wait(1).unwrap().to_string(),
+        "absent from 1 of the 3 successful polls needed"
+    );
+    assert_eq!(
+        LeaveWait::MassDropHold {
+            remaining: Duration::from_secs(42)
+        }
+        .to_string(),
+        "held by the mass-withdrawal guard for 42 s more"
+    );
+    assert_eq!(
+        LeaveWait::RateLimited.to_string(),
+        "waiting for the leave rate limit"
+    );
+    assert_eq!(
+        LeaveWait::InFlight.to_string(),
+        "a join or leave of it is running"
+    );
 }
