@@ -106,7 +106,9 @@ async fn admitted_true_without_membership_is_not_recorded() {
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "");
     eventually("a join attempt", LIMIT, || sb.merod.joins(A) >= 1).await;
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Three more polls, each a chance to record or confirm it, counted at the emulator.
+    let seen = sb.mdma.polls().len();
+    eventually("three more polls", LIMIT, || sb.mdma.polls().len() >= seen + 3).await;
     d.stop().await;
     let s = load(&sb);
     assert!(!s.admitted.contains(&gid(A)) && !s.confirmed.contains(&gid(A)));
@@ -249,7 +251,15 @@ async fn the_daemon_waits_for_merod_before_polling() {
     sb.merod.set_ready(false);
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "");
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Three readiness probes refused (one a second), counted at the merod emulator.
+    let probes = || {
+        sb.merod
+            .calls()
+            .iter()
+            .filter(|c| c.path == "/admin-api/peers")
+            .count()
+    };
+    eventually("three readiness probes", LIMIT, || probes() >= 3).await;
     assert!(sb.mdma.polls().is_empty(), "no poll before merod answers");
     sb.merod.set_ready(true);
     eventually("A confirmed", LIMIT, || {
