@@ -1,6 +1,6 @@
 //! Reading the TD's own MRTD (the 48-byte SHA-384 measurement of the TD's initial image).
 //!
-//! Four sources, tried in the order the config gives (see `shared/contracts/tdx.md`):
+//! Four sources, tried in the order the config gives (see `docs/tdx.md`):
 //!
 //! 1. `sysfs`: `/sys/class/misc/tdx_guest/measurements/mrtd:sha384` (Linux >= 6.16), exactly
 //!    48 raw bytes (`Documentation/ABI/testing/sysfs-devices-virtual-misc-tdx_guest`).
