@@ -980,19 +980,10 @@ mod tests {
         ));
     }
 
-    // ---- public vectors in ../shared/fixtures/tdx ----
+    // ---- public vectors in fixtures/tdx (provenance: fixtures/tdx/README.md) ----
 
-    fn vectors_dir() -> Option<PathBuf> {
-        let dir = PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../shared/fixtures/tdx"
-        ));
-        if dir.is_dir() {
-            Some(dir)
-        } else {
-            eprintln!("skipping: TDX test vectors {} not found", dir.display());
-            None
-        }
+    fn vectors_dir() -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tdx"))
     }
 
     fn read_vector(dir: &Path, name: &str) -> Vec<u8> {
@@ -1005,7 +996,7 @@ mod tests {
 
     #[test]
     fn public_tdreport_vector() {
-        let Some(dir) = vectors_dir() else { return };
+        let dir = vectors_dir();
         let bytes = read_vector(&dir, "tdreport-guest-components.bin");
         assert_eq!(bytes.len(), 1024);
         let mrtd = parse_tdreport(&bytes).map(|m| m.to_hex());
@@ -1020,7 +1011,7 @@ mod tests {
 
     #[test]
     fn public_quote_vectors() {
-        let Some(dir) = vectors_dir() else { return };
+        let dir = vectors_dir();
         let cases = [
             (
                 "quote-v4-go-tdx-guest.dat",
