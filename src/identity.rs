@@ -3,7 +3,7 @@
 //!
 //! merod writes that file atomically with mode 0600; it also holds `[identity].keypair`, a
 //! secret. The document is deserialized into a struct that has no field for it, so the
-//! keypair is never kept, copied, or printed (contracts/merod-admin.md).
+//! keypair is never kept, copied, or printed (docs/merod-admin.md).
 
 use std::path::{Path, PathBuf};
 

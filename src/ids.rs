@@ -8,8 +8,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// A namespace id, which is the id of the namespace's root group: 32 bytes, written as
 /// 64 hex chars.
 ///
-/// MDMA sends it as `group_id` (contracts/mdma.md) and merod accepts either case
-/// (contracts/merod-admin.md); it is parsed case-insensitively and always printed as
+/// MDMA sends it as `group_id` (docs/mdma.md) and merod accepts either case
+/// (docs/merod-admin.md); it is parsed case-insensitively and always printed as
 /// 64 lowercase hex chars, so two spellings of one id compare equal.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct GroupId([u8; 32]);

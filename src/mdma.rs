@@ -1,5 +1,5 @@
 //! The fleet control plane (MDMA) client: `POST /api/fleet/should-join` and
-//! `POST /api/fleet/confirm` (contracts/mdma.md).
+//! `POST /api/fleet/confirm` (docs/mdma.md).
 //!
 //! The poll is strict: only HTTP 200 with a JSON object whose `assignments` is an array of
 //! objects each with a 64-hex `group_id` string (and, if present, `retain` an array of
@@ -22,7 +22,7 @@ use crate::ids::{GroupId, PeerId};
 use crate::mrtd::Mrtd;
 use crate::reconcile::Desired;
 
-/// Bound of one MDMA request, connect to last byte (contracts/mdma.md).
+/// Bound of one MDMA request, connect to last byte (docs/mdma.md).
 pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest poll answer read; a longer one fails the poll (a sane answer is a few KiB).
 pub const MAX_POLL_BODY: usize = 4 * 1024 * 1024;
@@ -315,7 +315,7 @@ impl ControlPlane for MdmaClient {
     }
 }
 
-/// Validates a 200 `should-join` body (contracts/mdma.md) into the desired sets.
+/// Validates a 200 `should-join` body (docs/mdma.md) into the desired sets.
 ///
 /// Errors: a one-line reason naming the first fault (not JSON, not an object, no
 /// `assignments` array, an entry without a 64-hex `group_id`, a bad `retain`).

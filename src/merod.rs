@@ -1,4 +1,4 @@
-//! The merod admin API client, over the `calimero-client` crate (contracts/merod-admin.md).
+//! The merod admin API client, over the `calimero-client` crate (docs/merod-admin.md).
 //!
 //! Calls: `GET /admin-api/peers` (readiness), `POST /admin-api/tee/fleet-join`
 //! (`{"groupId": "<64 hex>"}`, TDX-attested admission, may take 30 s and more),

@@ -1,6 +1,6 @@
 //! Reading the TD's own MRTD (the 48-byte SHA-384 measurement of the TD's initial image).
 //!
-//! Four sources, tried in the order the config gives (see `shared/contracts/tdx.md`):
+//! Four sources, tried in the order the config gives (see `docs/tdx.md`):
 //!
 //! 1. `sysfs`: `/sys/class/misc/tdx_guest/measurements/mrtd:sha384` (Linux >= 6.16), exactly
 //!    48 raw bytes (`Documentation/ABI/testing/sysfs-devices-virtual-misc-tdx_guest`).
@@ -1012,19 +1012,10 @@ mod tests {
         ));
     }
 
-    // ---- public vectors in ../shared/fixtures/tdx ----
+    // ---- public vectors in fixtures/tdx (provenance: fixtures/tdx/README.md) ----
 
-    fn vectors_dir() -> Option<PathBuf> {
-        let dir = PathBuf::from(concat!(
-            env!("CARGO_MANIFEST_DIR"),
-            "/../shared/fixtures/tdx"
-        ));
-        if dir.is_dir() {
-            Some(dir)
-        } else {
-            eprintln!("skipping: TDX test vectors {} not found", dir.display());
-            None
-        }
+    fn vectors_dir() -> PathBuf {
+        PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/tdx"))
     }
 
     fn read_vector(dir: &Path, name: &str) -> Vec<u8> {
@@ -1037,7 +1028,7 @@ mod tests {
 
     #[test]
     fn public_tdreport_vector() {
-        let Some(dir) = vectors_dir() else { return };
+        let dir = vectors_dir();
         let bytes = read_vector(&dir, "tdreport-guest-components.bin");
         assert_eq!(bytes.len(), 1024);
         let mrtd = parse_tdreport(&bytes).map(|m| m.to_hex());
@@ -1052,7 +1043,7 @@ mod tests {
 
     #[test]
     fn public_quote_vectors() {
-        let Some(dir) = vectors_dir() else { return };
+        let dir = vectors_dir();
         let cases = [
             (
                 "quote-v4-go-tdx-guest.dat",

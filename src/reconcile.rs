@@ -2,8 +2,8 @@
 //! successful poll, the persisted [`State`], what is already running, and `now`.
 //!
 //! Nothing here does I/O or reads a clock (`now` is passed in), so every rule is tested
-//! directly. The rules, from the reference sidecar (spec/fleet-ha-sidecar.txt) and the
-//! fleet's known history (contracts/mdma.md):
+//! directly. The rules, from the reference sidecar and the
+//! fleet's known history (both in docs/mdma.md):
 //!
 //! * A plan exists only for a successful poll: the caller never calls [`plan`] after a failed
 //!   one, so a failed poll joins nothing, leaves nothing, prunes nothing.
@@ -61,7 +61,7 @@ impl LeavePolicy {
     };
 }
 
-/// What a successful `should-join` poll said (contracts/mdma.md).
+/// What a successful `should-join` poll said (docs/mdma.md).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Desired {
     /// The `group_id` of every entry of `assignments`: namespaces this node must hold.

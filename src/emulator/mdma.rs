@@ -1,4 +1,4 @@
-//! Emulator of the MDMA fleet API (see `shared/contracts/mdma.md`):
+//! Emulator of the MDMA fleet API (see `docs/mdma.md`):
 //! `POST /api/fleet/should-join` and `POST /api/fleet/confirm`.
 //!
 //! Test double for the demo and the integration tests, not production code.

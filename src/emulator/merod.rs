@@ -1,5 +1,5 @@
 //! Emulator of the admin API of merod 0.11.0-rc.25, built from the answers recorded from a real
-//! node in `fixtures/merod/` (see `shared/contracts/merod-admin.md`).
+//! node in `fixtures/merod/` (see `docs/merod-admin.md`).
 //!
 //! Test double for the demo and the integration tests, not production code.
 //!

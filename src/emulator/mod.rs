@@ -2,7 +2,7 @@
 //!
 //! These emulators exist for the demo and for the integration tests. They are **not** production
 //! code: they listen on `127.0.0.1` only, keep everything in memory, and answer with the shapes
-//! documented in `shared/contracts/` (MDMA) and recorded from a real node (merod, see
+//! documented in `docs/mdma.md` (MDMA) and recorded from a real node (merod, see
 //! `fixtures/merod/`).
 //!
 //! - [`mdma::MdmaEmulator`] plays the fleet control plane (`/api/fleet/should-join`,
