@@ -364,35 +364,74 @@ impl MerodClient {
         }
     }
 
-    /// Lists the namespaces merod holds (`GET /admin-api/namespaces`): each entry's
-    /// `namespaceId`, a 64-hex group id. Other fields of the entries are not read.
+    /// Lists the namespaces merod holds (`GET /admin-api/namespaces`, paged with `offset`
+    /// and `limit` until a page comes back short): each entry's `namespaceId`, a 64-hex group
+    /// id. Other fields of the entries are not read.
     ///
-    /// Errors: [`MerodError::Call`] (transport, non-2xx), [`MerodError::Timeout`]
-    /// (default 10 s), [`MerodError::Answer`] when an entry has no valid `namespaceId`.
+    /// Errors: [`MerodError::Call`] (transport), [`MerodError::Status`] (non-2xx),
+    /// [`MerodError::Timeout`] (the whole listing, default 10 s), [`MerodError::Answer`] when
+    /// the answer is not the documented shape or an entry has no valid `namespaceId`.
     pub async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
         let op = MerodOp::ListNamespaces;
         let path = "admin-api/namespaces";
+        let url_text = self.url(path).to_string();
+        let answer_err = |reason: String| MerodError::Answer {
+            op,
+            url: url_text.clone(),
+            reason,
+        };
         self.bounded(op, path, self.deadlines.check, async {
-            let answer: NamespaceList = self
-                .connection
-                .get(path)
-                .await
-                .map_err(|e| self.client_error(op, path, e))?;
-            answer
-                .data
-                .into_iter()
-                .map(|entry| {
-                    entry.namespace_id.parse().map_err(|e| MerodError::Answer {
+            let mut held = BTreeSet::new();
+            for page in 0usize.. {
+                let mut url = self.url(path);
+                url.query_pairs_mut()
+                    .append_pair("offset", &(page * LIST_PAGE).to_string())
+                    .append_pair("limit", &LIST_PAGE.to_string());
+                let resp =
+                    self.connection
+                        .client
+                        .get(url)
+                        .send()
+                        .await
+                        .map_err(|e| MerodError::Call {
+                            op,
+                            url: url_text.clone(),
+                            source: e.without_url().into(),
+                        })?;
+                let status = resp.status().as_u16();
+                if !resp.status().is_success() {
+                    return Err(MerodError::Status {
                         op,
-                        url: self.url(path).to_string(),
-                        reason: format!("namespaceId {:?}: {e}", entry.namespace_id),
-                    })
-                })
-                .collect()
+                        url: url_text.clone(),
+                        status,
+                    });
+                }
+                let body = resp.bytes().await.map_err(|e| MerodError::Call {
+                    op,
+                    url: url_text.clone(),
+                    source: e.without_url().into(),
+                })?;
+                let list: NamespaceList =
+                    serde_json::from_slice(&body).map_err(|e| answer_err(e.to_string()))?;
+                let count = list.data.len();
+                for entry in list.data {
+                    let id = entry.namespace_id.parse().map_err(|e| {
+                        answer_err(format!("namespaceId {:?}: {e}", entry.namespace_id))
+                    })?;
+                    held.insert(id);
+                }
+                if count < LIST_PAGE {
+                    break;
+                }
+            }
+            Ok(held)
         })
         .await
     }
 }
+
+/// Entries asked for per page of `GET /admin-api/namespaces` (merod's default).
+const LIST_PAGE: usize = 100;
 
 /// `GET /admin-api/namespaces` as merod 0.11 answers it. calimero-client's own type for it
 /// requires fields a recorded merod 0.11.0-rc.25 answer does not have (`upgradePolicy`), so

@@ -254,3 +254,26 @@ async fn every_call_has_its_own_deadline() {
     // Five calls bounded at 0.2 s each: far from the daemon's default deadlines.
     assert!(started.elapsed() < Duration::from_secs(30));
 }
+
+/// merod answers at most `limit` (default 100) entries a page: the listing pages through.
+#[tokio::test]
+async fn a_listing_longer_than_a_page_is_read_whole() {
+    let merod = fleet_sidecar::emulator::merod::MerodEmulator::start()
+        .await
+        .unwrap();
+    let ids: Vec<String> = (0..250u32).map(|n| format!("{n:064x}")).collect();
+    for id in &ids {
+        merod.hold(id);
+    }
+    let client = MerodClient::new(&merod.url()).unwrap();
+    let held = client.list_namespaces().await.unwrap();
+    let want: std::collections::BTreeSet<GroupId> =
+        ids.iter().map(|s| s.parse().unwrap()).collect();
+    assert_eq!(held, want);
+    let pages = merod
+        .calls()
+        .iter()
+        .filter(|c| c.path == "/admin-api/namespaces")
+        .count();
+    assert_eq!(pages, 3, "100 + 100 + 50");
+}

@@ -108,7 +108,10 @@ async fn admitted_true_without_membership_is_not_recorded() {
     eventually("a join attempt", LIMIT, || sb.merod.joins(A) >= 1).await;
     // Three more polls, each a chance to record or confirm it, counted at the emulator.
     let seen = sb.mdma.polls().len();
-    eventually("three more polls", LIMIT, || sb.mdma.polls().len() >= seen + 3).await;
+    eventually("three more polls", LIMIT, || {
+        sb.mdma.polls().len() >= seen + 3
+    })
+    .await;
     d.stop().await;
     let s = load(&sb);
     assert!(!s.admitted.contains(&gid(A)) && !s.confirmed.contains(&gid(A)));
