@@ -28,6 +28,7 @@
 
 #![warn(missing_docs)]
 
+pub(crate) mod backoff;
 pub mod config;
 pub mod daemon;
 pub mod emulator;
@@ -41,4 +42,5 @@ pub mod notify;
 pub mod reconcile;
 pub mod state;
 pub mod status;
+pub(crate) mod strict_json;
 pub mod telemetry;

@@ -115,6 +115,23 @@ pub enum StateError {
     },
 }
 
+impl StateError {
+    /// A key that stays the same while the same fault repeats (variant, step, OS error),
+    /// unlike the message, which may name a random temp file: for logging a fault once.
+    pub fn stable_key(&self) -> String {
+        match self {
+            StateError::Read { source, .. } => format!("read:{:?}", source.kind()),
+            StateError::Corrupt { reason, .. } => format!("corrupt:{reason}"),
+            StateError::UnsupportedVersion { version, .. } => format!("version:{version}"),
+            StateError::Write { step, source, .. } => format!(
+                "write:{step}:{:?}:{:?}",
+                source.kind(),
+                source.raw_os_error()
+            ),
+        }
+    }
+}
+
 /// Parses a state document (any supported version).
 ///
 /// Errors: [`StateError::Corrupt`], [`StateError::UnsupportedVersion`]; `path` only names
@@ -124,6 +141,12 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
         path: path.to_owned(),
         reason,
     };
+    // An object naming a key twice is ambiguous (which `confirmed` is meant?): corrupt.
+    if let Err(e) = crate::strict_json::reject_duplicate_keys(bytes) {
+        if !e.is_syntax() && !e.is_eof() {
+            return Err(corrupt(format!("ambiguous: {e}")));
+        }
+    }
     let doc: DocumentIn = match serde_json::from_slice(bytes) {
         Ok(doc) => doc,
         Err(e) => {
@@ -261,6 +284,12 @@ impl StateStore {
             .map_err(err("create a file in the directory"))
     }
 
+    /// Forgets what was last written, so the next [`StateStore::save`] writes even an
+    /// unchanged document (used to retry after a failed write).
+    pub fn forget_written(&mut self) {
+        self.last_written = None;
+    }
+
     /// Writes `state` if its document differs from what the file holds; returns whether it
     /// wrote. Atomic: a crash at any point leaves either the old or the new document.
     ///
@@ -322,6 +351,23 @@ mod tests {
 
     fn id(n: u8) -> GroupId {
         GroupId::from_bytes([n; 32])
+    }
+
+    #[test]
+    fn a_key_named_twice_is_corrupt_at_any_depth() {
+        let a = "11".repeat(32);
+        let b = "22".repeat(32);
+        for doc in [
+            format!(r#"{{"version":2,"admitted":["{a}"],"confirmed":[],"confirmed":["{a}"]}}"#),
+            format!(r#"{{"version":2,"version":1,"confirmed":["{a}"]}}"#),
+            format!(
+                r#"{{"version":2,"admitted":["{a}","{b}"],"confirmed":[],"absent_polls":{{"{a}":1,"{a}":3}}}}"#
+            ),
+        ] {
+            let err = parse_state(doc.as_bytes(), Path::new("s.json")).unwrap_err();
+            assert!(matches!(err, StateError::Corrupt { .. }), "{doc}: {err}");
+            assert!(err.to_string().contains("duplicate key"), "{err}");
+        }
     }
 
     #[test]

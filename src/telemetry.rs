@@ -122,6 +122,9 @@ pub struct LiveStatus {
     pub pending_leaves: BTreeMap<GroupId, String>,
     /// Mass-withdrawal guard: `idle`, `holding (… left)` or `released`.
     pub mass_drop: String,
+    /// The latest state file write error while writes fail (no leave starts meanwhile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_write_error: Option<String>,
 }
 
 impl LiveStatus {
@@ -133,6 +136,9 @@ impl LiveStatus {
         }
         if self.phase == Phase::Stopping {
             return Err("stopping".to_owned());
+        }
+        if let Some(e) = &self.state_write_error {
+            return Err(format!("the state file cannot be written ({e})"));
         }
         match self.last_ok_poll_at {
             None => Err("no successful poll yet".to_owned()),

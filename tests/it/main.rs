@@ -4,6 +4,7 @@
 mod cli;
 mod common;
 mod contract;
+mod faults;
 mod heartbeat;
 mod history;
 mod operability;
