@@ -14,3 +14,4 @@ mod poll_gate;
 mod proto;
 mod reconcile_loop;
 mod tls;
+mod transport;
