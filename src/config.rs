@@ -261,7 +261,6 @@ impl MerodConfig {
     }
 }
 
-/// Why the config cannot be used. Each names the file and, where one is at fault, the key.
 /// The allowed range of each duration key, inclusive (README's configuration table).
 ///
 /// | key | min | max |
@@ -297,6 +296,7 @@ fn human(d: Duration) -> String {
     }
 }
 
+/// Why the config cannot be used. Each names the file and, where one is at fault, the key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.

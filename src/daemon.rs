@@ -302,6 +302,7 @@ pub async fn wait_for_merod(
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
         };
+        telemetry.mark_alive();
         telemetry.update(|st| {
             st.phase = Phase::WaitingForMerod;
             st.heartbeats += 1;
@@ -470,10 +471,15 @@ impl Sidecar {
     pub async fn run_loop(&mut self) {
         let shutdown = self.shutdown.clone();
         let mut next_poll = Instant::now();
+        // A turn at least every second, so the watchdog sees the loop alive between polls.
+        let mut alive = tokio::time::interval(Duration::from_secs(1));
+        alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            self.deps.telemetry.mark_alive();
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
+                _ = alive.tick() => {}
                 Some(event) = self.events_rx.recv() => self.on_event(event),
                 Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
                     self.on_task_done(done);

@@ -230,6 +230,10 @@ pub struct Telemetry {
     pub mrtd_source: Family<SourceLabel, Gauge>,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
+    /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
+    /// second, and after every poll) and on every readiness probe of merod. The systemd
+    /// watchdog is fed only while it moves, whatever `poll_interval` is.
+    pub loop_turns: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -247,6 +251,12 @@ impl Default for Telemetry {
 }
 
 impl Telemetry {
+    /// Records that the loop is alive (see [`Telemetry::loop_turns`]).
+    pub fn mark_alive(&self) {
+        self.loop_turns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// A fresh registry with every metric registered under the `fleet_sidecar_` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("fleet_sidecar");
@@ -312,6 +322,7 @@ impl Telemetry {
             mrtd_source,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
+            loop_turns: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

@@ -15,3 +15,4 @@ mod proto;
 mod reconcile_loop;
 mod tls;
 mod transport;
+mod watchdog;
