@@ -354,6 +354,26 @@ mod tests {
     }
 
     #[test]
+    fn a_repeated_write_failure_has_one_key_whatever_temp_file_it_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_a_dir = dir.path().join("state");
+        std::fs::write(&not_a_dir, b"a file where the directory should be").unwrap();
+        let mut store = StateStore::new(not_a_dir.join("fleet-confirmed.json"));
+        let errors: Vec<StateError> = (1..=3)
+            .map(|n| {
+                let state = State {
+                    admitted: [id(n)].into(),
+                    ..State::default()
+                };
+                store.save(&state).unwrap_err()
+            })
+            .collect();
+        assert!(errors.iter().all(|e| matches!(e, StateError::Write { .. })));
+        assert!(errors.iter().all(|e| e.stable_key() == errors[0].stable_key()));
+        assert!(store.check_writable().is_err());
+    }
+
+    #[test]
     fn a_key_named_twice_is_corrupt_at_any_depth() {
         let a = "11".repeat(32);
         let b = "22".repeat(32);

@@ -197,7 +197,9 @@ async fn an_answer_over_the_body_cap_is_refused_unread() {
     // Announced: refused before a byte of the body is read.
     let url = raw_server(
         "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 104857600\r\n\r\n",
-        |_tcp| async move {
+        |tcp| async move {
+            // Keep the connection open, sending nothing more.
+            let _open = tcp;
             tokio::time::sleep(Duration::from_secs(60)).await;
         },
     )
