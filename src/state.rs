@@ -369,7 +369,9 @@ mod tests {
             })
             .collect();
         assert!(errors.iter().all(|e| matches!(e, StateError::Write { .. })));
-        assert!(errors.iter().all(|e| e.stable_key() == errors[0].stable_key()));
+        assert!(errors
+            .iter()
+            .all(|e| e.stable_key() == errors[0].stable_key()));
         assert!(store.check_writable().is_err());
     }
 
