@@ -261,6 +261,41 @@ impl MerodConfig {
     }
 }
 
+/// The allowed range of each duration key, inclusive (README's configuration table).
+///
+/// | key | min | max |
+/// |---|---|---|
+/// | `poll_interval` | 1 s | 10 min |
+/// | `max_backoff` | 1 s | 1 h |
+/// | `ready_max_poll_age` | 2 s | 1 h |
+/// | `mass_drop_hold` | 1 s | 7 days |
+/// | `join_timeout` | 10 s | 1 h |
+/// | `leave_timeout` | 1 s | 1 h |
+pub fn duration_bounds(key: &str) -> (Duration, Duration) {
+    const S: u64 = 1;
+    const MIN: u64 = 60;
+    const H: u64 = 3600;
+    let (lo, hi) = match key {
+        "poll_interval" => (S, 10 * MIN),
+        "ready_max_poll_age" => (2 * S, H),
+        "mass_drop_hold" => (S, 7 * 24 * H),
+        "join_timeout" => (10 * S, H),
+        _ => (S, H),
+    };
+    (Duration::from_secs(lo), Duration::from_secs(hi))
+}
+
+/// A whole number of seconds as `"90s"`, `"10m"`, `"1h"` or `"7d"`.
+fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        s if s % 86_400 == 0 => format!("{}d", s / 86_400),
+        s if s % 3600 == 0 => format!("{}h", s / 3600),
+        s if s % 60 == 0 => format!("{}m", s / 60),
+        s => format!("{s}s"),
+    }
+}
+
 /// Why the config cannot be used. Each names the file and, where one is at fault, the key.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -555,22 +590,26 @@ impl RawConfig {
 
         let merod = self.merod.validate(path)?;
 
-        let nonzero = |key: &'static str, d: Duration| {
-            if d.is_zero() {
+        // Every duration is bounded: a typo such as "1ms" for "1m" must not turn the node
+        // into a load generator, nor "100d" silence it.
+        let bounded = |key: &'static str, d: Duration| {
+            let (min, max) = duration_bounds(key);
+            if d < min || d > max {
                 Err(invalid(
                     key,
-                    "0s".to_owned(),
-                    "must be longer than zero".to_owned(),
+                    format!("{d:?}"),
+                    format!("must be between {} and {}", human(min), human(max)),
                 ))
             } else {
                 Ok(d)
             }
         };
-        let poll_interval = nonzero("poll_interval", self.poll_interval)?;
-        let join_timeout = nonzero("join_timeout", self.join_timeout)?;
-        let leave_timeout = nonzero("leave_timeout", self.leave_timeout)?;
-        let ready_max_poll_age = nonzero("ready_max_poll_age", self.ready_max_poll_age)?;
-        let max_backoff = nonzero("max_backoff", self.max_backoff)?;
+        let poll_interval = bounded("poll_interval", self.poll_interval)?;
+        let join_timeout = bounded("join_timeout", self.join_timeout)?;
+        let leave_timeout = bounded("leave_timeout", self.leave_timeout)?;
+        let ready_max_poll_age = bounded("ready_max_poll_age", self.ready_max_poll_age)?;
+        let max_backoff = bounded("max_backoff", self.max_backoff)?;
+        bounded("mass_drop_hold", self.mass_drop_hold)?;
         for (key, value, why) in [
             ("leave_after_polls", self.leave_after_polls as usize, ""),
             (
@@ -795,6 +834,39 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
                 ),
                 "{bad}: {err}"
             );
+        }
+    }
+
+    #[test]
+    fn every_duration_is_bounded_and_the_error_names_the_key() {
+        for key in [
+            "poll_interval",
+            "max_backoff",
+            "ready_max_poll_age",
+            "mass_drop_hold",
+            "join_timeout",
+            "leave_timeout",
+        ] {
+            let (min, max) = duration_bounds(key);
+            for (value, ok) in [
+                ("1ms".to_owned(), false),
+                ("0s".to_owned(), false),
+                (human(min), true),
+                (human(max), true),
+                (format!("{}s", max.as_secs() + 1), false),
+                ("100d".to_owned(), false),
+            ] {
+                let got = load(&format!("mdma_url = \"https://m\"\n{key} = \"{value}\""));
+                match (ok, got) {
+                    (true, Ok(_)) => {}
+                    (false, Err(e @ ConfigError::Invalid { key: k, .. })) => {
+                        assert_eq!(k, key);
+                        assert!(e.to_string().contains(key), "{e}");
+                        assert!(e.to_string().contains("must be between"), "{e}");
+                    }
+                    (ok, got) => panic!("{key} = {value}: expected ok={ok}, got {got:?}"),
+                }
+            }
         }
     }
 

@@ -141,7 +141,10 @@ pub enum CycleOutcome {
 #[derive(Debug)]
 enum JoinEnd {
     Confirmed,
-    NotAdmitted { status: String },
+    NotAdmitted {
+        status: String,
+        reasons: Vec<String>,
+    },
     Failed(String),
     NotHeld,
     NotPersisted,
@@ -223,7 +226,7 @@ pub struct Sidecar {
     joining: BTreeSet<GroupId>,
     leaving: BTreeSet<GroupId>,
     desired: Desired,
-    join_retry: BTreeMap<GroupId, (Instant, Duration)>,
+    join_retry: crate::backoff::JoinRetries,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, GroupId>,
     join_permits: Arc<Semaphore>,
@@ -231,7 +234,8 @@ pub struct Sidecar {
     events_rx: mpsc::UnboundedReceiver<Event>,
     failures: FailureStreak,
     waiting: BTreeMap<GroupId, LeaveWait>,
-    persist_error: Option<String>,
+    /// The failing state write, while writes fail: its stable key and its message.
+    persist_error: Option<(String, String)>,
 }
 
 /// Runs the daemon until `shutdown` is cancelled: load the state, wait for merod, read
@@ -265,7 +269,7 @@ pub async fn once(
     let outcome = sidecar.cycle().await;
     sidecar.drain(None).await;
     match sidecar.persist_error.take() {
-        Some(e) => Err(DaemonError::NotPersisted(e)),
+        Some((_, e)) => Err(DaemonError::NotPersisted(e)),
         None => Ok(Some(outcome)),
     }
 }
@@ -300,6 +304,7 @@ pub async fn wait_for_merod(
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
         };
+        telemetry.mark_alive();
         telemetry.update(|st| {
             st.phase = Phase::WaitingForMerod;
             st.heartbeats += 1;
@@ -439,7 +444,7 @@ impl Sidecar {
             joining: BTreeSet::new(),
             leaving: BTreeSet::new(),
             desired: Desired::default(),
-            join_retry: BTreeMap::new(),
+            join_retry: crate::backoff::JoinRetries::default(),
             tasks: JoinSet::new(),
             task_ids: HashMap::new(),
             events_tx,
@@ -468,10 +473,15 @@ impl Sidecar {
     pub async fn run_loop(&mut self) {
         let shutdown = self.shutdown.clone();
         let mut next_poll = Instant::now();
+        // A turn at least every second, so the watchdog sees the loop alive between polls.
+        let mut alive = tokio::time::interval(Duration::from_secs(1));
+        alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
+            self.deps.telemetry.mark_alive();
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
+                _ = alive.tick() => {}
                 Some(event) = self.events_rx.recv() => self.on_event(event),
                 Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
                     self.on_task_done(done);
@@ -617,8 +627,8 @@ impl Sidecar {
 
     fn reconcile(&mut self, desired: &Desired) -> CycleOutcome {
         let now = Instant::now();
-        self.join_retry.retain(|_, (until, _)| *until > now);
-        let backoff: BTreeSet<GroupId> = self.join_retry.keys().copied().collect();
+        self.join_retry.keep_only(&desired.assigned);
+        let backoff = self.join_retry.waiting(now);
         let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
         let plan = reconcile::plan(PlanInput {
             policy: &self.cfg.leave_policy,
@@ -664,37 +674,80 @@ impl Sidecar {
             for id in &plan.leaves {
                 warn!(group_id = %id, "dry run: would leave (withdrawn by MDMA)");
             }
+            self.state = plan.state;
+            self.guard = plan.guard;
         } else {
+            self.state = plan.state;
+            let started_before = std::mem::replace(&mut self.guard, plan.guard).recent_leaves;
+            // The plan (absence counts included) is recorded before anything starts, and a
+            // leave — irreversible — starts only while its outcome can be recorded too.
+            let recorded = self.persist();
             for id in plan.joins {
                 self.spawn_join(id);
             }
-            for id in plan.leaves {
-                self.spawn_leave(id);
+            if !plan.leaves.is_empty() {
+                if recorded && self.check_writable() {
+                    for id in plan.leaves {
+                        self.spawn_leave(id);
+                    }
+                } else {
+                    // Held leaves did not start: they use none of the rate limit.
+                    self.guard.recent_leaves = started_before;
+                    debug!(
+                        held = plan.leaves.len(),
+                        "leaves held: the state file cannot be written, so their outcome could not be recorded"
+                    );
+                }
             }
         }
-        self.state = plan.state;
-        self.guard = plan.guard;
-        self.persist();
         outcome
+    }
+
+    /// Whether a file can be created next to the state file now (checked before leaves);
+    /// a failure is recorded as a state write error.
+    fn check_writable(&mut self) -> bool {
+        match self.store.check_writable() {
+            Ok(()) => true,
+            Err(e) => {
+                self.record_persist_error(&e);
+                false
+            }
+        }
+    }
+
+    /// Logs a state write error once per kind (step and OS error, not the message, which
+    /// names a random temp file) and shows it in the live status (`/readyz` not ready).
+    fn record_persist_error(&mut self, e: &StateError) {
+        let key = e.stable_key();
+        let text = e.to_string();
+        if self.persist_error.as_ref().map(|(k, _)| k) != Some(&key) {
+            error!("{text}; admissions are not confirmed and no leave starts until the state can be written (retried every cycle)");
+        }
+        self.persist_error = Some((key, text.clone()));
+        self.deps
+            .telemetry
+            .update(|st| st.state_write_error = Some(text));
     }
 
     fn persist(&mut self) -> bool {
         if self.cfg.dry_run {
             return false;
         }
+        // While writes fail, the document is written again every cycle (not only on
+        // change), so recovery is noticed.
+        if self.persist_error.is_some() {
+            self.store.forget_written();
+        }
         match self.store.save(&self.state) {
             Ok(_) => {
                 if self.persist_error.take().is_some() {
                     info!(path = %self.store.path().display(), "state file written again");
+                    self.deps.telemetry.update(|st| st.state_write_error = None);
                 }
                 true
             }
             Err(e) => {
-                let text = e.to_string();
-                if self.persist_error.as_deref() != Some(text.as_str()) {
-                    error!("{text}; admissions are not confirmed until the state can be written (retried on every change)");
-                    self.persist_error = Some(text);
-                }
+                self.record_persist_error(&e);
                 false
             }
         }
@@ -790,12 +843,9 @@ impl Sidecar {
         }
     }
 
-    fn back_off_join(&mut self, id: GroupId) {
-        let next = self
-            .join_retry
-            .get(&id)
-            .map_or(JOIN_RETRY_MIN, |(_, last)| (*last * 2).min(JOIN_RETRY_MAX));
-        self.join_retry.insert(id, (Instant::now() + next, next));
+    /// Records a failed join; returns the failures in a row and the wait before the next.
+    fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
+        self.join_retry.fail(id, Instant::now(), fastrand::f64())
     }
 
     fn on_event(&mut self, event: Event) {
@@ -822,12 +872,23 @@ impl Sidecar {
                 match end {
                     JoinEnd::Confirmed => {
                         reconcile::apply(&mut self.state, Outcome::Confirmed(id));
-                        self.join_retry.remove(&id);
+                        self.join_retry.succeed(id);
                         self.persist();
                         info!(group_id = %id, "confirmed to MDMA");
                     }
-                    JoinEnd::NotAdmitted { status } => {
-                        warn!(group_id = %id, status, "not admitted (admitted: false); retrying next cycle");
+                    JoinEnd::NotAdmitted { status, reasons } => {
+                        let (failures, wait) = self.back_off_join(id);
+                        let reasons = if reasons.is_empty() {
+                            "merod gave no reason".to_owned()
+                        } else {
+                            reasons.join("; ")
+                        };
+                        // Warned at the first refusal of a streak; the retries are info.
+                        if failures == 1 {
+                            warn!(group_id = %id, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {JOIN_RETRY_MAX:?}");
+                        } else {
+                            info!(group_id = %id, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
+                        }
                     }
                     JoinEnd::Failed(reason) => {
                         self.back_off_join(id);
@@ -907,6 +968,7 @@ async fn join_task(
     if !admission.admitted {
         return JoinEnd::NotAdmitted {
             status: admission.status,
+            reasons: admission.reasons,
         };
     }
     match timed(

@@ -61,6 +61,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "daemon")]
+pub(crate) mod backoff;
 pub mod config;
 #[cfg(feature = "daemon")]
 pub mod daemon;
@@ -79,6 +81,7 @@ pub mod reconcile;
 pub mod state;
 #[cfg(feature = "daemon")]
 pub mod status;
+pub(crate) mod strict_json;
 #[cfg(feature = "daemon")]
 pub mod telemetry;
 

@@ -9,12 +9,11 @@
 //! extra CA file), redirects are not followed, and the token goes only into the
 //! `X-Fleet-Token` header.
 
-use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use url::Url;
 
 use crate::config::Secret;
@@ -214,13 +213,22 @@ impl MdmaClient {
                     reason: "no CERTIFICATE block".to_owned(),
                 });
             }
-            for cert in certs {
+            for (i, cert) in certs.into_iter().enumerate() {
+                check_root(&cert).map_err(|e| MdmaClientError::CaParse {
+                    path: path.to_owned(),
+                    reason: format!("certificate {} of the file: {e}", i + 1),
+                })?;
                 builder = builder.add_root_certificate(cert);
             }
         }
+        // Environment proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) never reach a loopback
+        // MDMA; a remote one goes through them as usual (NO_PROXY honoured).
+        if is_loopback(base) {
+            builder = builder.no_proxy();
+        }
         let http = builder
             .build()
-            .map_err(|e| MdmaClientError::Build(e.to_string()))?;
+            .map_err(|e| MdmaClientError::Build(describe(&e)))?;
         let join = |path: &str| {
             base.join(path)
                 .map_err(|e| MdmaClientError::Build(format!("{base}{path}: {e}")))
@@ -240,6 +248,33 @@ impl MdmaClient {
             None => req,
         }
     }
+}
+
+/// Whether `url`'s host is loopback: `localhost` (and `*.localhost`), 127.0.0.0/8, `::1`.
+pub(crate) fn is_loopback(url: &Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(d)) => {
+            let d = d.trim_end_matches('.').to_ascii_lowercase();
+            d == "localhost" || d.ends_with(".localhost")
+        }
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
+    }
+}
+
+/// Whether `cert` is usable as a trust root, on its own: builds a client trusting only it
+/// (no system roots loaded), so a bad block in the CA file is named instead of failing the
+/// whole client with reqwest's bare `builder error`.
+///
+/// Errors: what is wrong with it (reqwest's and rustls's messages).
+fn check_root(cert: &reqwest::Certificate) -> Result<(), String> {
+    reqwest::Client::builder()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(cert.clone())
+        .build()
+        .map(drop)
+        .map_err(|e| describe(&e))
 }
 
 /// reqwest's error text with its causes (it never holds a header, so never the token).
@@ -276,13 +311,21 @@ impl ControlPlane for MdmaClient {
             }
             .into());
         }
+        let too_large = || PollError::Malformed {
+            url: url.clone(),
+            reason: format!("the body is larger than {MAX_POLL_BODY} bytes"),
+        };
+        // Streamed under the cap: a body announced or found larger is refused unread.
+        if resp
+            .content_length()
+            .is_some_and(|n| n > MAX_POLL_BODY as u64)
+        {
+            return Err(too_large());
+        }
         let mut bytes = Vec::new();
         while let Some(chunk) = resp.chunk().await.map_err(fail)? {
             if bytes.len() + chunk.len() > MAX_POLL_BODY {
-                return Err(PollError::Malformed {
-                    url: url.clone(),
-                    reason: format!("the body is larger than {MAX_POLL_BODY} bytes"),
-                });
+                return Err(too_large());
             }
             bytes.extend_from_slice(&chunk);
         }
@@ -315,53 +358,35 @@ impl ControlPlane for MdmaClient {
     }
 }
 
-/// Validates a 200 `should-join` body (docs/mdma.md) into the desired sets.
+/// A `should-join` answer as [`parse_should_join`] reads it; other fields are ignored.
+#[derive(Deserialize)]
+struct PollAnswer {
+    assignments: Vec<PollEntry>,
+    #[serde(default)]
+    retain: Vec<GroupId>,
+}
+
+#[derive(Deserialize)]
+struct PollEntry {
+    group_id: GroupId,
+}
+
+/// Validates a 200 `should-join` body (docs/mdma.md) into the desired sets, parsed
+/// straight into typed structs (no intermediate `serde_json::Value`).
 ///
-/// Errors: a one-line reason naming the first fault (not JSON, not an object, no
-/// `assignments` array, an entry without a 64-hex `group_id`, a bad `retain`).
+/// Errors: a one-line reason naming the first fault with its line and column (not JSON, not
+/// an object, no `assignments` array, an entry without a 64-hex `group_id`, a `retain` that
+/// is not an array of 64-hex ids, or any object — top level, an entry, or an ignored field
+/// — naming the same key twice: an ambiguous document fails the poll).
 pub fn parse_should_join(body: &[u8]) -> Result<Desired, String> {
-    use serde_json::Value;
-    let doc: Value =
-        serde_json::from_slice(body).map_err(|e| format!("the body is not JSON ({e})"))?;
-    let obj = doc
-        .as_object()
-        .ok_or_else(|| "the body is not a JSON object".to_owned())?;
-    let entries = match obj.get("assignments") {
-        Some(Value::Array(a)) => a,
-        Some(_) => return Err("\"assignments\" is not an array".to_owned()),
-        None => return Err("the body has no \"assignments\"".to_owned()),
-    };
-    let mut assigned = BTreeSet::new();
-    for (i, entry) in entries.iter().enumerate() {
-        let group = entry
-            .as_object()
-            .ok_or_else(|| format!("assignments[{i}] is not an object"))?
-            .get("group_id")
-            .ok_or_else(|| format!("assignments[{i}] has no \"group_id\""))?
-            .as_str()
-            .ok_or_else(|| format!("assignments[{i}].group_id is not a string"))?;
-        let id = group
-            .parse::<GroupId>()
-            .map_err(|e| format!("assignments[{i}].group_id: {e}"))?;
-        assigned.insert(id);
-    }
-    let mut retain = BTreeSet::new();
-    match obj.get("retain") {
-        None => {}
-        Some(Value::Array(a)) => {
-            for (i, v) in a.iter().enumerate() {
-                let s = v
-                    .as_str()
-                    .ok_or_else(|| format!("retain[{i}] is not a string"))?;
-                retain.insert(
-                    s.parse::<GroupId>()
-                        .map_err(|e| format!("retain[{i}]: {e}"))?,
-                );
-            }
-        }
-        Some(_) => return Err("\"retain\" is not an array".to_owned()),
-    }
-    Ok(Desired { assigned, retain })
+    crate::strict_json::reject_duplicate_keys(body)
+        .map_err(|e| format!("the body is ambiguous or not JSON ({e})"))?;
+    let answer: PollAnswer = serde_json::from_slice(body)
+        .map_err(|e| format!("the body is not a valid assignment document ({e})"))?;
+    Ok(Desired {
+        assigned: answer.assignments.into_iter().map(|e| e.group_id).collect(),
+        retain: answer.retain.into_iter().collect(),
+    })
 }
 
 #[cfg(test)]
@@ -390,6 +415,18 @@ mod tests {
     }
 
     #[test]
+    fn ten_thousand_entries_parse() {
+        let entries: Vec<String> = (0..10_000u32)
+            .map(|i| format!(r#"{{"group_id":"{i:064x}","admitter_addrs":[]}}"#))
+            .collect();
+        let body = format!(r#"{{"assignments":[{}],"retain":[]}}"#, entries.join(","));
+        assert_eq!(
+            parse_should_join(body.as_bytes()).unwrap().assigned.len(),
+            10_000
+        );
+    }
+
+    #[test]
     fn every_wrong_shape_fails_the_whole_poll() {
         let good = format!(r#"{{"group_id":"{A}"}}"#);
         for body in [
@@ -413,6 +450,15 @@ mod tests {
             format!(r#"{{"assignments":[{good}],"retain":[1]}}"#),
             format!(r#"{{"assignments":[{good}],"retain":["abc"]}}"#),
             format!(r#"{{"assignments":[{good}]"#),
+            format!(r#"{{"assignments":[{good}],"retain":null}}"#),
+            // Ambiguous: a key named twice, at the top, in an entry, or in an ignored field.
+            format!(
+                r#"{{"assignments":[{good},{{"group_id":"{B}"}}],"retain":[],"assignments":[{good}]}}"#
+            ),
+            format!(r#"{{"assignments":[{{"group_id":"{A}","group_id":"{B}"}}]}}"#),
+            format!(r#"{{"assignments":[{{"group_id":"{A}","hint":1,"hint":2}}]}}"#),
+            format!(r#"{{"assignments":[{good}],"retain":[],"retain":["{A}"]}}"#),
+            format!(r#"{{"assignments":[{good}],"future":{{"x":1,"x":2}}}}"#),
         ] {
             assert!(parse_should_join(body.as_bytes()).is_err(), "{body}");
         }

@@ -24,6 +24,7 @@ use serde_json::Value;
 use url::Url;
 
 use crate::ids::GroupId;
+use crate::strict_json::StrictValue;
 
 /// Default bound of a connection attempt to merod (it is on loopback: longer means it is
 /// not up).
@@ -44,6 +45,9 @@ pub struct Admission {
     pub admitted: bool,
     /// `status`: `"joined"` or `"announced"` (empty when absent).
     pub status: String,
+    /// Why merod did not admit, when it says: the strings under `reason`, `reasons`,
+    /// `message`, `error`, `errors` or `detail` (flat or under `data`), in that order.
+    pub reasons: Vec<String>,
 }
 
 /// The admin-API call an error is about.
@@ -269,8 +273,11 @@ impl MerodClientBuilder {
             HeadlessAuthenticator::new(),
             NoTokenStorage,
         );
+        // merod is on loopback: no proxy from the environment (HTTP_PROXY, ALL_PROXY…)
+        // may capture its calls.
         connection.client = reqwest::Client::builder()
             .connect_timeout(self.deadlines.connect)
+            .no_proxy()
             .build()
             .map_err(|e| build_err(e.into()))?;
         let client = Client::new(connection.clone()).map_err(|e| build_err(e.into()))?;
@@ -469,7 +476,8 @@ impl Node for MerodClient {
             group_id: group_id.to_string(),
         };
         self.bounded(op, path, self.deadlines.join, async {
-            let answer: Value = self
+            // Read strictly: an answer naming a key twice is an error, not "last one wins".
+            let StrictValue(answer) = self
                 .connection
                 .post(path, body)
                 .await
@@ -514,7 +522,14 @@ impl Node for MerodClient {
                     source: e.without_url().into(),
                 })?;
             let status = resp.status().as_u16();
-            let body: Value = resp.json().await.unwrap_or(Value::Null);
+            // An unreadable, non-JSON or ambiguous (a key named twice) body reads as null: a
+            // 200 then does not count as held, so membership stays unknown.
+            let body = match resp.bytes().await {
+                Ok(bytes) => {
+                    serde_json::from_slice::<StrictValue>(&bytes).map_or(Value::Null, |v| v.0)
+                }
+                Err(_) => Value::Null,
+            };
             parse_namespace_get(status, &body, group_id).map_err(|status| MerodError::Status {
                 op,
                 url: url.to_string(),
@@ -543,7 +558,24 @@ pub fn parse_fleet_join(answer: &Value) -> Result<Admission, String> {
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_owned();
-    Ok(Admission { admitted, status })
+    let mut reasons = Vec::new();
+    for key in ["reason", "reasons", "message", "error", "errors", "detail"] {
+        match inner.get(key) {
+            Some(Value::String(s)) => reasons.push(s.clone()),
+            Some(Value::Array(items)) => reasons.extend(
+                items
+                    .iter()
+                    .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned)),
+            ),
+            Some(v @ Value::Object(_)) => reasons.push(v.to_string()),
+            _ => {}
+        }
+    }
+    Ok(Admission {
+        admitted,
+        status,
+        reasons,
+    })
 }
 
 /// Reads a `GET /admin-api/namespaces/{id}` answer: 200 listing `group_id` → held; 404 →

@@ -1,15 +1,27 @@
 //! systemd integration for `Type=notify` units (`sd_notify(3)`), driven by the loop's own
 //! status changes: `READY=1` once the identity is read and merod answered; `STATUS=` with
-//! a one-line summary and `WATCHDOG=1` on every poll attempt (and every readiness probe
-//! before that) — so the watchdog is fed only while the loop really runs on its cadence,
-//! and a stalled loop is killed and restarted by systemd; `STOPPING=1` on shutdown.
+//! a one-line summary on every poll attempt (and every readiness probe before that);
+//! `STOPPING=1` on shutdown.
 //!
-//! Does nothing when `NOTIFY_SOCKET` is unset (not started by systemd).
+//! `WATCHDOG=1` follows the unit's watchdog, not the poll cadence: only when `WATCHDOG_USEC`
+//! is set (and `WATCHDOG_PID`, if set, is this process), every half of it, and only while
+//! the loop is alive ([`Telemetry::loop_turns`] moved since the last ping) — a stalled loop
+//! is killed and restarted by systemd, whatever `poll_interval` is.
+//!
+//! `NOTIFY_SOCKET` may be an absolute path or `@name` (an abstract socket), the forms
+//! `sd_notify(3)` documents for `AF_UNIX`. Does nothing when it is unset (not started by
+//! systemd). A socket that cannot be reached, or a form not understood, is warned about
+//! once (and its recovery logged once).
 
+use std::ffi::OsStr;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
-use sd_notify::NotifyState;
-use tracing::warn;
+use tracing::{info, warn};
 
 use crate::telemetry::{unix_now, LiveStatus, Phase, Telemetry};
 
@@ -26,15 +38,24 @@ pub enum Message {
     Stopping,
 }
 
+impl Message {
+    fn line(&self) -> String {
+        match self {
+            Message::Ready => "READY=1".to_owned(),
+            Message::Watchdog => "WATCHDOG=1".to_owned(),
+            Message::Status(s) => format!("STATUS={}", s.replace('\n', " ")),
+            Message::Stopping => "STOPPING=1".to_owned(),
+        }
+    }
+}
+
 /// What to tell systemd about the change `before` → `after` at `now` (Unix s). Pure.
+/// (Watchdog pings are not status changes: see [`watchdog_interval`].)
 pub fn messages(before: &LiveStatus, after: &LiveStatus, now: f64) -> Vec<Message> {
     let mut out = Vec::new();
     let entered = |p: Phase| after.phase == p && before.phase != p;
     if entered(Phase::Running) {
         out.push(Message::Ready);
-    }
-    if after.heartbeats != before.heartbeats {
-        out.push(Message::Watchdog);
     }
     if after.heartbeats != before.heartbeats || after.phase != before.phase {
         out.push(Message::Status(after.summary(now)));
@@ -45,33 +66,128 @@ pub fn messages(before: &LiveStatus, after: &LiveStatus, now: f64) -> Vec<Messag
     out
 }
 
-fn send(messages: &[Message]) {
-    let states: Vec<NotifyState<'_>> = messages
-        .iter()
-        .map(|m| match m {
-            Message::Ready => NotifyState::Ready,
-            Message::Watchdog => NotifyState::Watchdog,
-            Message::Status(s) => NotifyState::Status(s),
-            Message::Stopping => NotifyState::Stopping,
-        })
-        .collect();
-    if let Err(e) = sd_notify::notify(&states) {
-        warn!("cannot notify systemd: {e}");
+/// Where `NOTIFY_SOCKET` points.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NotifySocket {
+    /// An absolute path of a datagram socket.
+    Path(PathBuf),
+    /// `@name`: a Linux abstract socket (`name` without the `@`).
+    Abstract(Vec<u8>),
+}
+
+/// Reads a `NOTIFY_SOCKET` value. Errors: why it is not a form this build speaks (for
+/// example `vsock:` addresses, a relative path, an empty value).
+pub fn parse_notify_socket(value: &OsStr) -> Result<NotifySocket, String> {
+    let bytes = value.as_bytes();
+    match bytes.first() {
+        Some(b'/') => Ok(NotifySocket::Path(PathBuf::from(value))),
+        Some(b'@') if bytes.len() > 1 => Ok(NotifySocket::Abstract(bytes[1..].to_vec())),
+        _ => Err(format!(
+            "NOTIFY_SOCKET={} is neither an absolute path nor @abstract-name",
+            value.to_string_lossy()
+        )),
     }
 }
 
-/// Sends the daemon's status changes to systemd when started by it (`NOTIFY_SOCKET` set).
-/// Returns whether it is on.
-pub fn install(telemetry: &Arc<Telemetry>) -> bool {
-    if std::env::var_os("NOTIFY_SOCKET").is_none() {
-        return false;
+/// The time between watchdog pings: half of `WATCHDOG_USEC`, when it is set to a positive
+/// number and `WATCHDOG_PID` is unset or `my_pid`. `None`: no watchdog, no pings.
+pub fn watchdog_interval(usec: Option<&str>, pid: Option<&str>, my_pid: u32) -> Option<Duration> {
+    let usec: u64 = usec?.trim().parse().ok().filter(|u| *u > 0)?;
+    if let Some(pid) = pid {
+        if pid.trim().parse::<u32>().ok() != Some(my_pid) {
+            return None;
+        }
     }
-    telemetry.add_observer(Box::new(|before, after| {
+    Some(Duration::from_micros(usec) / 2)
+}
+
+/// Sends datagrams to the notify socket; failures are warned about once.
+struct Notifier {
+    socket: NotifySocket,
+    failing: AtomicBool,
+}
+
+impl Notifier {
+    fn try_send(&self, payload: &[u8]) -> std::io::Result<()> {
+        let sock = UnixDatagram::unbound()?;
+        match &self.socket {
+            NotifySocket::Path(p) => sock.connect(p)?,
+            NotifySocket::Abstract(name) => {
+                use std::os::linux::net::SocketAddrExt;
+                let addr = std::os::unix::net::SocketAddr::from_abstract_name(name)?;
+                sock.connect_addr(&addr)?;
+            }
+        }
+        sock.send(payload).map(drop)
+    }
+
+    fn send(&self, messages: &[Message]) {
+        let mut payload = String::new();
+        for m in messages {
+            payload.push_str(&m.line());
+            payload.push('\n');
+        }
+        match self.try_send(payload.as_bytes()) {
+            Ok(()) => {
+                if self.failing.swap(false, Ordering::Relaxed) {
+                    info!("systemd notify socket reachable again");
+                }
+            }
+            Err(e) => {
+                if !self.failing.swap(true, Ordering::Relaxed) {
+                    warn!(socket = ?self.socket, "cannot notify systemd: {e} (warned once until it works again)");
+                }
+            }
+        }
+    }
+}
+
+/// Sends the daemon's status changes to systemd when started by it (`NOTIFY_SOCKET` set),
+/// and feeds its watchdog when one is set. Must run inside a tokio runtime (the watchdog is
+/// a task). Returns whether notification is on.
+pub fn install(telemetry: &Arc<Telemetry>) -> bool {
+    let Some(value) = std::env::var_os("NOTIFY_SOCKET") else {
+        return false;
+    };
+    let socket = match parse_notify_socket(&value) {
+        Ok(s) => s,
+        Err(e) => {
+            warn!("{e}: systemd is not notified");
+            return false;
+        }
+    };
+    let notifier = Arc::new(Notifier {
+        socket,
+        failing: AtomicBool::new(false),
+    });
+    let n = Arc::clone(&notifier);
+    telemetry.add_observer(Box::new(move |before, after| {
         let msgs = messages(before, after, unix_now());
         if !msgs.is_empty() {
-            send(&msgs);
+            n.send(&msgs);
         }
     }));
+    let env = |k: &str| std::env::var(k).ok();
+    if let Some(every) = watchdog_interval(
+        env("WATCHDOG_USEC").as_deref(),
+        env("WATCHDOG_PID").as_deref(),
+        std::process::id(),
+    ) {
+        info!("systemd watchdog on: a ping every {every:?} while the loop is alive");
+        let telemetry = Arc::clone(telemetry);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            let mut seen = None;
+            loop {
+                tick.tick().await;
+                let turns = telemetry.loop_turns.load(Ordering::Relaxed);
+                if seen != Some(turns) {
+                    seen = Some(turns);
+                    notifier.send(&[Message::Watchdog]);
+                }
+            }
+        });
+    }
     true
 }
 
@@ -80,7 +196,44 @@ mod tests {
     use super::*;
 
     #[test]
-    fn ready_once_then_watchdog_per_heartbeat_then_stopping() {
+    fn the_watchdog_follows_watchdog_usec_and_pid() {
+        let me = 4242;
+        assert_eq!(
+            watchdog_interval(Some("60000000"), None, me),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            watchdog_interval(Some("20000000"), Some("4242"), me),
+            Some(Duration::from_secs(10))
+        );
+        for (usec, pid) in [
+            (None, None),
+            (Some("0"), None),
+            (Some("abc"), None),
+            (Some("60000000"), Some("1")),
+            (Some("60000000"), Some("x")),
+        ] {
+            assert_eq!(watchdog_interval(usec, pid, me), None, "{usec:?} {pid:?}");
+        }
+    }
+
+    #[test]
+    fn notify_socket_forms() {
+        assert_eq!(
+            parse_notify_socket(OsStr::new("/run/systemd/notify")),
+            Ok(NotifySocket::Path("/run/systemd/notify".into()))
+        );
+        assert_eq!(
+            parse_notify_socket(OsStr::new("@sd-notify-1")),
+            Ok(NotifySocket::Abstract(b"sd-notify-1".to_vec()))
+        );
+        for bad in ["", "@", "relative/sock", "vsock:2:9999"] {
+            assert!(parse_notify_socket(OsStr::new(bad)).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ready_once_then_status_per_heartbeat_then_stopping() {
         let start = LiveStatus::default();
         let waiting = LiveStatus {
             phase: Phase::WaitingForMerod,
@@ -90,10 +243,9 @@ mod tests {
         };
         assert_eq!(
             messages(&start, &waiting, 0.0),
-            vec![
-                Message::Watchdog,
-                Message::Status("waiting for merod: connection refused".into())
-            ]
+            vec![Message::Status(
+                "waiting for merod: connection refused".into()
+            )]
         );
         let running = LiveStatus {
             phase: Phase::Running,
@@ -110,12 +262,11 @@ mod tests {
         };
         assert_eq!(
             messages(&running, &polled, 10.4),
-            vec![
-                Message::Watchdog,
-                Message::Status("0 confirmed, last poll ok 0.4 s ago".into())
-            ]
+            vec![Message::Status(
+                "0 confirmed, last poll ok 0.4 s ago".into()
+            )]
         );
-        // A change that is not a heartbeat (a join finished) feeds no watchdog.
+        // A change that is not a heartbeat (a join finished) sends nothing.
         let joined = LiveStatus {
             confirmed: vec![crate::ids::GroupId::from_bytes([1; 32])],
             ..polled.clone()

@@ -192,6 +192,23 @@ pub enum StateError {
     },
 }
 
+impl StateError {
+    /// A key that stays the same while the same fault repeats (variant, step, OS error),
+    /// unlike the message, which may name a random temp file: for logging a fault once.
+    pub fn stable_key(&self) -> String {
+        match self {
+            StateError::Read { source, .. } => format!("read:{:?}", source.kind()),
+            StateError::Corrupt { reason, .. } => format!("corrupt:{reason}"),
+            StateError::UnsupportedVersion { version, .. } => format!("version:{version}"),
+            StateError::Write { step, source, .. } => format!(
+                "write:{step}:{:?}:{:?}",
+                source.kind(),
+                source.raw_os_error()
+            ),
+        }
+    }
+}
+
 /// Parses a state document (any supported version) into the state the daemon runs on.
 ///
 /// Errors: [`StateError::Corrupt`], [`StateError::UnsupportedVersion`]; `path` only names
@@ -226,6 +243,12 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
         path: path.to_owned(),
         reason,
     };
+    // An object naming a key twice is ambiguous (which `confirmed` is meant?): corrupt.
+    if let Err(e) = crate::strict_json::reject_duplicate_keys(bytes) {
+        if !e.is_syntax() && !e.is_eof() {
+            return Err(corrupt(format!("ambiguous: {e}")));
+        }
+    }
     let doc: DocumentIn = match serde_json::from_slice(bytes) {
         Ok(doc) => doc,
         Err(e) => {
@@ -387,6 +410,12 @@ impl StateStore {
             .map_err(err("create a file in the directory"))
     }
 
+    /// Forgets what was last written, so the next [`StateStore::save`] writes even an
+    /// unchanged document (used to retry after a failed write).
+    pub fn forget_written(&mut self) {
+        self.last_written = None;
+    }
+
     /// Writes `state` if its document differs from what the file holds; returns whether it
     /// wrote. Atomic: a crash at any point leaves either the old or the new document.
     ///
@@ -448,6 +477,45 @@ mod tests {
 
     fn id(n: u8) -> GroupId {
         GroupId::from_bytes([n; 32])
+    }
+
+    #[test]
+    fn a_repeated_write_failure_has_one_key_whatever_temp_file_it_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let not_a_dir = dir.path().join("state");
+        std::fs::write(&not_a_dir, b"a file where the directory should be").unwrap();
+        let mut store = StateStore::new(not_a_dir.join("fleet-confirmed.json"));
+        let errors: Vec<StateError> = (1..=3)
+            .map(|n| {
+                let state = State {
+                    admitted: [id(n)].into(),
+                    ..State::default()
+                };
+                store.save(&state).unwrap_err()
+            })
+            .collect();
+        assert!(errors.iter().all(|e| matches!(e, StateError::Write { .. })));
+        assert!(errors
+            .iter()
+            .all(|e| e.stable_key() == errors[0].stable_key()));
+        assert!(store.check_writable().is_err());
+    }
+
+    #[test]
+    fn a_key_named_twice_is_corrupt_at_any_depth() {
+        let a = "11".repeat(32);
+        let b = "22".repeat(32);
+        for doc in [
+            format!(r#"{{"version":2,"admitted":["{a}"],"confirmed":[],"confirmed":["{a}"]}}"#),
+            format!(r#"{{"version":2,"version":1,"confirmed":["{a}"]}}"#),
+            format!(
+                r#"{{"version":2,"admitted":["{a}","{b}"],"confirmed":[],"absent_polls":{{"{a}":1,"{a}":3}}}}"#
+            ),
+        ] {
+            let err = parse_state(doc.as_bytes(), Path::new("s.json")).unwrap_err();
+            assert!(matches!(err, StateError::Corrupt { .. }), "{doc}: {err}");
+            assert!(err.to_string().contains("duplicate key"), "{err}");
+        }
     }
 
     #[test]

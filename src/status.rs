@@ -159,8 +159,10 @@ pub async fn report(cfg: &Config) -> Report {
 
 async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, String> {
     let url = format!("http://{addr}/status");
+    // The daemon's own listener on this host: never through an environment proxy.
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
+        .no_proxy()
         .build()
         .map_err(|e| e.to_string())?;
     let resp = client

@@ -122,6 +122,9 @@ pub struct LiveStatus {
     pub pending_leaves: BTreeMap<GroupId, String>,
     /// Mass-withdrawal guard: `idle`, `holding (… left)` or `released`.
     pub mass_drop: String,
+    /// The latest state file write error while writes fail (no leave starts meanwhile).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_write_error: Option<String>,
 }
 
 impl LiveStatus {
@@ -133,6 +136,9 @@ impl LiveStatus {
         }
         if self.phase == Phase::Stopping {
             return Err("stopping".to_owned());
+        }
+        if let Some(e) = &self.state_write_error {
+            return Err(format!("the state file cannot be written ({e})"));
         }
         match self.last_ok_poll_at {
             None => Err("no successful poll yet".to_owned()),
@@ -224,6 +230,10 @@ pub struct Telemetry {
     pub mrtd_source: Family<SourceLabel, Gauge>,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
+    /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
+    /// second, and after every poll) and on every readiness probe of merod. The systemd
+    /// watchdog is fed only while it moves, whatever `poll_interval` is.
+    pub loop_turns: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for Telemetry {
@@ -241,6 +251,12 @@ impl Default for Telemetry {
 }
 
 impl Telemetry {
+    /// Records that the loop is alive (see [`Telemetry::loop_turns`]).
+    pub fn mark_alive(&self) {
+        self.loop_turns
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// A fresh registry with every metric registered under the `fleet_sidecar_` prefix.
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("fleet_sidecar");
@@ -306,6 +322,7 @@ impl Telemetry {
             mrtd_source,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
+            loop_turns: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

@@ -63,7 +63,8 @@ async fn fleet_join_answers() {
             got,
             Admission {
                 admitted: want.0,
-                status: want.1.to_owned()
+                status: want.1.to_owned(),
+                reasons: Vec::new(),
             },
             "{name}"
         );

@@ -172,11 +172,13 @@ impl Node for Fake {
                 Ok(Admission {
                     admitted: true,
                     status: "joined".into(),
+                    reasons: Vec::new(),
                 })
             }
             Join::NotAdmitted => Ok(Admission {
                 admitted: false,
                 status: "announced".into(),
+                reasons: Vec::new(),
             }),
             Join::Error => Err(merod_err(MerodOp::FleetJoin)),
             Join::Hang => {

@@ -4,6 +4,7 @@
 mod cli;
 mod common;
 mod contract;
+mod faults;
 mod heartbeat;
 mod history;
 mod inspect;
@@ -14,3 +15,5 @@ mod poll_gate;
 mod proto;
 mod reconcile_loop;
 mod tls;
+mod transport;
+mod watchdog;

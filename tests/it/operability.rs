@@ -61,7 +61,14 @@ async fn systemd_gets_ready_status_watchdog_and_stopping() {
     let cfg = sb.write_config("").unwrap();
     let socket_path = sb.dir().join("notify.sock");
     let socket = tokio::net::UnixDatagram::bind(&socket_path).unwrap();
-    let mut child = spawn_daemon(&cfg, false, &[("NOTIFY_SOCKET", socket_path.as_os_str())]);
+    let mut child = spawn_daemon(
+        &cfg,
+        false,
+        &[
+            ("NOTIFY_SOCKET", socket_path.as_os_str()),
+            ("WATCHDOG_USEC", std::ffi::OsStr::new("2000000")),
+        ],
+    );
     let mut got: Vec<String> = Vec::new();
     read_until(&socket, &mut got, "waiting status", |g| {
         g.iter().any(|m| m.starts_with("STATUS=waiting for merod"))
@@ -86,7 +93,7 @@ async fn systemd_gets_ready_status_watchdog_and_stopping() {
     })
     .await;
     let watchdogs = got.iter().filter(|m| *m == "WATCHDOG=1").count();
-    read_until(&socket, &mut got, "a watchdog ping per poll", |g| {
+    read_until(&socket, &mut got, "watchdog pings every second", |g| {
         g.iter().filter(|m| *m == "WATCHDOG=1").count() >= watchdogs + 2
     })
     .await;

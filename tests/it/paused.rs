@@ -79,6 +79,7 @@ impl Node for Fake {
         Ok(Admission {
             admitted: true,
             status: "joined".to_owned(),
+            reasons: Vec::new(),
         })
     }
     async fn leave_namespace(&self, id: GroupId) -> Result<(), MerodError> {

@@ -1,0 +1,170 @@
+//! JSON from outside (MDMA, merod, the state file) read so that an ambiguous document fails
+//! closed: an object naming the same key twice, at any depth and in fields the sidecar
+//! ignores too, is an error rather than "the last one wins" (serde_json's default, and what
+//! `#[derive(Deserialize)]` does for unknown fields). Keys are compared after unescaping, so
+//! `"group_id"` and `"group\u005fid"` are the same key.
+
+use std::collections::HashSet;
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
+use serde_json::{Map, Number, Value};
+
+/// Checks that no object in `bytes` (one JSON document) repeats a key, without building the
+/// document. Errors: serde_json's error (`duplicate key "…"` with line and column), or a
+/// syntax error.
+pub(crate) fn reject_duplicate_keys(bytes: &[u8]) -> Result<(), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    NoDuplicates.deserialize(&mut de)?;
+    de.end()
+}
+
+/// Walks any JSON value, failing on a repeated key.
+#[derive(Clone, Copy)]
+struct NoDuplicates;
+
+impl<'de> DeserializeSeed<'de> for NoDuplicates {
+    type Value = ();
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for NoDuplicates {
+    type Value = ();
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_str<E>(self, _: &str) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_unit<E>(self) -> Result<(), E> {
+        Ok(())
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while seq.next_element_seed(self)?.is_some() {}
+        Ok(())
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        let mut seen = HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if seen.contains(&key) {
+                return Err(de::Error::custom(format!("duplicate key {key:?}")));
+            }
+            map.next_value_seed(self)?;
+            seen.insert(key);
+        }
+        Ok(())
+    }
+}
+
+/// A `serde_json::Value` that refused to be built from an object repeating a key (for
+/// answers read through calimero-client, which deserializes the body itself).
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct StrictValue(pub Value);
+
+impl<'de> Deserialize<'de> for StrictValue {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(BuildStrict).map(StrictValue)
+    }
+}
+
+struct BuildStrict;
+
+impl<'de> Visitor<'de> for BuildStrict {
+    type Value = Value;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::Number(v.into()))
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Value, E> {
+        Ok(Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Value, E> {
+        Ok(Value::String(v))
+    }
+    fn visit_unit<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_none<E>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        StrictValue::deserialize(d).map(|v| v.0)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(StrictValue(v)) = seq.next_element()? {
+            out.push(v);
+        }
+        Ok(Value::Array(out))
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut out = Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let StrictValue(v) = map.next_value()?;
+            if out.contains_key(&key) {
+                return Err(de::Error::custom(format!("duplicate key {key:?}")));
+            }
+            out.insert(key, v);
+        }
+        Ok(Value::Object(out))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_repeated_key_at_any_depth_is_refused_and_distinct_keys_pass() {
+        for bad in [
+            r#"{"a":1,"a":1}"#,
+            r#"{"a":1,"b":{"c":[{"d":1,"d":2}]}}"#,
+            r#"[{"x":{"y":null,"y":null}}]"#,
+            r#"{"group_id":"a","group\u005fid":"b"}"#,
+        ] {
+            assert!(reject_duplicate_keys(bad.as_bytes()).is_err(), "{bad}");
+            assert!(serde_json::from_str::<StrictValue>(bad).is_err(), "{bad}");
+        }
+        for good in [
+            r#"{"a":1,"b":{"a":1},"c":[{"a":1},{"a":2}]}"#,
+            "[]",
+            "null",
+            r#""s""#,
+            "1.5",
+        ] {
+            reject_duplicate_keys(good.as_bytes()).unwrap();
+            let strict: StrictValue = serde_json::from_str(good).unwrap();
+            assert_eq!(strict.0, serde_json::from_str::<Value>(good).unwrap());
+        }
+        assert!(
+            reject_duplicate_keys(b"{} {}").is_err(),
+            "one document only"
+        );
+    }
+}

@@ -1,0 +1,345 @@
+//! Hostile transports and environments: environment proxies never capture loopback calls;
+//! MDMA answering one byte a second, an oversized answer, and bad TLS (wrong hostname,
+//! expired certificate, untrusted issuer) each fail the poll with the cause named and never
+//! lead to a leave; merod answers naming a key twice fail closed; a CA file with a bad block
+//! names the file and the block.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use fleet_sidecar::config::Config;
+use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::ids::GroupId;
+use fleet_sidecar::mdma::{MdmaClient, MdmaClientError, MAX_POLL_BODY};
+use fleet_sidecar::merod::{Admission, MerodClient, MerodError, Node};
+use fleet_sidecar::state::{State, StateStore};
+use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio_rustls::rustls::{crypto::ring, ServerConfig};
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+use crate::common::*;
+
+const DEAD_PROXY: &str = "http://127.0.0.1:9";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn environment_proxies_never_reach_loopback_merod_or_mdma() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let cfg = sb.write_config("").unwrap();
+    let proxy = std::ffi::OsStr::new(DEAD_PROXY);
+    let env: Vec<(&str, &std::ffi::OsStr)> = [
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "ALL_PROXY",
+        "http_proxy",
+        "https_proxy",
+        "all_proxy",
+    ]
+    .into_iter()
+    .map(|k| (k, proxy))
+    .collect();
+    let mut child = spawn_daemon(&cfg, false, &env);
+    eventually(
+        "A joined and confirmed with every proxy variable set",
+        Duration::from_secs(30),
+        || sb.mdma.confirmed().contains(A),
+    )
+    .await;
+    assert!(sb.merod.held().contains(A));
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+/// A node that holds `held` and records leaves; joins are admitted.
+#[derive(Clone, Default)]
+struct Recorder {
+    held: Arc<Mutex<BTreeSet<GroupId>>>,
+    leaves: Arc<Mutex<Vec<GroupId>>>,
+}
+
+#[async_trait]
+impl Node for Recorder {
+    async fn probe(&self) -> Result<(), MerodError> {
+        Ok(())
+    }
+    async fn fleet_join(&self, id: GroupId) -> Result<Admission, MerodError> {
+        self.held.lock().unwrap().insert(id);
+        Ok(Admission {
+            admitted: true,
+            status: "joined".to_owned(),
+            reasons: Vec::new(),
+        })
+    }
+    async fn leave_namespace(&self, id: GroupId) -> Result<(), MerodError> {
+        self.leaves.lock().unwrap().push(id);
+        self.held.lock().unwrap().remove(&id);
+        Ok(())
+    }
+    async fn holds_namespace(&self, id: GroupId) -> Result<bool, MerodError> {
+        Ok(self.held.lock().unwrap().contains(&id))
+    }
+}
+
+/// Runs one cycle (`once`) with A held and confirmed, leaving on the first withdrawing poll,
+/// against the MDMA at `url`: the poll must fail naming `cause`, and nothing may be left.
+async fn poll_fails_without_a_leave(
+    url: &url::Url,
+    ca_file: Option<&std::path::Path>,
+    cause: &str,
+) {
+    let node = NodeDir::new();
+    let a = gid(A);
+    StateStore::new(node.state_file())
+        .save(&State {
+            admitted: [a].into(),
+            confirmed: [a].into(),
+            absent_polls: Default::default(),
+        })
+        .unwrap();
+    let merod = Recorder::default();
+    merod.held.lock().unwrap().insert(a);
+    let mdma = MdmaClient::new(url, None, ca_file).unwrap();
+    let cfg: Config = node.config(REFERENCE);
+    let deps = Deps::new(Arc::new(mdma), Arc::new(merod.clone()));
+    let started = std::time::Instant::now();
+    let outcome = daemon::once(cfg, deps, CancellationToken::new())
+        .await
+        .unwrap()
+        .unwrap();
+    let CycleOutcome::PollFailed(e) = outcome else {
+        panic!("{url}: the poll should fail ({cause}), got {outcome:?}");
+    };
+    // The loop logs `poll failed, cycle skipped …: {e}`.
+    let line = e.to_string();
+    assert!(
+        line.to_lowercase().contains(&cause.to_lowercase()),
+        "the log line names {cause:?}: {line}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(13),
+        "ended at its deadline: {:?}",
+        started.elapsed()
+    );
+    assert!(merod.leaves.lock().unwrap().is_empty(), "never a leave");
+}
+
+/// A loopback HTTP server that reads the request, then writes `head` and hands the socket
+/// to `then`.
+async fn raw_server<F, Fut>(head: &'static str, then: F) -> url::Url
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let then = Arc::new(then);
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            let then = Arc::clone(&then);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                let _ = tcp.read(&mut buf).await;
+                if tcp.write_all(head.as_bytes()).await.is_ok() {
+                    then(tcp).await;
+                }
+            });
+        }
+    });
+    format!("http://127.0.0.1:{port}/").parse().unwrap()
+}
+
+const CHUNKED: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mdma_sending_one_byte_a_second_is_cut_at_the_deadline() {
+    let url = raw_server(CHUNKED, |mut tcp| async move {
+        for _ in 0..60 {
+            if tcp.write_all(b"1\r\n \r\n").await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+    .await;
+    poll_fails_without_a_leave(&url, None, "no answer within 10s").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_over_the_body_cap_is_refused_unread() {
+    // Chunked: the cap is found while streaming; the server then stalls, so reading the
+    // whole answer would end in the timeout instead.
+    let url = raw_server(CHUNKED, |mut tcp| async move {
+        let chunk = format!("{:x}\r\n{}\r\n", 64 * 1024, " ".repeat(64 * 1024));
+        for _ in 0..(MAX_POLL_BODY / (64 * 1024) + 16) {
+            if tcp.write_all(chunk.as_bytes()).await.is_err() {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    })
+    .await;
+    let started = std::time::Instant::now();
+    poll_fails_without_a_leave(&url, None, "larger than").await;
+    assert!(
+        started.elapsed() < Duration::from_secs(8),
+        "{:?}",
+        started.elapsed()
+    );
+    // Announced: refused before a byte of the body is read.
+    let url = raw_server(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 104857600\r\n\r\n",
+        |tcp| async move {
+            // Keep the connection open, sending nothing more.
+            let _open = tcp;
+            tokio::time::sleep(Duration::from_secs(60)).await;
+        },
+    )
+    .await;
+    poll_fails_without_a_leave(&url, None, "larger than").await;
+}
+
+struct Ca {
+    key: KeyPair,
+    cert: rcgen::Certificate,
+}
+
+fn ca(name: &str) -> Ca {
+    let key = KeyPair::generate().unwrap();
+    let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+    p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    p.distinguished_name
+        .push(rcgen::DnType::CommonName, name.to_owned());
+    let cert = p.self_signed(&key).unwrap();
+    Ca { key, cert }
+}
+
+/// An HTTPS server on 127.0.0.1 presenting a leaf for `names` signed by `issuer`, valid
+/// until `not_after` years from 1970 + 30 (i.e. in the past when `expired`).
+async fn tls_server(issuer: &Ca, names: &[&str], expired: bool) -> u16 {
+    let key = KeyPair::generate().unwrap();
+    let mut p =
+        CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    if expired {
+        p.not_before = rcgen::date_time_ymd(2000, 1, 1);
+        p.not_after = rcgen::date_time_ymd(2001, 1, 1);
+    }
+    let leaf = p.signed_by(&key, &issuer.cert, &issuer.key).unwrap();
+    let server = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_no_client_auth()
+        .with_single_cert(
+            vec![CertificateDer::from(leaf.der().to_vec())],
+            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+        )
+        .unwrap();
+    let acceptor = TlsAcceptor::from(Arc::new(server));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            let acceptor = acceptor.clone();
+            tokio::spawn(async move {
+                let _ = acceptor.accept(tcp).await;
+            });
+        }
+    });
+    port
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_tls_fails_the_poll_naming_the_cause() {
+    let trusted = ca("trusted test CA");
+    let stranger = ca("unknown test CA");
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    std::fs::write(&ca_file, trusted.cert.pem()).unwrap();
+    for (issuer, names, expired, cause) in [
+        (
+            &trusted,
+            &["mdma.other.example"][..],
+            false,
+            "not valid for name",
+        ),
+        (&trusted, &["localhost"][..], true, "expired"),
+        (&stranger, &["localhost"][..], false, "issuer"),
+    ] {
+        let port = tls_server(issuer, names, expired).await;
+        let url: url::Url = format!("https://localhost:{port}/").parse().unwrap();
+        poll_fails_without_a_leave(&url, Some(&ca_file), cause).await;
+    }
+}
+
+#[test]
+fn a_ca_file_with_a_bad_trailing_block_names_the_file_and_the_block() {
+    let good = ca("good").cert.pem();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("mdma-ca.pem");
+    let bad_der = "-----BEGIN CERTIFICATE-----\nMIIBAAAA\n-----END CERTIFICATE-----\n";
+    std::fs::write(&file, format!("{good}{bad_der}")).unwrap();
+    let url: url::Url = "https://mdma.example/".parse().unwrap();
+    let err = MdmaClient::new(&url, None, Some(&file)).unwrap_err();
+    assert!(matches!(err, MdmaClientError::CaParse { .. }), "{err}");
+    let text = err.to_string();
+    assert!(text.contains("mdma-ca.pem"), "{text}");
+    assert!(
+        text.contains("certificate 2"),
+        "names the bad block: {text}"
+    );
+    assert!(text != "builder error" && text.len() > 60, "{text}");
+}
+
+/// A loopback merod answering every call with `body` (status 200).
+async fn merod_answering(body: &'static str) -> url::Url {
+    let app = axum::Router::new().fallback(move || async move {
+        (
+            [(axum::http::header::CONTENT_TYPE, "application/json")],
+            body,
+        )
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    format!("http://127.0.0.1:{port}/").parse().unwrap()
+}
+
+#[tokio::test]
+async fn merod_answers_naming_a_key_twice_fail_closed() {
+    let a = gid(A);
+    let url = merod_answering(r#"{"admitted":false,"status":"announced","admitted":true}"#).await;
+    let err = MerodClient::new(&url)
+        .unwrap()
+        .fleet_join(a)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("duplicate key"), "{err}");
+    let url = merod_answering(
+        r#"{"data":{"namespaceId":"c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00","namespaceId":"38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df"}}"#,
+    )
+    .await;
+    let err = MerodClient::new(&url)
+        .unwrap()
+        .holds_namespace(a)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, MerodError::Status { status: 200, .. }),
+        "membership unknown: {err}"
+    );
+    // merod's refusal reasons are kept for the log.
+    let url = merod_answering(
+        r#"{"admitted":false,"status":"announced","reason":"no verifier answered"}"#,
+    )
+    .await;
+    let got = MerodClient::new(&url).unwrap().fleet_join(a).await.unwrap();
+    assert_eq!(got.reasons, vec!["no verifier answered".to_owned()]);
+}
