@@ -88,7 +88,8 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 pub enum MerodError {
     /// The call failed: transport (connection refused, reset) or a non-2xx answer, as
     /// calimero-client reports it (its errors carry the reason as text, not the status).
-    #[error("{op} {url}: {source}")]
+    /// The message spells out the whole chain of causes, for the log; `source()` keeps it.
+    #[error("{op} {url}: {}", chain(.source.as_ref()))]
     Call {
         /// The operation.
         op: MerodOp,
@@ -128,6 +129,21 @@ pub enum MerodError {
         /// What is wrong with it.
         reason: String,
     },
+}
+
+/// An error and its causes, outermost first, joined with `: `.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        let more = cause.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        next = cause.source();
+    }
+    text
 }
 
 impl MerodError {
