@@ -24,7 +24,7 @@ fn main() {
     };
     let strict = time(&|| {
         let d = parse_should_join(body.as_bytes()).expect("valid body");
-        assert_eq!(d.assigned.len(), 10_000);
+        assert_eq!(d.assignments.len(), 10_000);
     });
     let value = time(&|| {
         let v: serde_json::Value = serde_json::from_slice(body.as_bytes()).expect("JSON");

@@ -5,7 +5,6 @@
 //! strong types (`Url`, `Duration`, paths) that the daemon runs on. Loading touches only the
 //! config file itself: nothing here reads merod's files, sysfs, or the network.
 
-use std::fmt;
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -13,6 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use url::Url;
 
+use crate::mdma::FleetToken;
 use crate::mrtd::TdxConfig;
 use crate::reconcile::LeavePolicy;
 
@@ -21,35 +21,12 @@ pub const DEFAULT_CONFIG_PATH: &str = "/etc/calimero/fleet-sidecar.toml";
 /// merod's admin API when neither `[merod].admin_url` nor merod's `[server].listen` says.
 pub const DEFAULT_ADMIN_URL: &str = "http://127.0.0.1:2528";
 
-/// A secret string (the fleet token). Its `Debug` prints `[redacted]` and it has no
-/// `Display`, so it cannot slip into a log line or an error message by formatting.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Secret(String);
-
-impl Secret {
-    /// Wraps a secret value.
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
-    /// The secret itself, for the one place that must send it (the `X-Fleet-Token` header).
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for Secret {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
-
-impl<'de> Deserialize<'de> for Secret {
+impl<'de> Deserialize<'de> for FleetToken {
     /// A string. Anything else is refused without echoing the value (an unquoted token
     /// that parses as a number must not appear in the error).
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         match toml::Value::deserialize(d)? {
-            toml::Value::String(s) => Ok(Secret(s)),
+            toml::Value::String(s) => Ok(FleetToken::new(s)),
             _ => Err(serde::de::Error::custom("must be a quoted string")),
         }
     }
@@ -68,7 +45,7 @@ pub struct RawConfig {
     /// MDMA base URL; must be `https://` (plain `http://` only for a loopback host).
     pub mdma_url: Option<String>,
     /// Sent as `X-Fleet-Token` when set.
-    pub fleet_token: Option<Secret>,
+    pub fleet_token: Option<FleetToken>,
     /// A file holding the fleet token (instead of `fleet_token`); must not be group- or
     /// world-readable. Surrounding whitespace is trimmed.
     pub fleet_token_file: Option<PathBuf>,
@@ -205,7 +182,7 @@ pub struct Config {
     /// MDMA base URL (`https://`, or `http://` to a loopback host).
     pub mdma_url: Url,
     /// The fleet token, sent as `X-Fleet-Token`.
-    pub fleet_token: Option<Secret>,
+    pub fleet_token: Option<FleetToken>,
     /// Extra PEM trust roots for MDMA.
     pub mdma_ca_file: Option<PathBuf>,
     /// Time between polls.
@@ -664,7 +641,7 @@ impl RawConfig {
 /// Reads the token file: it must be a regular file that neither group nor others may read
 /// (mode `0600` or stricter) and hold a non-empty token; surrounding whitespace is trimmed.
 /// Errors: a one-line reason (never the token).
-fn read_token_file(path: &Path) -> Result<Secret, String> {
+fn read_token_file(path: &Path) -> Result<FleetToken, String> {
     use std::os::unix::fs::PermissionsExt;
     let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
     if !meta.is_file() {
@@ -687,7 +664,7 @@ fn read_token_file(path: &Path) -> Result<Secret, String> {
                 .to_owned(),
         );
     }
-    Ok(Secret::new(token))
+    Ok(FleetToken::new(token))
 }
 
 /// The file's mode if group or others may read it; `None` if private or not readable.

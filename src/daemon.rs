@@ -568,7 +568,7 @@ impl Sidecar {
                 });
                 CycleOutcome::PollFailed(e)
             }
-            Ok(desired) => {
+            Ok(answer) => {
                 self.failures.succeed();
                 Telemetry::count(&telemetry.polls, "ok");
                 telemetry.last_ok_poll.set(now);
@@ -579,6 +579,7 @@ impl Sidecar {
                     st.last_poll_error = None;
                     st.consecutive_failures = 0;
                 });
+                let desired = Desired::from(answer);
                 let outcome = self.reconcile(&desired);
                 self.desired = desired;
                 self.publish();

@@ -3,7 +3,7 @@
 //!
 //! The file is opened in append mode and can be reopened ([`LogFile::reopen`]) after
 //! logrotate moved it. Secrets never reach a log line: the token has no `Display` and its
-//! `Debug` is `[redacted]` ([`crate::config::Secret`]).
+//! `Debug` is `[redacted]` ([`crate::mdma::FleetToken`]).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};

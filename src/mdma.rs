@@ -9,17 +9,17 @@
 //! extra CA file), redirects are not followed, and the token goes only into the
 //! `X-Fleet-Token` header.
 
-use std::path::PathBuf;
+use std::collections::BTreeSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use url::Url;
 
-use crate::config::Secret;
 use crate::ids::{GroupId, PeerId};
 use crate::mrtd::Mrtd;
-use crate::reconcile::Desired;
 
 /// Bound of one MDMA request, connect to last byte (docs/mdma.md).
 pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
@@ -29,15 +29,17 @@ pub const MAX_POLL_BODY: usize = 4 * 1024 * 1024;
 /// A request to MDMA that got no usable answer.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
-    /// No answer: connection refused, DNS, TLS, reset (reqwest's message, no secret in it).
-    #[error("POST {url}: {reason}")]
+    /// No answer: connection refused, DNS, TLS, reset. The message spells out reqwest's
+    /// chain of causes (it never holds a header, so never the token); `source()` keeps it.
+    #[error("POST {url}: {}", describe(.source))]
     Transport {
         /// The request URL.
         url: Url,
         /// What failed.
-        reason: String,
+        #[source]
+        source: reqwest::Error,
     },
-    /// No complete answer within [`MDMA_TIMEOUT`].
+    /// No complete answer within the client's request timeout (default [`MDMA_TIMEOUT`]).
     #[error("POST {url}: no answer within {timeout:?}")]
     Timeout {
         /// The request URL.
@@ -56,18 +58,23 @@ pub enum RequestError {
 }
 
 impl RequestError {
-    fn from_reqwest(url: &Url, e: &reqwest::Error) -> Self {
+    fn from_reqwest(url: &Url, timeout: Duration, e: reqwest::Error) -> Self {
         if e.is_timeout() {
             RequestError::Timeout {
                 url: url.clone(),
-                timeout: MDMA_TIMEOUT,
+                timeout,
             }
         } else {
             RequestError::Transport {
                 url: url.clone(),
-                reason: describe(e),
+                source: e.without_url(),
             }
         }
+    }
+
+    /// Whether the request ran out of time (rather than being refused or answered wrongly).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, RequestError::Timeout { .. })
     }
 }
 
@@ -84,13 +91,32 @@ pub enum PollError {
         timeout: Duration,
     },
     /// A 200 whose body is not a valid assignment document.
-    #[error("POST {url}: HTTP 200 but {reason}")]
+    #[error("POST {url}: HTTP 200 but {source}")]
     Malformed {
         /// The should-join URL.
         url: Url,
         /// What is wrong with the body.
-        reason: String,
+        #[source]
+        source: MalformedAnswer,
     },
+}
+
+/// Why a 200 `should-join` body is not a valid assignment document.
+#[derive(Debug, thiserror::Error)]
+pub enum MalformedAnswer {
+    /// Announced or found larger than [`MAX_POLL_BODY`]; refused without reading it whole.
+    #[error("the body is larger than {limit} bytes")]
+    TooLarge {
+        /// The cap, in bytes.
+        limit: usize,
+    },
+    /// Not JSON, or an object naming the same key twice (at any depth): ambiguous.
+    #[error("the body is ambiguous or not JSON ({0})")]
+    Ambiguous(#[source] serde_json::Error),
+    /// JSON of the wrong shape (no `assignments` array, an entry without a 64-hex
+    /// `group_id`, a `retain` that is not an array of 64-hex ids); names line and column.
+    #[error("the body is not a valid assignment document ({0})")]
+    Shape(#[source] serde_json::Error),
 }
 
 impl PollError {
@@ -128,12 +154,56 @@ pub enum MdmaClientError {
     CaParse {
         /// The CA file.
         path: PathBuf,
-        /// What is wrong.
+        /// What is wrong, naming the certificate's place in the file.
         reason: String,
     },
+    /// The base URL cannot take the API paths (e.g. `cannot-be-a-base` URLs).
+    #[error("MDMA URL {base} cannot take the API path {path}: {source}")]
+    Url {
+        /// The base URL.
+        base: Url,
+        /// The path joined to it.
+        path: &'static str,
+        /// The URL parser's error.
+        #[source]
+        source: url::ParseError,
+    },
     /// The HTTP client could not be built (TLS backend).
-    #[error("cannot build the MDMA HTTP client: {0}")]
-    Build(String),
+    #[error("cannot build the MDMA HTTP client: {}", describe(.0))]
+    Build(#[source] reqwest::Error),
+}
+
+/// The fleet token, sent only as the `X-Fleet-Token` header. Its `Debug` prints
+/// `[redacted]` and it has no `Display`, so it cannot slip into a log line or an error
+/// message by formatting.
+#[derive(Clone, PartialEq, Eq)]
+pub struct FleetToken(String);
+
+impl FleetToken {
+    /// Wraps the token value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The token itself, for the one place that must send it (the `X-Fleet-Token` header).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for FleetToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// A successful `should-join` answer: what MDMA assigns to this node now.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ShouldJoin {
+    /// `assignments[].group_id`: the namespaces this node should hold.
+    pub assignments: BTreeSet<GroupId>,
+    /// `retain`: namespaces to keep if held, but not to join.
+    pub retain: BTreeSet<GroupId>,
 }
 
 /// The control plane as the daemon sees it; [`MdmaClient`] is the real one, tests supply
@@ -147,7 +217,7 @@ pub trait ControlPlane: Send + Sync + 'static {
         &self,
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
-    ) -> Result<Desired, PollError>;
+    ) -> Result<ShouldJoin, PollError>;
 
     /// Confirms the admission of `group_id`.
     ///
@@ -156,12 +226,66 @@ pub trait ControlPlane: Send + Sync + 'static {
 }
 
 /// MDMA over HTTPS with reqwest/rustls.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use fleet_sidecar::{FleetToken, MdmaClient};
+///
+/// let mdma = MdmaClient::builder("https://mdma.example/".parse()?)
+///     .token(FleetToken::new("…"))
+///     .timeout(Duration::from_secs(5))
+///     .build()?;
+/// let peer_id = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk".parse()?;
+/// // Only the node's own sidecar polls: MDMA counts a should-join as its heartbeat.
+/// let answer = mdma.should_join(&peer_id, None).await?;
+/// println!("{} assigned", answer.assignments.len());
+/// # Ok(()) }
+/// ```
 #[derive(Clone, Debug)]
 pub struct MdmaClient {
     http: reqwest::Client,
     should_join_url: Url,
     confirm_url: Url,
-    token: Option<Secret>,
+    token: Option<FleetToken>,
+    timeout: Duration,
+}
+
+/// Builds an [`MdmaClient`]: token, extra CA file, request timeout.
+#[derive(Clone, Debug)]
+pub struct MdmaClientBuilder {
+    base: Url,
+    token: Option<FleetToken>,
+    ca_file: Option<PathBuf>,
+    timeout: Duration,
+}
+
+impl MdmaClientBuilder {
+    /// Send `token` as `X-Fleet-Token` on every request.
+    pub fn token(mut self, token: FleetToken) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    /// Trust the PEM certificates in `path` besides the system roots.
+    pub fn ca_file(mut self, path: impl Into<PathBuf>) -> Self {
+        self.ca_file = Some(path.into());
+        self
+    }
+
+    /// Bound of one request, connect to last byte (default [`MDMA_TIMEOUT`], 10 s).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Builds the client (reads the CA file; sends nothing).
+    ///
+    /// Errors: [`MdmaClientError`] for an unreadable CA file or one with a bad block, a
+    /// base URL that cannot take the API paths, or a TLS backend that cannot start.
+    pub fn build(self) -> Result<MdmaClient, MdmaClientError> {
+        MdmaClient::build(self)
+    }
 }
 
 #[derive(Serialize)]
@@ -185,12 +309,34 @@ impl MdmaClient {
     /// Errors: [`MdmaClientError`] for an unreadable or empty CA file.
     pub fn new(
         base: &Url,
-        token: Option<Secret>,
+        token: Option<FleetToken>,
         ca_file: Option<&std::path::Path>,
     ) -> Result<Self, MdmaClientError> {
+        MdmaClientBuilder {
+            base: base.clone(),
+            token,
+            ca_file: ca_file.map(Path::to_owned),
+            timeout: MDMA_TIMEOUT,
+        }
+        .build()
+    }
+
+    /// A builder for a client at `base` (a URL ending in `/`), with no token, the system
+    /// roots only and the default timeout.
+    pub fn builder(base: Url) -> MdmaClientBuilder {
+        MdmaClientBuilder {
+            base,
+            token: None,
+            ca_file: None,
+            timeout: MDMA_TIMEOUT,
+        }
+    }
+
+    fn build(b: MdmaClientBuilder) -> Result<Self, MdmaClientError> {
+        let (base, ca_file) = (&b.base, b.ca_file.as_deref());
         let mut builder = reqwest::Client::builder()
-            .timeout(MDMA_TIMEOUT)
-            .connect_timeout(MDMA_TIMEOUT)
+            .timeout(b.timeout)
+            .connect_timeout(b.timeout)
             .redirect(reqwest::redirect::Policy::none())
             .tls_built_in_webpki_certs(false)
             .tls_built_in_native_certs(true)
@@ -216,7 +362,7 @@ impl MdmaClient {
             for (i, cert) in certs.into_iter().enumerate() {
                 check_root(&cert).map_err(|e| MdmaClientError::CaParse {
                     path: path.to_owned(),
-                    reason: format!("certificate {} of the file: {e}", i + 1),
+                    reason: format!("certificate {} of the file: {}", i + 1, describe(&e)),
                 })?;
                 builder = builder.add_root_certificate(cert);
             }
@@ -226,18 +372,20 @@ impl MdmaClient {
         if is_loopback(base) {
             builder = builder.no_proxy();
         }
-        let http = builder
-            .build()
-            .map_err(|e| MdmaClientError::Build(describe(&e)))?;
-        let join = |path: &str| {
-            base.join(path)
-                .map_err(|e| MdmaClientError::Build(format!("{base}{path}: {e}")))
+        let http = builder.build().map_err(MdmaClientError::Build)?;
+        let join = |path: &'static str| {
+            base.join(path).map_err(|source| MdmaClientError::Url {
+                base: base.clone(),
+                path,
+                source,
+            })
         };
         Ok(Self {
             http,
             should_join_url: join("api/fleet/should-join")?,
             confirm_url: join("api/fleet/confirm")?,
-            token,
+            token: b.token,
+            timeout: b.timeout,
         })
     }
 
@@ -267,14 +415,13 @@ pub(crate) fn is_loopback(url: &Url) -> bool {
 /// (no system roots loaded), so a bad block in the CA file is named instead of failing the
 /// whole client with reqwest's bare `builder error`.
 ///
-/// Errors: what is wrong with it (reqwest's and rustls's messages).
-fn check_root(cert: &reqwest::Certificate) -> Result<(), String> {
+/// Errors: reqwest's error, whose causes say what is wrong (rustls's message).
+fn check_root(cert: &reqwest::Certificate) -> Result<(), reqwest::Error> {
     reqwest::Client::builder()
         .tls_built_in_root_certs(false)
         .add_root_certificate(cert.clone())
         .build()
         .map(drop)
-        .map_err(|e| describe(&e))
 }
 
 /// reqwest's error text with its causes (it never holds a header, so never the token).
@@ -295,13 +442,14 @@ impl ControlPlane for MdmaClient {
         &self,
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
-    ) -> Result<Desired, PollError> {
+    ) -> Result<ShouldJoin, PollError> {
         let url = &self.should_join_url;
         let body = PollRequest {
             peer_id: peer_id.as_str(),
             mrtd: mrtd.map(Mrtd::to_hex),
         };
-        let fail = |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, &e));
+        let fail =
+            |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));
         let mut resp = self.post(url, &body).send().await.map_err(fail)?;
         let status = resp.status().as_u16();
         if status != 200 {
@@ -313,7 +461,9 @@ impl ControlPlane for MdmaClient {
         }
         let too_large = || PollError::Malformed {
             url: url.clone(),
-            reason: format!("the body is larger than {MAX_POLL_BODY} bytes"),
+            source: MalformedAnswer::TooLarge {
+                limit: MAX_POLL_BODY,
+            },
         };
         // Streamed under the cap: a body announced or found larger is refused unread.
         if resp
@@ -329,9 +479,9 @@ impl ControlPlane for MdmaClient {
             }
             bytes.extend_from_slice(&chunk);
         }
-        parse_should_join(&bytes).map_err(|reason| PollError::Malformed {
+        parse_should_join(&bytes).map_err(|source| PollError::Malformed {
             url: url.clone(),
-            reason,
+            source,
         })
     }
 
@@ -345,7 +495,7 @@ impl ControlPlane for MdmaClient {
             .post(url, &body)
             .send()
             .await
-            .map_err(|e| RequestError::from_reqwest(url, &e))?;
+            .map_err(|e| RequestError::from_reqwest(url, self.timeout, e))?;
         let status = resp.status();
         if status.is_success() {
             Ok(())
@@ -371,20 +521,19 @@ struct PollEntry {
     group_id: GroupId,
 }
 
-/// Validates a 200 `should-join` body (docs/mdma.md) into the desired sets, parsed
-/// straight into typed structs (no intermediate `serde_json::Value`).
+/// Validates a 200 `should-join` body (docs/mdma.md), parsed straight into typed structs
+/// (no intermediate `serde_json::Value`). Unknown fields are ignored.
 ///
-/// Errors: a one-line reason naming the first fault with its line and column (not JSON, not
-/// an object, no `assignments` array, an entry without a 64-hex `group_id`, a `retain` that
-/// is not an array of 64-hex ids, or any object — top level, an entry, or an ignored field
-/// — naming the same key twice: an ambiguous document fails the poll).
-pub fn parse_should_join(body: &[u8]) -> Result<Desired, String> {
-    crate::strict_json::reject_duplicate_keys(body)
-        .map_err(|e| format!("the body is ambiguous or not JSON ({e})"))?;
-    let answer: PollAnswer = serde_json::from_slice(body)
-        .map_err(|e| format!("the body is not a valid assignment document ({e})"))?;
-    Ok(Desired {
-        assigned: answer.assignments.into_iter().map(|e| e.group_id).collect(),
+/// Errors: [`MalformedAnswer::Ambiguous`] for a body that is not JSON or any object (top
+/// level, an entry, or an ignored field) naming the same key twice; an ambiguous document
+/// fails the poll. [`MalformedAnswer::Shape`] for the wrong shape (not an object, no
+/// `assignments` array, an entry without a 64-hex `group_id`, a `retain` that is not an
+/// array of 64-hex ids). Both name the line and column of the first fault.
+pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
+    crate::strict_json::reject_duplicate_keys(body).map_err(MalformedAnswer::Ambiguous)?;
+    let answer: PollAnswer = serde_json::from_slice(body).map_err(MalformedAnswer::Shape)?;
+    Ok(ShouldJoin {
+        assignments: answer.assignments.into_iter().map(|e| e.group_id).collect(),
         retain: answer.retain.into_iter().collect(),
     })
 }
@@ -408,10 +557,10 @@ mod tests {
             B.to_uppercase()
         );
         let d = parse_should_join(body.as_bytes()).unwrap();
-        assert_eq!(d.assigned, [id(A), id(B)].into());
+        assert_eq!(d.assignments, [id(A), id(B)].into());
         assert_eq!(d.retain, [id(B)].into());
         let empty = parse_should_join(br#"{"assignments":[]}"#).unwrap();
-        assert_eq!(empty, Desired::default());
+        assert_eq!(empty, ShouldJoin::default());
     }
 
     #[test]
@@ -421,7 +570,10 @@ mod tests {
             .collect();
         let body = format!(r#"{{"assignments":[{}],"retain":[]}}"#, entries.join(","));
         assert_eq!(
-            parse_should_join(body.as_bytes()).unwrap().assigned.len(),
+            parse_should_join(body.as_bytes())
+                .unwrap()
+                .assignments
+                .len(),
             10_000
         );
     }

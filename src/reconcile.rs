@@ -27,6 +27,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::ids::GroupId;
+use crate::mdma::ShouldJoin;
 use crate::state::State;
 
 /// When a withdrawn namespace may be left (config keys of the same names).
@@ -68,6 +69,15 @@ pub struct Desired {
     pub assigned: BTreeSet<GroupId>,
     /// `retain`: namespaces the node may keep but must not newly join; never left.
     pub retain: BTreeSet<GroupId>,
+}
+
+impl From<ShouldJoin> for Desired {
+    fn from(answer: ShouldJoin) -> Self {
+        Self {
+            assigned: answer.assignments,
+            retain: answer.retain,
+        }
+    }
 }
 
 /// The mass-withdrawal guard's state between polls (kept in memory: a restart restarts a

@@ -10,10 +10,10 @@ use async_trait::async_trait;
 use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
+use fleet_sidecar::mdma::ShouldJoin;
 use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError};
 use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
 use fleet_sidecar::mrtd::Mrtd;
-use fleet_sidecar::reconcile::Desired;
 use fleet_sidecar::state::{State, StateStore};
 use fleet_sidecar::telemetry::Telemetry;
 use tokio::time::Instant;
@@ -29,7 +29,7 @@ enum JoinAnswer {
 }
 
 struct World {
-    assigned: BTreeSet<GroupId>,
+    assignments: BTreeSet<GroupId>,
     held: BTreeSet<GroupId>,
     join: JoinAnswer,
     joins: Vec<Instant>,
@@ -42,7 +42,7 @@ struct Fake(Arc<Mutex<World>>);
 impl Fake {
     fn new(join: JoinAnswer) -> Self {
         Self(Arc::new(Mutex::new(World {
-            assigned: BTreeSet::new(),
+            assignments: BTreeSet::new(),
             held: BTreeSet::new(),
             join,
             joins: Vec::new(),
@@ -57,9 +57,9 @@ impl Fake {
 
 #[async_trait]
 impl ControlPlane for Fake {
-    async fn should_join(&self, _: &PeerId, _: Option<&Mrtd>) -> Result<Desired, PollError> {
-        Ok(self.with(|w| Desired {
-            assigned: w.assigned.clone(),
+    async fn should_join(&self, _: &PeerId, _: Option<&Mrtd>) -> Result<ShouldJoin, PollError> {
+        Ok(self.with(|w| ShouldJoin {
+            assignments: w.assignments.clone(),
             retain: BTreeSet::new(),
         }))
     }
@@ -141,7 +141,7 @@ async fn a_failing_join_backs_off(answer: JoinAnswer) {
     let fake = Fake::new(answer);
     let c = gid(C);
     fake.with(|w| {
-        w.assigned.insert(c);
+        w.assignments.insert(c);
     });
     let (stop, _t, h) = run(&fake, node.config(""));
     tokio::time::sleep(Duration::from_secs(600)).await;
@@ -164,10 +164,10 @@ async fn a_failing_join_backs_off(answer: JoinAnswer) {
     );
 
     // Once MDMA no longer assigns it the retry state is dropped: a new assignment starts at 2 s.
-    fake.with(|w| w.assigned.clear());
+    fake.with(|w| w.assignments.clear());
     tokio::time::sleep(Duration::from_secs(5)).await;
     fake.with(|w| {
-        w.assigned.insert(c);
+        w.assignments.insert(c);
         w.joins.clear();
     });
     tokio::time::sleep(Duration::from_secs(8)).await;
@@ -228,7 +228,7 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     let fake = Fake::new(JoinAnswer::Admit);
     fake.with(|w| {
         w.held.insert(a);
-        w.assigned.insert(a);
+        w.assignments.insert(a);
     });
     let cfg = Config {
         state_file: state_file.clone(),
@@ -245,7 +245,7 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     assert_eq!(ready(), Ok(()));
 
     let aside = break_state_dir(&state_dir);
-    fake.with(|w| w.assigned.clear());
+    fake.with(|w| w.assignments.clear());
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert!(
         fake.with(|w| w.leaves.is_empty()),

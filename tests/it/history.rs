@@ -14,10 +14,10 @@ use std::time::Duration;
 use async_trait::async_trait;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
-use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
+use fleet_sidecar::mdma::ShouldJoin;
+use fleet_sidecar::mdma::{parse_should_join, ConfirmError, ControlPlane, PollError, RequestError};
 use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
 use fleet_sidecar::mrtd::Mrtd;
-use fleet_sidecar::reconcile::Desired;
 use fleet_sidecar::state::StateStore;
 use proptest::prelude::*;
 use tokio_util::sync::CancellationToken;
@@ -52,9 +52,9 @@ struct World {
     confirms: Vec<bool>,
     leaves: Vec<bool>,
     /// Set for the settle phase: every later poll answers this and every action succeeds.
-    settled: Option<Desired>,
+    settled: Option<ShouldJoin>,
     /// The latest answered poll: Some(desired) if it was good, None if it failed.
-    last_poll: Option<Option<Desired>>,
+    last_poll: Option<Option<ShouldJoin>>,
     held: BTreeSet<GroupId>,
     violations: Vec<String>,
     counters: [usize; 4],
@@ -69,20 +69,20 @@ impl Fake {
     }
 }
 
-fn desired(a: &BTreeSet<u8>, r: &BTreeSet<u8>) -> Desired {
-    Desired {
-        assigned: a.iter().map(|n| id(*n)).collect(),
+fn desired(a: &BTreeSet<u8>, r: &BTreeSet<u8>) -> ShouldJoin {
+    ShouldJoin {
+        assignments: a.iter().map(|n| id(*n)).collect(),
         retain: r.iter().map(|n| id(*n)).collect(),
     }
 }
 
 #[async_trait]
 impl ControlPlane for Fake {
-    async fn should_join(&self, _: &PeerId, _: Option<&Mrtd>) -> Result<Desired, PollError> {
+    async fn should_join(&self, _: &PeerId, _: Option<&Mrtd>) -> Result<ShouldJoin, PollError> {
         let next = self.with(|w| {
             if let Some(d) = &w.settled {
                 return Poll::Good(
-                    d.assigned.iter().map(|g| g.as_bytes()[0]).collect(),
+                    d.assignments.iter().map(|g| g.as_bytes()[0]).collect(),
                     d.retain.iter().map(|g| g.as_bytes()[0]).collect(),
                 );
             }
@@ -98,13 +98,18 @@ impl ControlPlane for Fake {
             Poll::Good(a, r) => Ok(desired(&a, &r)),
             Poll::Transport => Err(RequestError::Transport {
                 url,
-                reason: "refused".into(),
+                // A real transport error, made without the network: a URL with no host.
+                source: reqwest::Client::new()
+                    .get("http://")
+                    .send()
+                    .await
+                    .expect_err("no host, no request"),
             }
             .into()),
             Poll::Status => Err(RequestError::Status { url, status: 503 }.into()),
             Poll::Malformed => Err(PollError::Malformed {
                 url,
-                reason: "bad".into(),
+                source: parse_should_join(b"{\"assignments\":7}").expect_err("not an array"),
             }),
             Poll::Hang => {
                 // The loop's own deadline ends it; record the failure when it does.
@@ -192,7 +197,7 @@ impl Node for Fake {
         self.with(|w| {
             match &w.last_poll {
                 Some(Some(d)) => {
-                    if d.assigned.contains(&g) || d.retain.contains(&g) {
+                    if d.assignments.contains(&g) || d.retain.contains(&g) {
                         w.violations
                             .push(format!("left {g} which the latest poll wants"));
                     }
@@ -312,7 +317,7 @@ fn history(
     let (held, d) = fake.with(|w| (w.held.clone(), w.settled.clone().unwrap_or_default()));
     let stray: BTreeMap<_, _> = held
         .iter()
-        .filter(|g| !d.assigned.contains(g) && !d.retain.contains(g))
+        .filter(|g| !d.assignments.contains(g) && !d.retain.contains(g))
         .map(|g| (g.to_string(), s.admitted.contains(g)))
         .collect();
     prop_assert!(

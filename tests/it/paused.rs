@@ -9,10 +9,10 @@ use async_trait::async_trait;
 use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::ids::{GroupId, PeerId};
+use fleet_sidecar::mdma::ShouldJoin;
 use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
 use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
 use fleet_sidecar::mrtd::Mrtd;
-use fleet_sidecar::reconcile::Desired;
 use fleet_sidecar::state::{State, StateStore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -21,7 +21,7 @@ use crate::common::*;
 
 #[derive(Default)]
 struct World {
-    assigned: BTreeSet<GroupId>,
+    assignments: BTreeSet<GroupId>,
     held: BTreeSet<GroupId>,
     hang_joins: BTreeSet<GroupId>,
     mdma_down: bool,
@@ -41,7 +41,7 @@ impl Fake {
 
 #[async_trait]
 impl ControlPlane for Fake {
-    async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<Desired, PollError> {
+    async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<ShouldJoin, PollError> {
         if self.with(|w| {
             w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
             w.mdma_down
@@ -52,8 +52,8 @@ impl ControlPlane for Fake {
             }
             .into());
         }
-        Ok(self.with(|w| Desired {
-            assigned: w.assigned.clone(),
+        Ok(self.with(|w| ShouldJoin {
+            assignments: w.assignments.clone(),
             retain: BTreeSet::new(),
         }))
     }
@@ -148,7 +148,7 @@ async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
     let fake = Fake::default();
     let a = gid(A);
     fake.with(|w| {
-        w.assigned.insert(a);
+        w.assignments.insert(a);
         w.hang_joins.insert(a);
     });
     let start = Instant::now();
@@ -180,7 +180,7 @@ async fn a_mass_drop_waits_the_full_default_hold_then_leaves_rate_limited() {
     let keep = GroupId::from_bytes([1; 32]);
     fake.with(|w| {
         w.held = all.clone();
-        w.assigned = [keep].into();
+        w.assignments = [keep].into();
     });
     let start = Instant::now();
     let (stop, h) = run(&fake, node.config(""));
@@ -226,7 +226,7 @@ async fn absence_counts_survive_a_restart() {
     node.seed(&[a, b].into());
     fake.with(|w| {
         w.held = [a, b].into();
-        w.assigned = [a].into();
+        w.assignments = [a].into();
     });
     let (stop, h) = run(&fake, node.config("leave_after_polls = 3"));
     tokio::time::sleep(Duration::from_millis(1500)).await; // polls at 0 s and 1 s

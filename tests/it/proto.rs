@@ -25,7 +25,7 @@ fn json(text: &str) -> Value {
 #[test]
 fn the_should_join_answer_parses() {
     let d = parse_should_join(proto("mdma-should-join.response.json").as_bytes()).unwrap();
-    assert_eq!(d.assigned, set(&[A]));
+    assert_eq!(d.assignments, set(&[A]));
     assert_eq!(d.retain, set(&[B]));
 }
 

@@ -106,7 +106,7 @@ async fn a_private_ca_file_is_trusted_and_nothing_else_is() {
 
     let trusted = MdmaClient::new(&url, None, Some(&ca_file)).unwrap();
     let desired = trusted.should_join(&peer(), None).await.unwrap();
-    assert_eq!(desired.assigned, set(&[A]));
+    assert_eq!(desired.assignments, set(&[A]));
 
     // Without the CA file the same server is refused: verification is never off.
     let untrusted = MdmaClient::new(&url, None, None).unwrap();
