@@ -12,4 +12,5 @@ mod paused;
 mod poll_gate;
 mod proto;
 mod reconcile_loop;
+mod schema;
 mod tls;
