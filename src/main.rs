@@ -109,7 +109,8 @@ fn main() -> ExitCode {
 }
 
 async fn serve(cfg: Config, once: bool) -> ExitCode {
-    let log_file = match logging::init(Some(&cfg.log_file), cfg.log_format) {
+    let file = cfg.log_to_file.then_some(cfg.log_file.as_path());
+    let log_file = match logging::init(file, cfg.log_format, cfg.log_target) {
         Ok(f) => f,
         Err(problem) => {
             eprintln!("fleet-sidecar: {problem}");

@@ -6,6 +6,7 @@ mod common;
 mod contract;
 mod heartbeat;
 mod history;
+mod journald;
 mod monitoring;
 mod operability;
 mod packaging;
