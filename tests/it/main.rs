@@ -1,6 +1,7 @@
 //! Integration tests: the real loop, clients and binary against the loopback emulators
 //! (one test binary, modules by theme).
 
+mod check_config;
 mod cli;
 mod common;
 mod contract;
