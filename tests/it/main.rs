@@ -5,6 +5,7 @@ mod check_config;
 mod cli;
 mod common;
 mod contract;
+mod deb;
 mod heartbeat;
 mod history;
 mod journald;
