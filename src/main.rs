@@ -92,10 +92,13 @@ fn main() -> ExitCode {
     match command {
         Command::Mrtd { tdreport, quote } => mrtd_command(cli.config.as_deref(), tdreport, quote),
         Command::CheckConfig => {
-            let path = cli.config.as_deref();
-            match cli::check_config::run(path.unwrap_or(std::path::Path::new(DEFAULT_CONFIG_PATH))) {
-                true => ExitCode::SUCCESS,
-                false => ExitCode::from(EXIT_CONFIG),
+            let path = cli
+                .config
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+            if cli::check_config::run(&path) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_CONFIG)
             }
         }
         Command::Completions { shell } => {
