@@ -86,7 +86,10 @@ fn the_package_holds_every_file_with_its_mode_and_never_starts_or_purges_state()
             "-rw-r--r--",
         ),
         ("./usr/share/doc/fleet-sidecar/copyright", "-rw-r--r--"),
-        ("./usr/share/doc/fleet-sidecar/changelog.Debian.gz", "-rw-r--r--"),
+        (
+            "./usr/share/doc/fleet-sidecar/changelog.Debian.gz",
+            "-rw-r--r--",
+        ),
     ] {
         let found = entries.iter().find(|(_, _, p)| p == path);
         let (m, owner, _) = found.unwrap_or_else(|| panic!("no {path} in\n{listing}"));
