@@ -63,6 +63,12 @@ pub struct RawConfig {
     /// `text` (default) or `json` log lines.
     #[serde(default)]
     pub log_format: LogFormat,
+    /// `auto` (default), `journald` or `stderr`: see [`LogTarget`].
+    #[serde(default)]
+    pub log_target: LogTarget,
+    /// Whether lines are also appended to `log_file` (default `true`).
+    #[serde(default = "defaults::log_to_file")]
+    pub log_to_file: bool,
     /// `host:port` of the status listener (`/healthz`, `/readyz`, `/metrics`, `/status`);
     /// off when unset.
     pub status_listen: Option<String>,
@@ -163,6 +169,23 @@ mod defaults {
     pub fn max_backoff() -> Duration {
         Duration::from_secs(10)
     }
+    pub fn log_to_file() -> bool {
+        true
+    }
+}
+
+/// Where log events go besides the optional log file (`log_target`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogTarget {
+    /// The journal, natively, when systemd connected stderr to it (`JOURNAL_STREAM` names
+    /// stderr's device and inode); stderr lines otherwise.
+    #[default]
+    Auto,
+    /// The journal, natively (structured fields, priorities), always.
+    Journald,
+    /// Lines on stderr (`log_format`), always.
+    Stderr,
 }
 
 /// How log lines are written (`log_format`).
@@ -193,6 +216,10 @@ pub struct Config {
     pub log_file: PathBuf,
     /// Text or JSON log lines.
     pub log_format: LogFormat,
+    /// The journal or stderr.
+    pub log_target: LogTarget,
+    /// Whether lines are also appended to `log_file`.
+    pub log_to_file: bool,
     /// Where the status listener binds, if on.
     pub status_listen: Option<SocketAddr>,
     /// Readiness needs a successful poll within this.
@@ -618,6 +645,8 @@ impl RawConfig {
             state_file: self.state_file,
             log_file: self.log_file,
             log_format: self.log_format,
+            log_target: self.log_target,
+            log_to_file: self.log_to_file,
             status_listen,
             ready_max_poll_age,
             max_backoff,

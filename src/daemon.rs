@@ -166,10 +166,13 @@ enum Event {
     JoinEnded {
         id: GroupId,
         end: JoinEnd,
+        /// From the join task's start (waiting for a join slot included) to its end.
+        took: Duration,
     },
     LeaveEnded {
         id: GroupId,
         end: LeaveEnd,
+        took: Duration,
     },
 }
 
@@ -187,13 +190,15 @@ impl FailureStreak {
         let reason = e.to_string();
         if self.last.as_deref() != Some(reason.as_str()) {
             warn!(
-                kind = e.kind(),
+                error_kind = e.kind(),
+                outcome = "failed",
                 "poll failed, cycle skipped (nothing joined or left): {reason}"
             );
             self.last = Some(reason);
         } else if self.count % REPEAT_LOG_EVERY == 0 {
             warn!(
-                kind = e.kind(),
+                error_kind = e.kind(),
+                outcome = "failed",
                 failures = self.count,
                 "poll still failing: {reason}"
             );
@@ -660,7 +665,7 @@ impl Sidecar {
         }
         for (id, wait) in &plan.waiting {
             if self.waiting.get(id) != Some(wait) {
-                debug!(group_id = %id, ?wait, "withdrawn, not left yet");
+                debug!(namespace_id = %id, ?wait, "withdrawn, not left yet");
             }
         }
         self.waiting = plan.waiting;
@@ -670,10 +675,10 @@ impl Sidecar {
         };
         if self.cfg.dry_run {
             for id in &plan.joins {
-                info!(group_id = %id, "dry run: would join (fleet-join, then confirm)");
+                info!(namespace_id = %id, "dry run: would join (fleet-join, then confirm)");
             }
             for id in &plan.leaves {
-                warn!(group_id = %id, "dry run: would leave (withdrawn by MDMA)");
+                warn!(namespace_id = %id, "dry run: would leave (withdrawn by MDMA)");
             }
             self.state = plan.state;
             self.guard = plan.guard;
@@ -790,7 +795,7 @@ impl Sidecar {
     }
 
     fn spawn_join(&mut self, id: GroupId) {
-        info!(group_id = %id, "joining (fleet-join)");
+        info!(namespace_id = %id, "joining (fleet-join)");
         let merod = Arc::clone(&self.deps.merod);
         let mdma = Arc::clone(&self.deps.mdma);
         let peer_id = self.peer_id.clone();
@@ -805,25 +810,29 @@ impl Sidecar {
                 mdma,
                 telemetry,
             };
+            let started = Instant::now();
             let end = join_task(id, &calls, peer_id, permits, join_timeout, &events).await;
+            let took = started.elapsed();
             // The loop owns the receiver for the life of every task.
-            let _ = events.send(Event::JoinEnded { id, end });
+            let _ = events.send(Event::JoinEnded { id, end, took });
         };
-        self.spawn(id, task.instrument(info_span!("join", group_id = %id)));
+        self.spawn(id, task.instrument(info_span!("join", namespace_id = %id)));
     }
 
     fn spawn_leave(&mut self, id: GroupId) {
-        warn!(group_id = %id, "leaving: withdrawn by MDMA (irreversible: merod purges this namespace's keys)");
+        warn!(namespace_id = %id, "leaving: withdrawn by MDMA (irreversible: merod purges this namespace's keys)");
         let merod = Arc::clone(&self.deps.merod);
         let events = self.events_tx.clone();
         let leave_timeout = self.cfg.leave_timeout;
         let telemetry = Arc::clone(&self.deps.telemetry);
         self.leaving.insert(id);
         let task = async move {
+            let started = Instant::now();
             let end = leave_task(id, &merod, &telemetry, leave_timeout).await;
-            let _ = events.send(Event::LeaveEnded { id, end });
+            let took = started.elapsed();
+            let _ = events.send(Event::LeaveEnded { id, end, took });
         };
-        self.spawn(id, task.instrument(info_span!("leave", group_id = %id)));
+        self.spawn(id, task.instrument(info_span!("leave", namespace_id = %id)));
     }
 
     fn on_task_done(&mut self, done: Result<(tokio::task::Id, ()), tokio::task::JoinError>) {
@@ -836,7 +845,7 @@ impl Sidecar {
         };
         if let Err(e) = done {
             if e.is_panic() {
-                error!(group_id = %group, "join/leave task panicked; retried next cycle");
+                error!(namespace_id = %group, "join/leave task panicked; retried next cycle");
             }
             self.joining.remove(&group);
             self.leaving.remove(&group);
@@ -854,12 +863,14 @@ impl Sidecar {
             Event::Admitted { id, ack } => {
                 Telemetry::count(&self.deps.telemetry.joins, "admitted");
                 reconcile::apply(&mut self.state, Outcome::Admitted(id));
-                info!(group_id = %id, "admitted by merod and listed by it");
+                info!(namespace_id = %id, "admitted by merod and listed by it");
                 if self.persist() {
                     let _ = ack.send(());
                 }
             }
-            Event::JoinEnded { id, end } => {
+            Event::JoinEnded { id, end, took } => {
+                // Journal fields NAMESPACE_ID, OUTCOME, DURATION (s) on every join outcome.
+                let duration = took.as_secs_f64();
                 self.joining.remove(&id);
                 let t = &self.deps.telemetry;
                 match &end {
@@ -875,7 +886,7 @@ impl Sidecar {
                         reconcile::apply(&mut self.state, Outcome::Confirmed(id));
                         self.join_retry.succeed(id);
                         self.persist();
-                        info!(group_id = %id, "confirmed to MDMA");
+                        info!(namespace_id = %id, outcome = "confirmed", duration, "confirmed to MDMA");
                     }
                     JoinEnd::NotAdmitted { status, reasons } => {
                         let (failures, wait) = self.back_off_join(id);
@@ -886,41 +897,42 @@ impl Sidecar {
                         };
                         // Warned at the first refusal of a streak; the retries are info.
                         if failures == 1 {
-                            warn!(group_id = %id, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {JOIN_RETRY_MAX:?}");
+                            warn!(namespace_id = %id, outcome = "not_admitted", duration, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {JOIN_RETRY_MAX:?}");
                         } else {
-                            info!(group_id = %id, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
+                            info!(namespace_id = %id, outcome = "not_admitted", duration, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
                         }
                     }
                     JoinEnd::Failed(reason) => {
                         self.back_off_join(id);
-                        warn!(group_id = %id, "join failed: {reason}; retrying later");
+                        warn!(namespace_id = %id, outcome = "error", error_kind = "join", duration, "join failed: {reason}; retrying later");
                     }
                     JoinEnd::NotHeld => {
                         self.back_off_join(id);
-                        warn!(group_id = %id, "merod said admitted: true but does not list the namespace; not recorded, retrying later");
+                        warn!(namespace_id = %id, outcome = "not_held", duration, "merod said admitted: true but does not list the namespace; not recorded, retrying later");
                     }
                     JoinEnd::NotPersisted => {
                         self.back_off_join(id);
-                        warn!(group_id = %id, "admission could not be persisted; not confirmed, retrying later");
+                        warn!(namespace_id = %id, outcome = "not_persisted", error_kind = "state", duration, "admission could not be persisted; not confirmed, retrying later");
                     }
                     JoinEnd::ConfirmFailed(e) => {
                         self.back_off_join(id);
-                        warn!(group_id = %id, "confirm failed: {e}; stays unconfirmed, retrying later");
+                        warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm failed: {e}; stays unconfirmed, retrying later");
                     }
                 }
             }
-            Event::LeaveEnded { id, end } => {
+            Event::LeaveEnded { id, end, took } => {
+                let duration = took.as_secs_f64();
                 self.leaving.remove(&id);
                 match end {
                     LeaveEnd::Left => {
                         Telemetry::count(&self.deps.telemetry.leaves, "left");
                         reconcile::apply(&mut self.state, Outcome::Left(id));
                         self.persist();
-                        info!(group_id = %id, "left: merod no longer holds the namespace");
+                        info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
                     }
                     LeaveEnd::StillHeld(reason) => {
                         Telemetry::count(&self.deps.telemetry.leaves, "failed");
-                        warn!(group_id = %id, "leave not done ({reason}); stays a leave candidate");
+                        warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, "leave not done ({reason}); stays a leave candidate");
                     }
                 }
             }

@@ -1,5 +1,6 @@
-//! Log output: human-readable lines to stderr (journald) and appended to the log file
-//! (`/var/log/fleet-sidecar.log` by default), via `tracing`.
+//! Log output: human-readable lines to stderr — or natively to the journal
+//! ([`journald`], `log_target`) — and appended to the log file
+//! (`/var/log/fleet-sidecar.log` by default, `log_to_file`), via `tracing`.
 //!
 //! The file is opened in append mode and can be reopened ([`LogFile::reopen`]) after
 //! logrotate moved it. Secrets never reach a log line: the token has no `Display` and its
@@ -15,7 +16,9 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 use tracing_subscriber::{EnvFilter, Layer};
 
-use crate::config::LogFormat;
+use crate::config::{LogFormat, LogTarget};
+
+mod journald;
 
 /// An append-only log file that can be reopened at the same path.
 #[derive(Debug)]
@@ -83,13 +86,18 @@ impl<'a> MakeWriter<'a> for SharedLogFile {
     }
 }
 
+/// `RUST_LOG`, default `info`.
+fn filter() -> EnvFilter {
+    EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))
+}
+
 /// A fmt layer writing to `writer` in `format`, filtered by `RUST_LOG` (default `info`).
 fn layer<S, W>(writer: W, format: LogFormat) -> Box<dyn Layer<S> + Send + Sync>
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
     W: for<'w> MakeWriter<'w> + Send + Sync + 'static,
 {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let filter = filter();
     let base = tracing_subscriber::fmt::layer()
         .with_writer(writer)
         .with_ansi(false)
@@ -100,13 +108,29 @@ where
     }
 }
 
-/// Sets up the global subscriber: stderr, plus `log_file` when given and openable, each
-/// line in `format`. Verbosity comes from `RUST_LOG` (default `info`).
+/// Sets up the global subscriber: the journal or stderr (`target`; `Auto` is the journal
+/// when systemd connected stderr to it), plus `log_file` when given and openable, each
+/// line in `format`. Verbosity comes from `RUST_LOG` (default `info`). When the journal
+/// cannot be reached, stderr is used and a warning says why.
 ///
 /// Returns the open log file (to reopen on SIGHUP), or the reason it could not be opened
-/// — logging then goes to stderr only, which journald keeps.
-pub fn init(log_file: Option<&Path>, format: LogFormat) -> Result<Option<Arc<LogFile>>, String> {
-    let stderr = layer(io::stderr, format);
+/// — logging then goes to the journal or stderr only.
+pub fn init(
+    log_file: Option<&Path>,
+    format: LogFormat,
+    target: LogTarget,
+) -> Result<Option<Arc<LogFile>>, String> {
+    let want_journal = match target {
+        LogTarget::Journald => true,
+        LogTarget::Stderr => false,
+        LogTarget::Auto => journald::stderr_is_journal(),
+    };
+    let (journal, journal_problem) = match want_journal.then(journald::layer) {
+        None => (None, None),
+        Some(Ok(l)) => (Some(l.with_filter(filter())), None),
+        Some(Err(e)) => (None, Some(e)),
+    };
+    let stderr = journal.is_none().then(|| layer(io::stderr, format));
     let (file, problem) = match log_file.map(LogFile::open) {
         None => (None, None),
         Some(Ok(f)) => (Some(f), None),
@@ -124,10 +148,14 @@ pub fn init(log_file: Option<&Path>, format: LogFormat) -> Result<Option<Arc<Log
         .as_ref()
         .map(|f| layer(SharedLogFile(Arc::clone(f)), format));
     tracing_subscriber::registry()
+        .with(journal)
         .with(stderr)
         .with(file_layer)
         .try_init()
         .map_err(|e| e.to_string())?;
+    if let Some(e) = journal_problem {
+        tracing::warn!("cannot log to the journal ({e}): logging to stderr instead");
+    }
     match problem {
         Some(p) => Err(p),
         None => Ok(file),

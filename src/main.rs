@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
@@ -18,6 +18,8 @@ use fleet_sidecar::merod::MerodClient;
 use fleet_sidecar::mrtd::{read_mrtd, read_saved, SavedEvidence, TdxConfig};
 use fleet_sidecar::telemetry::unix_now;
 use fleet_sidecar::{notify, status};
+
+mod cli;
 
 /// Exit code: the daemon or the cycle failed.
 const EXIT_FAILURE: u8 = 1;
@@ -66,6 +68,18 @@ enum Command {
         #[arg(long, value_name = "FILE")]
         quote: Option<PathBuf>,
     },
+    /// Load and validate the config, read merod's config.toml and each MRTD source
+    /// without side effects, and print the effective configuration (the token only as
+    /// set/unset); exit 0, or 78 when the config is unusable.
+    CheckConfig,
+    /// Print the completion script for SHELL (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff); the package build ships it.
+    #[command(hide = true)]
+    Man,
 }
 
 fn main() -> ExitCode {
@@ -77,6 +91,27 @@ fn main() -> ExitCode {
     }
     match command {
         Command::Mrtd { tdreport, quote } => mrtd_command(cli.config.as_deref(), tdreport, quote),
+        Command::CheckConfig => {
+            let path = cli
+                .config
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+            if cli::check_config::run(&path) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_CONFIG)
+            }
+        }
+        Command::Completions { shell } => {
+            cli::generate::completions(Cli::command(), shell);
+            ExitCode::SUCCESS
+        }
+        Command::Man => match cli::generate::man(Cli::command()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("fleet-sidecar: cannot write the man page: {e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        },
         command => {
             let path = cli
                 .config
@@ -109,7 +144,8 @@ fn main() -> ExitCode {
 }
 
 async fn serve(cfg: Config, once: bool) -> ExitCode {
-    let log_file = match logging::init(Some(&cfg.log_file), cfg.log_format) {
+    let file = cfg.log_to_file.then_some(cfg.log_file.as_path());
+    let log_file = match logging::init(file, cfg.log_format, cfg.log_target) {
         Ok(f) => f,
         Err(problem) => {
             eprintln!("fleet-sidecar: {problem}");

@@ -228,6 +228,9 @@ pub struct Telemetry {
     pub call_seconds: HistogramFamily,
     /// `fleet_sidecar_mrtd_source{source}`: 1 for the current source.
     pub mrtd_source: Family<SourceLabel, Gauge>,
+    /// `fleet_sidecar_mass_withdrawal_hold`: 1 while the mass-withdrawal guard holds every
+    /// leave, else 0 (follows [`LiveStatus::mass_drop`]).
+    pub mass_withdrawal_hold: Gauge,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -292,6 +295,12 @@ impl Telemetry {
             "1 for where the MRTD was read from (none: unreadable)",
             mrtd_source.clone(),
         );
+        let mass_withdrawal_hold = Gauge::default();
+        registry.register(
+            "mass_withdrawal_hold",
+            "1 while the mass-withdrawal guard holds every leave",
+            mass_withdrawal_hold.clone(),
+        );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
         for (family, outcomes) in [
@@ -320,6 +329,7 @@ impl Telemetry {
             namespaces,
             call_seconds,
             mrtd_source,
+            mass_withdrawal_hold,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),
@@ -362,6 +372,8 @@ impl Telemetry {
         let before = self.status.borrow().clone();
         self.status.send_modify(f);
         let after = self.status.borrow().clone();
+        self.mass_withdrawal_hold
+            .set(i64::from(after.mass_drop.starts_with("holding")));
         let observers = self.observers.lock().unwrap_or_else(|p| p.into_inner());
         for observe in observers.iter() {
             observe(&before, &after);
@@ -413,6 +425,20 @@ mod tests {
         assert!(e.contains("31.0 s ago") && e.contains("HTTP 503"), "{e}");
         s.phase = Phase::Stopping;
         assert!(s.readiness(100.0, max).is_err());
+    }
+
+    #[test]
+    fn the_hold_gauge_follows_the_mass_withdrawal_guard() {
+        let t = Telemetry::new();
+        assert!(t
+            .encode_metrics()
+            .contains("fleet_sidecar_mass_withdrawal_hold 0\n"));
+        t.update(|s| s.mass_drop = "holding every leave (10 s of 600 s left)".into());
+        assert!(t
+            .encode_metrics()
+            .contains("fleet_sidecar_mass_withdrawal_hold 1\n"));
+        t.update(|s| s.mass_drop = "released".into());
+        assert_eq!(t.mass_withdrawal_hold.get(), 0);
     }
 
     #[test]

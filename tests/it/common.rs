@@ -89,7 +89,12 @@ pub fn seed(sb: &Sandbox, admitted: &[&str], confirmed: &[&str]) -> Vec<u8> {
     std::fs::read(sb.state_file()).expect("read seeded state")
 }
 
+/// The state the daemon wrote (checked against proto/state.schema.json), or the empty
+/// state when there is no file yet.
 pub fn load(sb: &Sandbox) -> State {
+    if let Ok(bytes) = std::fs::read(sb.state_file()) {
+        crate::schema::assert_state_valid(&bytes);
+    }
     StateStore::new(sb.state_file())
         .load()
         .expect("state readable")

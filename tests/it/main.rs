@@ -1,19 +1,24 @@
 //! Integration tests: the real loop, clients and binary against the loopback emulators
 //! (one test binary, modules by theme).
 
+mod check_config;
 mod cli;
 mod common;
 mod contract;
+mod deb;
 mod faults;
 mod heartbeat;
 mod history;
 mod inspect;
+mod journald;
+mod monitoring;
 mod operability;
 mod packaging;
 mod paused;
 mod poll_gate;
 mod proto;
 mod reconcile_loop;
+mod schema;
 mod tls;
 mod transport;
 mod watchdog;

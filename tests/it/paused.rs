@@ -121,6 +121,9 @@ impl Node0 {
     }
 
     fn state(&self) -> State {
+        if let Ok(bytes) = std::fs::read(self.node.state_file()) {
+            crate::schema::assert_state_valid(&bytes);
+        }
         StateStore::new(self.node.state_file())
             .load()
             .unwrap()

@@ -1,0 +1,181 @@
+//! `fleet-sidecar check-config` (like `nginx -t`): loads and validates the config file,
+//! reads what it can without side effects — merod's config.toml for the PeerId and the
+//! admin URL, each MRTD source — and prints the effective configuration with every default
+//! filled in. The token is shown only as set/unset.
+//!
+//! Exit 0 when the config is usable, 78 (EX_CONFIG) when it is not. What cannot be read
+//! yet on an image being built (merod's config.toml, the MRTD of a TD not running) is
+//! reported, not fatal: the daemon waits for merod and polls without an MRTD.
+
+use std::path::Path;
+use std::time::Duration;
+
+use fleet_sidecar::config::{Config, LogFormat, LogTarget, DEFAULT_ADMIN_URL};
+use fleet_sidecar::identity::{admin_url_from_merod_config, read_peer_id};
+use fleet_sidecar::mrtd::{read_source, MrtdSource};
+
+/// Runs the check on the config file at `path`: the report goes to stdout, a config error
+/// to stderr. Returns whether the config is usable.
+pub fn run(path: &Path) -> bool {
+    match Config::load(path) {
+        Ok(cfg) => {
+            print!("{}", render(path, &cfg));
+            true
+        }
+        Err(e) => {
+            eprintln!("fleet-sidecar: {e}");
+            false
+        }
+    }
+}
+
+/// A TOML string literal (quoted and escaped).
+fn quoted(s: impl AsRef<str>) -> String {
+    toml::Value::String(s.as_ref().to_owned()).to_string()
+}
+
+fn duration(d: Duration) -> String {
+    quoted(humantime_serde::re::humantime::format_duration(d).to_string())
+}
+
+fn path(p: &Path) -> String {
+    quoted(p.display().to_string())
+}
+
+/// The effective configuration as TOML (checks and unset keys as comments), then the
+/// results of the side-effect-free reads.
+fn render(file: &Path, cfg: &Config) -> String {
+    let mut out = String::new();
+    let mut line = |s: String| {
+        out.push_str(&s);
+        out.push('\n');
+    };
+    line(format!(
+        "# {}: valid. Effective configuration, every default filled in.",
+        file.display()
+    ));
+    for w in &cfg.warnings {
+        line(format!("# warning: {w}"));
+    }
+    line(format!("mdma_url = {}", quoted(cfg.mdma_url.as_str())));
+    line(format!(
+        "# fleet_token: {} (the value is never shown)",
+        if cfg.fleet_token.is_some() {
+            "set"
+        } else {
+            "unset"
+        }
+    ));
+    match &cfg.mdma_ca_file {
+        Some(p) => line(format!("mdma_ca_file = {}", path(p))),
+        None => line("# mdma_ca_file: unset (system roots only)".to_owned()),
+    }
+    line(format!("poll_interval = {}", duration(cfg.poll_interval)));
+    line(format!("state_file = {}", path(&cfg.state_file)));
+    line(format!("log_file = {}", path(&cfg.log_file)));
+    let format = match cfg.log_format {
+        LogFormat::Text => "text",
+        LogFormat::Json => "json",
+    };
+    line(format!("log_format = {}", quoted(format)));
+    let target = match cfg.log_target {
+        LogTarget::Auto => "auto",
+        LogTarget::Journald => "journald",
+        LogTarget::Stderr => "stderr",
+    };
+    line(format!("log_target = {}", quoted(target)));
+    line(format!("log_to_file = {}", cfg.log_to_file));
+    match cfg.status_listen {
+        Some(a) => line(format!("status_listen = {}", quoted(a.to_string()))),
+        None => line("# status_listen: unset (no status listener)".to_owned()),
+    }
+    line(format!(
+        "ready_max_poll_age = {}",
+        duration(cfg.ready_max_poll_age)
+    ));
+    line(format!("max_backoff = {}", duration(cfg.max_backoff)));
+    let p = &cfg.leave_policy;
+    line(format!("leave_after_polls = {}", p.leave_after_polls));
+    line(format!("mass_drop_min = {}", p.mass_drop_min));
+    line(format!("mass_drop_hold = {}", duration(p.mass_drop_hold)));
+    line(format!(
+        "max_leaves_per_minute = {}",
+        p.max_leaves_per_minute
+    ));
+    line(format!(
+        "max_concurrent_joins = {}",
+        cfg.max_concurrent_joins
+    ));
+    line(format!("join_timeout = {}", duration(cfg.join_timeout)));
+    line(format!("leave_timeout = {}", duration(cfg.leave_timeout)));
+    line(String::new());
+    line("[merod]".to_owned());
+    line(format!("home = {}", path(&cfg.merod.home)));
+    line(format!("node = {}", quoted(&cfg.merod.node)));
+    let merod_config = cfg.merod.config_toml();
+    let (admin_url, from) = match &cfg.merod.admin_url {
+        Some(u) => (u.to_string(), "[merod].admin_url".to_owned()),
+        None => match admin_url_from_merod_config(&merod_config) {
+            Ok(Some(u)) => (
+                u.to_string(),
+                format!("[server].listen of {}", merod_config.display()),
+            ),
+            Ok(None) => (
+                DEFAULT_ADMIN_URL.to_owned(),
+                format!(
+                    "the default: {} has no [server].listen or does not exist",
+                    merod_config.display()
+                ),
+            ),
+            Err(e) => (DEFAULT_ADMIN_URL.to_owned(), format!("the default: {e}")),
+        },
+    };
+    line(format!("admin_url = {}  # from {from}", quoted(admin_url)));
+    line(String::new());
+    line("[tdx]".to_owned());
+    line(format!("mrtd_path = {}", path(&cfg.tdx.mrtd_path)));
+    line(format!(
+        "legacy_mrtd_path = {}",
+        path(&cfg.tdx.legacy_mrtd_path)
+    ));
+    line(format!("device = {}", path(&cfg.tdx.device)));
+    line(format!(
+        "tsm_report_dir = {}",
+        path(&cfg.tdx.tsm_report_dir)
+    ));
+    let sources: Vec<String> = cfg.tdx.sources.iter().map(|s| quoted(s.as_str())).collect();
+    line(format!("sources = [{}]", sources.join(", ")));
+    line(String::new());
+    line("# What could be read (nothing was written, created or called):".to_owned());
+    match read_peer_id(&merod_config) {
+        Ok(id) => line(format!(
+            "# ok    PeerId {id} (from {})",
+            merod_config.display()
+        )),
+        Err(e) => line(format!(
+            "# fail  PeerId: {e} (the daemon waits for it and exits if it stays unreadable)"
+        )),
+    }
+    for &source in &cfg.tdx.sources {
+        line(match source {
+            // A quote is made by creating an entry under configfs-tsm: a side effect.
+            MrtdSource::Quote => {
+                let dir = &cfg.tdx.tsm_report_dir;
+                format!(
+                    "# skip  MRTD quote: not tried (it creates a configfs-tsm entry); {} {}",
+                    dir.display(),
+                    if dir.is_dir() {
+                        "is present"
+                    } else {
+                        "is absent"
+                    }
+                )
+            }
+            source => match read_source(&cfg.tdx, source) {
+                Ok(m) => format!("# ok    MRTD {source}: {m}"),
+                Err(e) => format!("# fail  MRTD {source}: {e}"),
+            },
+        });
+    }
+    out
+}

@@ -1,0 +1,173 @@
+//! `fleet-sidecar check-config`, `completions` and the man page: what an image build step
+//! and a hand install run.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use fleet_sidecar::emulator::sandbox::{MRTD_HEX, PEER_ID};
+
+const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
+/// Grepped for in every output (`.ci/run` greps the whole run for this marker too).
+const TOKEN: &str = "NEVER-LOGGED-TOKEN-check-config";
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn text(out: &Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A merod home with a config.toml (PeerId, listen address) and a sysfs MRTD attribute;
+/// `extra` goes at the top of the sidecar's config.
+fn node(dir: &Path, extra: &str) -> std::path::PathBuf {
+    let node = dir.join("calimero/default");
+    std::fs::create_dir_all(&node).unwrap();
+    std::fs::write(
+        node.join("config.toml"),
+        format!("[identity]\npeer_id = \"{PEER_ID}\"\nkeypair = \"SECRET-KEYPAIR\"\n[server]\nlisten = [\"/ip4/127.0.0.1/tcp/2999\"]\n"),
+    )
+    .unwrap();
+    std::fs::write(dir.join("mrtd"), hex::decode(MRTD_HEX).unwrap()).unwrap();
+    let d = dir.display();
+    let cfg = dir.join("fleet-sidecar.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "{extra}\nmdma_url = \"https://mdma.example\"\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/mrtd\"\nlegacy_mrtd_path = \"{d}/no\"\ndevice = \"{d}/no\"\ntsm_report_dir = \"{d}/no\"\n"
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
+#[test]
+fn check_config_prints_the_effective_config_and_what_it_could_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = node(dir.path(), &format!("fleet_token = \"{TOKEN}\""));
+    let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
+    for line in [
+        "mdma_url = \"https://mdma.example/\"",
+        "# fleet_token: set (the value is never shown)",
+        // Defaults filled in.
+        "poll_interval = \"1s\"",
+        "state_file = \"/var/lib/calimero/fleet-confirmed.json\"",
+        "leave_after_polls = 3",
+        "mass_drop_hold = \"10m\"",
+        "node = \"default\"",
+        "sources = [\"sysfs\", \"sysfs-legacy\", \"tdreport\", \"quote\"]",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == line),
+            "no {line:?} in\n{stdout}"
+        );
+    }
+    assert!(
+        stdout.contains("admin_url = \"http://127.0.0.1:2999/\"  # from [server].listen of"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("# ok    PeerId {PEER_ID}")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("# ok    MRTD sysfs: {MRTD_HEX}")),
+        "{stdout}"
+    );
+    assert!(stdout.contains("# fail  MRTD tdreport:"), "{stdout}");
+    assert!(
+        stdout.contains("# skip  MRTD quote: not tried"),
+        "no quote is made: {stdout}"
+    );
+    for secret in [TOKEN, "SECRET-KEYPAIR"] {
+        assert!(!stdout.contains(secret) && !stderr.contains(secret));
+    }
+    // No side effect: nothing created next to the config, the state file untouched.
+    let mut names: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["calimero", "fleet-sidecar.toml", "mrtd"]);
+    // The uncommented lines are valid TOML (the same keys the config file takes).
+    let body: String = stdout
+        .lines()
+        .map(|l| l.split("  # ").next().unwrap())
+        .collect::<Vec<_>>()
+        .join("\n");
+    fleet_sidecar::config::Config::from_toml(&body, Path::new("printed"))
+        .expect("the printed configuration loads");
+}
+
+#[test]
+fn check_config_without_merod_or_mrtd_still_passes_and_says_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = node(dir.path(), "");
+    std::fs::remove_dir_all(dir.path().join("calimero")).unwrap();
+    std::fs::remove_file(dir.path().join("mrtd")).unwrap();
+    let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+    let (stdout, _) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("# fleet_token: unset"), "{stdout}");
+    assert!(stdout.contains("admin_url = \"http://127.0.0.1:2528\"  # from the default"));
+    assert!(
+        stdout.contains("# fail  PeerId: cannot read merod config"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("# fail  MRTD sysfs:"), "{stdout}");
+}
+
+#[test]
+fn check_config_exits_78_on_an_unusable_config() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = node(dir.path(), "pol_interval = \"1s\"");
+    let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(78));
+    assert!(stderr.contains("pol_interval"), "{stderr}");
+    assert!(stdout.is_empty());
+    let out = run(&[
+        "--config",
+        "/nonexistent/fleet-sidecar.toml",
+        "check-config",
+    ]);
+    assert_eq!(out.status.code(), Some(78));
+}
+
+#[test]
+fn completions_for_each_shell_and_a_man_page() {
+    for (shell, marker) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef fleet-sidecar"),
+        ("fish", "complete -c fleet-sidecar"),
+    ] {
+        let out = run(&["completions", shell]);
+        let (stdout, _) = text(&out);
+        assert!(out.status.success(), "{shell}");
+        assert!(stdout.contains(marker), "{shell}: {stdout}");
+        assert!(stdout.contains("check-config"), "{shell}: {stdout}");
+    }
+    assert!(!run(&["completions", "tcsh"]).status.success());
+    let out = run(&["man"]);
+    let (page, _) = text(&out);
+    assert!(out.status.success());
+    assert!(
+        page.starts_with(".ie \\n(.g .ds Aq") || page.contains(".TH fleet-sidecar 1"),
+        "{page}"
+    );
+    assert!(page.contains("check\\-config"), "{page}");
+    // Hidden from --help: it is a packaging step.
+    let (help, _) = text(&run(&["--help"]));
+    assert!(
+        help.contains("completions") && !help.contains("\n  man "),
+        "{help}"
+    );
+}

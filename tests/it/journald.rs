@@ -1,0 +1,158 @@
+//! `log_target = "journald"`: the daemon binary logs in journald's native protocol, one
+//! datagram per event, with PRIORITY and the structured fields NAMESPACE_ID, OUTCOME,
+//! DURATION and ERROR_KIND. The journal socket path is fixed (/run/systemd/journal/socket),
+//! so the binary runs in a private mount namespace (`unshare`) where a fake journal socket
+//! of this test is bind-mounted there; the host's /run is untouched. Skips with a message
+//! when mount namespaces are not available.
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixDatagram;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::sandbox::Sandbox;
+
+use crate::common::*;
+
+const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
+const SETUP: &str = "mount -t tmpfs tmpfs /run && mkdir -p /run/systemd/journal \
+    && : >/run/systemd/journal/socket && mount --bind \"$0\" /run/systemd/journal/socket";
+
+/// `unshare` arguments for a private mount namespace (a user namespace too when not root).
+fn unshare() -> Command {
+    let mut cmd = Command::new("unshare");
+    if !nix::unistd::geteuid().is_root() {
+        cmd.args(["--user", "--map-root-user"]);
+    }
+    cmd.args(["--mount", "--propagation", "private", "sh", "-c"]);
+    cmd
+}
+
+/// Whether this machine lets the test build the namespace; the reason when not.
+fn namespaces_work(socket: &Path) -> Result<(), String> {
+    let out = unshare()
+        .arg(SETUP)
+        .arg(socket)
+        .output()
+        .map_err(|e| format!("cannot run unshare: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).trim().to_owned())
+    }
+}
+
+/// One native-protocol datagram: `NAME=value\n`, or `NAME\n<u64 LE length><value>\n` for
+/// values with a newline.
+fn parse(mut d: &[u8]) -> HashMap<String, String> {
+    let mut fields = HashMap::new();
+    while !d.is_empty() {
+        let end = d
+            .iter()
+            .position(|&b| b == b'\n' || b == b'=')
+            .expect("a field name");
+        let name = String::from_utf8_lossy(&d[..end]).into_owned();
+        if d[end] == b'=' {
+            let rest = &d[end + 1..];
+            let nl = rest.iter().position(|&b| b == b'\n').expect("a newline");
+            fields.insert(name, String::from_utf8_lossy(&rest[..nl]).into_owned());
+            d = &rest[nl + 1..];
+        } else {
+            let len = u64::from_le_bytes(d[end + 1..end + 9].try_into().unwrap()) as usize;
+            let value = &d[end + 9..end + 9 + len];
+            fields.insert(name, String::from_utf8_lossy(value).into_owned());
+            d = &d[end + 9 + len + 1..];
+        }
+    }
+    fields
+}
+
+/// Runs `fleet-sidecar once` with `config` in the namespace; the datagrams it sent and
+/// its exit code.
+async fn run_once(
+    socket: &UnixDatagram,
+    path: &Path,
+    config: &Path,
+) -> (Vec<HashMap<String, String>>, i32, String) {
+    let mut child = unshare()
+        .arg(format!("{SETUP} && exec \"$1\" --config \"$2\" once"))
+        .arg(path)
+        .arg(BIN)
+        .arg(config)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("unshare runs");
+    let status = wait_exit(&mut child, Duration::from_secs(60)).await;
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 65536];
+    while let Ok(n) = socket.recv(&mut buf) {
+        if n > 0 {
+            got.push(parse(&buf[..n]));
+        }
+    }
+    (got, status.code().unwrap_or(-1), stderr)
+}
+
+fn find<'a>(got: &'a [HashMap<String, String>], message: &str) -> &'a HashMap<String, String> {
+    got.iter()
+        .find(|f| f.get("MESSAGE").is_some_and(|m| m.contains(message)))
+        .unwrap_or_else(|| panic!("no event {message:?} in {got:#?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn journald_gets_native_datagrams_with_structured_fields_and_priorities() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.socket");
+    let socket = UnixDatagram::bind(&path).unwrap();
+    socket.set_nonblocking(true).unwrap();
+    if let Err(why) = namespaces_work(&path) {
+        eprintln!("SKIP journald test: no private mount namespace here ({why})");
+        return;
+    }
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let config = sb
+        .write_config("log_target = \"journald\"\nlog_to_file = false")
+        .unwrap();
+    let (got, code, stderr) = run_once(&socket, &path, &config).await;
+    assert_eq!(code, 0, "{stderr}");
+    let confirmed = find(&got, "confirmed to MDMA");
+    assert_eq!(confirmed["NAMESPACE_ID"], A);
+    assert_eq!(confirmed["OUTCOME"], "confirmed");
+    assert_eq!(confirmed["PRIORITY"], "5", "info is notice");
+    assert_eq!(confirmed["SYSLOG_IDENTIFIER"], "fleet-sidecar");
+    let took: f64 = confirmed["DURATION"].parse().expect("DURATION in seconds");
+    assert!((0.0..60.0).contains(&took), "{took}");
+    assert_eq!(find(&got, "joining")["NAMESPACE_ID"], A);
+    // The journal replaces stderr, and log_to_file = false leaves no file.
+    assert!(!stderr.contains("confirmed to MDMA"), "{stderr}");
+    assert!(!sb.log_file().exists());
+
+    sb.mdma.set_reply(PollReply::Status(503));
+    let (got, code, stderr) = run_once(&socket, &path, &config).await;
+    assert_eq!(code, 3, "{stderr}");
+    let failed = find(&got, "poll failed");
+    assert_eq!(failed["ERROR_KIND"], "status");
+    assert_eq!(failed["OUTCOME"], "failed");
+    assert_eq!(failed["PRIORITY"], "4", "warn is warning");
+}
+
+#[test]
+fn by_default_the_log_file_stays_and_an_unknown_target_is_refused() {
+    let cfg =
+        fleet_sidecar::config::Config::from_toml("mdma_url = \"https://m\"", Path::new("t.toml"))
+            .unwrap();
+    assert!(cfg.log_to_file);
+    assert_eq!(cfg.log_target, fleet_sidecar::config::LogTarget::Auto);
+    let err = fleet_sidecar::config::Config::from_toml(
+        "mdma_url = \"https://m\"\nlog_target = \"syslog\"",
+        Path::new("t.toml"),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("log_target"), "{err}");
+}

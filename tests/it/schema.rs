@@ -1,0 +1,260 @@
+//! The machine-readable contracts in proto/ (OpenAPI 3.1, JSON Schema 2020-12) hold for
+//! every example in proto/, every merod recording in fixtures/merod/ and every state file
+//! the daemon writes in these tests ([`assert_state_valid`]), so schema and code cannot
+//! drift apart.
+
+use std::path::{Path, PathBuf};
+
+use serde_json::{json, Value};
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn read_json(path: &Path) -> Value {
+    let text = std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+/// A 2020-12 validator for `schema` (itself checked against the meta-schema first).
+fn validator(schema: &Value) -> jsonschema::Validator {
+    if let Err(e) = jsonschema::meta::validate(schema) {
+        panic!("not a valid JSON Schema: {e}");
+    }
+    jsonschema::draft202012::new(schema).expect("schema compiles")
+}
+
+/// The errors of `instance` against `v`, one per line (empty when valid).
+fn errors(v: &jsonschema::Validator, instance: &Value) -> String {
+    v.iter_errors(instance)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The state file's schema (proto/state.schema.json).
+fn state_validator() -> jsonschema::Validator {
+    validator(&read_json(&root().join("proto/state.schema.json")))
+}
+
+/// Panics unless `bytes` (a state file the daemon wrote) is valid against
+/// proto/state.schema.json, as version 2.
+pub fn assert_state_valid(bytes: &[u8]) {
+    let doc: Value = serde_json::from_slice(bytes).expect("the state file is JSON");
+    let found = errors(&state_validator(), &doc);
+    assert!(
+        found.is_empty(),
+        "state file {doc} breaks the schema:\n{found}"
+    );
+    assert_eq!(doc["version"], 2, "the daemon writes version 2");
+}
+
+/// A validator for `#/components/schemas/{name}` of an OpenAPI 3.1 document (whose schema
+/// dialect is JSON Schema 2020-12): the document itself, with a root `$ref`.
+fn component(doc: &Value, name: &str) -> jsonschema::Validator {
+    component_at(doc, &format!("#/components/schemas/{name}"))
+}
+
+fn component_at(doc: &Value, pointer: &str) -> jsonschema::Validator {
+    let mut schema = doc.clone();
+    let map = schema
+        .as_object_mut()
+        .expect("an OpenAPI document is an object");
+    map.insert("$ref".into(), json!(pointer));
+    jsonschema::draft202012::new(&schema).expect("schema compiles")
+}
+
+fn openapi(name: &str) -> Value {
+    let doc = read_json(&root().join("proto").join(name));
+    assert_eq!(doc["openapi"], "3.1.0", "{name} is OpenAPI 3.1");
+    doc
+}
+
+/// Every `examples` entry of every request and response body in `doc` validates against
+/// that body's schema; `externalValue`s are files next to the document. Returns how many.
+fn check_examples(doc: &Value, name: &str) -> usize {
+    let mut checked = 0;
+    for (path, item) in doc["paths"].as_object().expect("paths") {
+        for (method, op) in item.as_object().expect("path item") {
+            if method == "parameters" {
+                continue;
+            }
+            let mut bodies = vec![(
+                format!("{method} {path} request"),
+                format!("/paths/{}/{method}/requestBody", escape(path)),
+                &op["requestBody"],
+            )];
+            for (status, resp) in op["responses"].as_object().into_iter().flatten() {
+                bodies.push((
+                    format!("{method} {path} {status}"),
+                    format!("/paths/{}/{method}/responses/{status}", escape(path)),
+                    resp,
+                ));
+            }
+            for (what, pointer, body) in bodies {
+                let Some(media) = body["content"].get("application/json") else {
+                    continue;
+                };
+                let v = component_at(doc, &format!("#{pointer}/content/application~1json/schema"));
+                for (ex_name, ex) in media["examples"].as_object().into_iter().flatten() {
+                    let value = match ex.get("externalValue") {
+                        Some(file) => read_json(&root().join("proto").join(file.as_str().unwrap())),
+                        None => ex["value"].clone(),
+                    };
+                    let found = errors(&v, &value);
+                    assert!(
+                        found.is_empty(),
+                        "{name}: {what} example {ex_name}:\n{found}"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    checked
+}
+
+/// One path template as a JSON Pointer token inside a URI fragment (`~`, `/`, and the
+/// template braces, which a URI cannot hold, escaped).
+fn escape(segment: &str) -> String {
+    segment
+        .replace('~', "~0")
+        .replace('/', "~1")
+        .replace('{', "%7B")
+        .replace('}', "%7D")
+}
+
+#[test]
+fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses() {
+    let v = state_validator();
+    for file in ["state-v2.json", "state-v1.json"] {
+        let text = std::fs::read(root().join("proto").join(file)).unwrap();
+        let found = errors(&v, &serde_json::from_slice(&text).unwrap());
+        assert!(found.is_empty(), "{file}:\n{found}");
+        fleet_sidecar::state::parse_state(&text, Path::new(file)).expect("the code reads it");
+    }
+    let id = crate::common::A;
+    let accepted = [json!([id]), json!({"version": 1, "confirmed": []})];
+    for doc in accepted {
+        assert!(v.is_valid(&doc), "{doc}");
+    }
+    // What parse_state refuses, the schema refuses too.
+    let refused = [
+        json!({}),
+        json!({"version": 3, "admitted": [], "confirmed": []}),
+        json!({"version": 2, "confirmed": []}),
+        json!({"version": 2, "admitted": [], "confirmed": [], "extra": 1}),
+        json!({"version": 1, "confirmed": [], "admitted": []}),
+        json!({"version": 2, "admitted": ["abcd"], "confirmed": []}),
+        json!({"version": 2, "admitted": [], "confirmed": [], "absent_polls": {"x": 1}}),
+        json!({"version": 2, "admitted": [], "confirmed": [], "absent_polls": {(id): -1}}),
+        json!(null),
+        json!("x"),
+    ];
+    for doc in refused {
+        assert!(!v.is_valid(&doc), "the schema accepts {doc}");
+        let bytes = serde_json::to_vec(&doc).unwrap();
+        assert!(
+            fleet_sidecar::state::parse_state(&bytes, Path::new("t")).is_err(),
+            "the code accepts {doc}"
+        );
+    }
+}
+
+#[test]
+fn every_mdma_example_matches_the_openapi_document() {
+    let doc = openapi("mdma.openapi.json");
+    assert_eq!(check_examples(&doc, "mdma.openapi.json"), 3);
+    // The shapes the sidecar refuses (mdma::parse_should_join) break the answer schema.
+    let answer = component(&doc, "ShouldJoinAnswer");
+    for bad in [
+        json!({}),
+        json!({"assignments": {}}),
+        json!({"assignments": [{}]}),
+        json!({"assignments": [{"group_id": "abcd"}]}),
+        json!({"assignments": [], "retain": [1]}),
+        json!([]),
+    ] {
+        assert!(!answer.is_valid(&bad), "the schema accepts {bad}");
+        let bytes = serde_json::to_vec(&bad).unwrap();
+        assert!(fleet_sidecar::mdma::parse_should_join(&bytes).is_err());
+    }
+    let request = component(&doc, "ShouldJoinRequest");
+    assert!(request
+        .is_valid(&json!({"peer_id": "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk"})));
+}
+
+/// The path template of `doc` that `path` (a concrete request path) matches.
+fn template<'a>(doc: &'a Value, path: &str) -> Option<&'a str> {
+    let segments: Vec<&str> = path.split('/').collect();
+    doc["paths"]
+        .as_object()?
+        .keys()
+        .map(String::as_str)
+        .find(|t| {
+            let ts: Vec<&str> = t.split('/').collect();
+            ts.len() == segments.len()
+                && ts
+                    .iter()
+                    .zip(&segments)
+                    .all(|(t, s)| t == s || (t.starts_with('{') && t.ends_with('}')))
+        })
+}
+
+#[test]
+fn every_merod_recording_matches_the_openapi_document() {
+    let doc = openapi("merod-admin.openapi.json");
+    assert_eq!(check_examples(&doc, "merod-admin.openapi.json"), 2);
+    let dir = root().join("fixtures/merod");
+    let mut recordings = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let rec = read_json(&path);
+        let (req, resp) = (&rec["request"], &rec["response"]);
+        let method = req["method"].as_str().unwrap().to_lowercase();
+        let t = template(&doc, req["path"].as_str().unwrap())
+            .unwrap_or_else(|| panic!("{name}: path not in the document"));
+        let op = &doc["paths"][t][&method];
+        assert!(op.is_object(), "{name}: {method} {t} not in the document");
+        let status = resp["status"].as_u64().unwrap();
+        let key = op["responses"]
+            .get(status.to_string())
+            .map(|_| status.to_string())
+            .unwrap_or_else(|| panic!("{name}: status {status} not documented"));
+        let pointer = format!(
+            "#/paths/{}/{method}/responses/{key}/content/application~1json/schema",
+            escape(t)
+        );
+        let found = errors(&component_at(&doc, &pointer), &resp["body"]);
+        assert!(
+            found.is_empty(),
+            "{name}: answer breaks the schema:\n{found}"
+        );
+        if req["content_type"] == "application/json" {
+            let pointer = format!(
+                "#/paths/{}/{method}/requestBody/content/application~1json/schema",
+                escape(t)
+            );
+            let v = component_at(&doc, &pointer);
+            if (200..300).contains(&status) {
+                let found = errors(&v, &req["body"]);
+                assert!(
+                    found.is_empty(),
+                    "{name}: request breaks the schema:\n{found}"
+                );
+            } else if status == 400 {
+                assert!(
+                    !v.is_valid(&req["body"]),
+                    "{name}: merod refused a request the schema accepts"
+                );
+            }
+        }
+        recordings += 1;
+    }
+    assert!(recordings >= 18, "only {recordings} recordings found");
+}
