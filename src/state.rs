@@ -200,7 +200,9 @@ pub fn render_state(state: &State) -> Vec<u8> {
 #[derive(Debug)]
 pub struct StateStore {
     path: PathBuf,
-    last_written: Option<Vec<u8>>,
+    /// The state the file holds in the current version's form, once known: an unchanged
+    /// state is recognised by comparing sets, without rendering the document again.
+    last_written: Option<State>,
 }
 
 impl StateStore {
@@ -233,7 +235,8 @@ impl StateStore {
             }
         };
         let state = parse_state(&bytes, &self.path)?;
-        self.last_written = Some(bytes);
+        // A file in an older form (or not normalized) is rewritten at the first save.
+        self.last_written = (render_state(&state) == bytes).then(|| state.clone());
         Ok(Some(state))
     }
 
@@ -266,12 +269,14 @@ impl StateStore {
     ///
     /// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
     pub fn save(&mut self, state: &State) -> Result<bool, StateError> {
-        let bytes = render_state(state);
-        if self.last_written.as_deref() == Some(bytes.as_slice()) {
+        if self.last_written.as_ref() == Some(state) {
             return Ok(false);
         }
-        write_atomically(&self.path, &bytes)?;
-        self.last_written = Some(bytes);
+        write_atomically(&self.path, &render_state(state))?;
+        match &mut self.last_written {
+            Some(last) => last.clone_from(state),
+            None => self.last_written = Some(state.clone()),
+        }
         Ok(true)
     }
 }
