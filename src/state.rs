@@ -329,7 +329,9 @@ pub fn render_state(state: &State) -> Vec<u8> {
 #[derive(Debug)]
 pub struct StateStore {
     path: PathBuf,
-    last_written: Option<Vec<u8>>,
+    /// The state the file holds in the current version's form, once known: an unchanged
+    /// state is recognised by comparing sets, without rendering the document again.
+    last_written: Option<State>,
 }
 
 impl StateStore {
@@ -365,7 +367,8 @@ impl StateStore {
         for repair in &report.repairs {
             tracing::warn!(path = %self.path.display(), "state file repaired on load: {repair}");
         }
-        self.last_written = Some(bytes);
+        // A file in an older form (or not normalized) is rewritten at the first save.
+        self.last_written = (render_state(&report.state) == bytes).then(|| report.state.clone());
         Ok(Some(report.state))
     }
 
@@ -421,12 +424,14 @@ impl StateStore {
     ///
     /// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
     pub fn save(&mut self, state: &State) -> Result<bool, StateError> {
-        let bytes = render_state(state);
-        if self.last_written.as_deref() == Some(bytes.as_slice()) {
+        if self.last_written.as_ref() == Some(state) {
             return Ok(false);
         }
-        write_atomically(&self.path, &bytes)?;
-        self.last_written = Some(bytes);
+        write_atomically(&self.path, &render_state(state))?;
+        match &mut self.last_written {
+            Some(last) => last.clone_from(state),
+            None => self.last_written = Some(state.clone()),
+        }
         Ok(true)
     }
 }

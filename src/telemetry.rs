@@ -367,17 +367,25 @@ impl Telemetry {
     }
 
     /// Changes the live status; watchers are woken and observers called, synchronously,
-    /// from the caller (the loop itself: a stalled loop calls nobody).
+    /// from the caller (the loop itself: a stalled loop calls nobody). The status is copied
+    /// (for the observers' `before`) only when there are observers; an observer must not
+    /// call `update` itself.
     pub fn update(&self, f: impl FnOnce(&mut LiveStatus)) {
-        let before = self.status.borrow().clone();
-        self.status.send_modify(f);
-        let after = self.status.borrow().clone();
-        self.mass_withdrawal_hold
-            .set(i64::from(after.mass_drop.starts_with("holding")));
-        let observers = self.observers.lock().unwrap_or_else(|p| p.into_inner());
-        for observe in observers.iter() {
-            observe(&before, &after);
+        {
+            let observers = self.observers.lock().unwrap_or_else(|p| p.into_inner());
+            if observers.is_empty() {
+                self.status.send_modify(f);
+            } else {
+                let before = self.status.borrow().clone();
+                self.status.send_modify(f);
+                let after = self.status.borrow();
+                for observe in observers.iter() {
+                    observe(&before, &after);
+                }
+            }
         }
+        let holding = self.status.borrow().mass_drop.starts_with("holding");
+        self.mass_withdrawal_hold.set(i64::from(holding));
     }
 
     /// Adds an observer of every status change (e.g. the systemd notifier).

@@ -152,3 +152,37 @@ async fn a_leave_that_times_out_is_retried() {
     eventually("A left", LIMIT, || load(&sb).admitted.is_empty()).await;
     d.stop().await;
 }
+
+/// The binary as operators run it (its own runtime, not the tests') keeps polling on its
+/// cadence while a fleet-join hangs, and a withdrawal is still left meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_keeps_polling_and_leaving_while_a_join_hangs() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(A, JoinBehaviour::Hang);
+    sb.merod.hold(C);
+    seed(&sb, &[C], &[C]);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let cfg = sb
+        .write_config("leave_after_polls = 1\njoin_timeout = \"10m\"")
+        .unwrap();
+    let mut child = spawn_daemon(&cfg, false, &[]);
+    eventually("the join hangs", LIMIT, || sb.merod.joins(A) == 1).await;
+    eventually("C left", LIMIT, || !sb.merod.held().contains(C)).await;
+    let from = sb.mdma.polls().len();
+    let polled = sb.mdma.wait_for_polls(from + 5, LIMIT).await;
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(polled, "the binary stopped polling while a fleet-join hung");
+    let polls = sb.mdma.polls();
+    let worst = polls[from..]
+        .windows(2)
+        .map(|w| w[1].at - w[0].at)
+        .max()
+        .unwrap_or_default();
+    // Over real HTTP on a shared machine: the point is that polls never wait for the join.
+    assert!(
+        worst < Duration::from_millis(3000),
+        "worst poll gap {worst:?} while a fleet-join hung"
+    );
+    assert_eq!(sb.merod.joins(A), 1, "one join in flight, never a second");
+}
