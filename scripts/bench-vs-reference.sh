@@ -27,7 +27,7 @@ command -v curl >/dev/null || { echo "needs curl (the reference loop uses it)"; 
 [ -x /usr/bin/time ] || { echo "needs GNU time (/usr/bin/time) for the reference's peak RSS"; exit 1; }
 
 if [ -z "${BIN_DIR:-}" ]; then
-  cargo build --release --locked --quiet --bin fleet-sidecar --bin fleet-emulators
+  cargo build --release --locked --quiet --features emulator --bin fleet-sidecar --bin fleet-emulators
 fi
 bin=${BIN_DIR:-${CARGO_TARGET_DIR:-target}/release}
 with_reference=${REFERENCE:-1}
