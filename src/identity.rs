@@ -173,6 +173,26 @@ pub enum AdminUrlSource {
     DefaultUnreadable(IdentityError),
 }
 
+impl std::fmt::Display for AdminUrlSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            AdminUrlSource::Configured => f.write_str("[merod].admin_url"),
+            AdminUrlSource::MerodListen(path) => {
+                write!(f, "[server].listen of {}", path.display())
+            }
+            AdminUrlSource::DefaultNoMerodConfig(path) => write!(
+                f,
+                "the default: {} does not exist (is [merod] home/node right?)",
+                path.display()
+            ),
+            AdminUrlSource::DefaultNoListen(path) => {
+                write!(f, "the default: {} has no [server].listen", path.display())
+            }
+            AdminUrlSource::DefaultUnreadable(e) => write!(f, "the default: {e}"),
+        }
+    }
+}
+
 /// merod's admin API base URL and where it came from.
 #[derive(Debug)]
 pub struct AdminUrl {

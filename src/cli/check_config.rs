@@ -10,8 +10,8 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fleet_sidecar::config::{Config, LogFormat, LogTarget, DEFAULT_ADMIN_URL};
-use fleet_sidecar::identity::{admin_url_from_merod_config, read_peer_id};
+use fleet_sidecar::config::{Config, LogFormat, LogTarget};
+use fleet_sidecar::identity::{read_peer_id, resolve_admin_url};
 use fleet_sidecar::mrtd::{read_source, MrtdSource};
 
 /// Runs the check on the config file at `path`: the report goes to stdout, a config error
@@ -113,23 +113,9 @@ fn render(file: &Path, cfg: &Config) -> String {
     line(format!("home = {}", path(&cfg.merod.home)));
     line(format!("node = {}", quoted(&cfg.merod.node)));
     let merod_config = cfg.merod.config_toml();
-    let (admin_url, from) = match &cfg.merod.admin_url {
-        Some(u) => (u.to_string(), "[merod].admin_url".to_owned()),
-        None => match admin_url_from_merod_config(&merod_config) {
-            Ok(Some(u)) => (
-                u.to_string(),
-                format!("[server].listen of {}", merod_config.display()),
-            ),
-            Ok(None) => (
-                DEFAULT_ADMIN_URL.to_owned(),
-                format!(
-                    "the default: {} has no [server].listen or does not exist",
-                    merod_config.display()
-                ),
-            ),
-            Err(e) => (DEFAULT_ADMIN_URL.to_owned(), format!("the default: {e}")),
-        },
-    };
+    // The daemon's own resolution order, and where the URL came from.
+    let resolved = resolve_admin_url(&cfg.merod);
+    let (admin_url, from) = (resolved.url.to_string(), resolved.source);
     line(format!("admin_url = {}  # from {from}", quoted(admin_url)));
     line(String::new());
     line("[tdx]".to_owned());

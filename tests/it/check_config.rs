@@ -117,7 +117,7 @@ fn check_config_without_merod_or_mrtd_still_passes_and_says_so() {
     let (stdout, _) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
     assert!(stdout.contains("# fleet_token: unset"), "{stdout}");
-    assert!(stdout.contains("admin_url = \"http://127.0.0.1:2528\"  # from the default"));
+    assert!(stdout.contains("admin_url = \"http://127.0.0.1:2528/\"  # from the default"));
     assert!(
         stdout.contains("# fail  PeerId: cannot read merod config"),
         "{stdout}"
