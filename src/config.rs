@@ -455,8 +455,9 @@ impl RawMerod {
         let admin_url = match self.admin_url {
             None => None,
             Some(raw) => {
-                let url = parse_base_url(&raw)
-                    .map_err(|reason| invalid("merod.admin_url", raw.clone(), &reason))?;
+                let url = parse_base_url(&raw).map_err(|reason| {
+                    invalid("merod.admin_url", raw.clone(), &reason.to_string())
+                })?;
                 if !matches!(url.scheme(), "http" | "https") {
                     return Err(invalid(
                         "merod.admin_url",
@@ -504,7 +505,7 @@ impl RawConfig {
             }
         };
         let mdma_url = parse_base_url(&mdma_raw)
-            .map_err(|reason| invalid("mdma_url", mdma_raw.clone(), reason))?;
+            .map_err(|reason| invalid("mdma_url", mdma_raw.clone(), reason.to_string()))?;
         match mdma_url.scheme() {
             "https" => {}
             "http" if is_loopback(&mdma_url) => warnings.push(format!(
@@ -567,7 +568,11 @@ impl RawConfig {
             }
             (token, None) => token,
             (None, Some(file)) => Some(read_token_file(file).map_err(|reason| {
-                invalid("fleet_token_file", file.display().to_string(), reason)
+                invalid(
+                    "fleet_token_file",
+                    file.display().to_string(),
+                    reason.to_string(),
+                )
             })?),
         };
         let status_listen = match &self.status_listen {
@@ -667,31 +672,41 @@ impl RawConfig {
     }
 }
 
+/// Why a token file cannot be used (never holds the token).
+#[derive(Debug, thiserror::Error)]
+enum TokenFileProblem {
+    #[error("cannot read it: {0}")]
+    Unreadable(#[source] std::io::Error),
+    #[error("is not a regular file")]
+    NotRegular,
+    #[error("is readable by group or others (mode {0:04o}): chmod 600 it")]
+    Readable(u32),
+    #[error("is empty")]
+    Empty,
+    #[error("holds characters not allowed in an HTTP header (a control char, or a second line)")]
+    NotHeaderSafe,
+}
+
 /// Reads the token file: it must be a regular file that neither group nor others may read
 /// (mode `0600` or stricter) and hold a non-empty token; surrounding whitespace is trimmed.
-/// Errors: a one-line reason (never the token).
-fn read_token_file(path: &Path) -> Result<FleetToken, String> {
+/// Errors: [`TokenFileProblem`] (never the token).
+fn read_token_file(path: &Path) -> Result<FleetToken, TokenFileProblem> {
     use std::os::unix::fs::PermissionsExt;
-    let meta = std::fs::metadata(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let meta = std::fs::metadata(path).map_err(TokenFileProblem::Unreadable)?;
     if !meta.is_file() {
-        return Err("is not a regular file".to_owned());
+        return Err(TokenFileProblem::NotRegular);
     }
     let mode = meta.permissions().mode() & 0o777;
     if mode & 0o077 != 0 {
-        return Err(format!(
-            "is readable by group or others (mode {mode:04o}): chmod 600 it"
-        ));
+        return Err(TokenFileProblem::Readable(mode));
     }
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read it: {e}"))?;
+    let text = std::fs::read_to_string(path).map_err(TokenFileProblem::Unreadable)?;
     let token = text.trim();
     if token.is_empty() {
-        return Err("is empty".to_owned());
+        return Err(TokenFileProblem::Empty);
     }
     if !header_safe(token) {
-        return Err(
-            "holds characters not allowed in an HTTP header (a control char, or a second line)"
-                .to_owned(),
-        );
+        return Err(TokenFileProblem::NotHeaderSafe);
     }
     Ok(FleetToken::new(token))
 }
@@ -703,18 +718,31 @@ fn group_or_world_readable(path: &Path) -> Option<u32> {
     (mode & 0o044 != 0).then_some(mode)
 }
 
+/// Why a base URL cannot be used.
+#[derive(Debug, thiserror::Error)]
+enum UrlProblem {
+    #[error("{0}")]
+    Parse(#[from] url::ParseError),
+    #[error("has no host")]
+    NoHost,
+    #[error("must not carry a query or fragment")]
+    QueryOrFragment,
+    #[error("must not carry credentials (use fleet_token)")]
+    Credentials,
+}
+
 /// Parses a base URL and makes sure its path ends in `/`, so joining `api/fleet/...` keeps
-/// any path prefix. Errors: a one-line reason.
-fn parse_base_url(raw: &str) -> Result<Url, String> {
-    let mut url = Url::parse(raw).map_err(|e| e.to_string())?;
+/// any path prefix. Errors: [`UrlProblem`].
+fn parse_base_url(raw: &str) -> Result<Url, UrlProblem> {
+    let mut url = Url::parse(raw)?;
     if url.host_str().is_none_or(str::is_empty) {
-        return Err("has no host".to_owned());
+        return Err(UrlProblem::NoHost);
     }
     if url.query().is_some() || url.fragment().is_some() {
-        return Err("must not carry a query or fragment".to_owned());
+        return Err(UrlProblem::QueryOrFragment);
     }
     if !url.username().is_empty() || url.password().is_some() {
-        return Err("must not carry credentials (use fleet_token)".to_owned());
+        return Err(UrlProblem::Credentials);
     }
     if !url.path().ends_with('/') {
         let path = format!("{}/", url.path());

@@ -329,9 +329,20 @@ pub async fn wait_for_merod(
     }
 }
 
+/// Why the MRTD could not be read in this attempt.
+#[derive(Debug, thiserror::Error)]
+enum MrtdReadError {
+    #[error(transparent)]
+    Unavailable(#[from] MrtdUnavailable),
+    #[error("the MRTD reader stopped: {0}")]
+    Stopped(#[source] tokio::task::JoinError),
+    #[error("no MRTD source answered within {0:?}")]
+    Timeout(Duration),
+}
+
 /// Reads the MRTD on the blocking pool (file reads, ioctl), bounded by
-/// [`MRTD_READ_TIMEOUT`]. Errors: every source's failure, as text.
-async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, String> {
+/// [`MRTD_READ_TIMEOUT`]. Errors: [`MrtdReadError`], every source's failure.
+async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, MrtdReadError> {
     let tdx = cfg.tdx.clone();
     match timeout(
         MRTD_READ_TIMEOUT,
@@ -339,11 +350,9 @@ async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, String> {
     )
     .await
     {
-        Ok(Ok(result)) => result.map_err(|e: MrtdUnavailable| e.to_string()),
-        Ok(Err(e)) => Err(format!("the MRTD reader stopped: {e}")),
-        Err(_) => Err(format!(
-            "no MRTD source answered within {MRTD_READ_TIMEOUT:?}"
-        )),
+        Ok(Ok(result)) => Ok(result?),
+        Ok(Err(e)) => Err(MrtdReadError::Stopped(e)),
+        Err(_) => Err(MrtdReadError::Timeout(MRTD_READ_TIMEOUT)),
     }
 }
 

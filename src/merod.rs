@@ -501,7 +501,7 @@ impl Node for MerodClient {
             parse_fleet_join(&answer).map_err(|reason| MerodError::Answer {
                 op,
                 url: self.url(path).to_string(),
-                reason,
+                reason: reason.to_string(),
             })
         })
         .await
@@ -556,11 +556,16 @@ impl Node for MerodClient {
     }
 }
 
+/// A `fleet-join` answer with no boolean `admitted`, flat or under `data`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("no boolean \"admitted\" (flat or under \"data\")")]
+pub struct NoAdmitted;
+
 /// Reads a `fleet-join` answer: the flat object merod 0.11 sends, or the same wrapped in
 /// `{"data": {...}}`. Only a boolean `admitted` counts.
 ///
-/// Errors: a reason when neither shape has a boolean `admitted`.
-pub fn parse_fleet_join(answer: &Value) -> Result<Admission, String> {
+/// Errors: [`NoAdmitted`] when neither shape has a boolean `admitted`.
+pub fn parse_fleet_join(answer: &Value) -> Result<Admission, NoAdmitted> {
     let inner = match answer.get("data") {
         Some(data) if data.is_object() => data,
         _ => answer,
@@ -568,7 +573,7 @@ pub fn parse_fleet_join(answer: &Value) -> Result<Admission, String> {
     let admitted = inner
         .get("admitted")
         .and_then(Value::as_bool)
-        .ok_or_else(|| "no boolean \"admitted\" (flat or under \"data\")".to_owned())?;
+        .ok_or(NoAdmitted)?;
     let status = inner
         .get("status")
         .and_then(Value::as_str)

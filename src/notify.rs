@@ -75,16 +75,20 @@ pub enum NotifySocket {
     Abstract(Vec<u8>),
 }
 
-/// Reads a `NOTIFY_SOCKET` value. Errors: why it is not a form this build speaks (for
-/// example `vsock:` addresses, a relative path, an empty value).
-pub fn parse_notify_socket(value: &OsStr) -> Result<NotifySocket, String> {
+/// A `NOTIFY_SOCKET` value in a form this build does not speak.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("NOTIFY_SOCKET={0} is neither an absolute path nor @abstract-name")]
+pub struct UnsupportedNotifySocket(pub String);
+
+/// Reads a `NOTIFY_SOCKET` value. Errors: [`UnsupportedNotifySocket`] for a form this build
+/// does not speak (for example `vsock:` addresses, a relative path, an empty value).
+pub fn parse_notify_socket(value: &OsStr) -> Result<NotifySocket, UnsupportedNotifySocket> {
     let bytes = value.as_bytes();
     match bytes.first() {
         Some(b'/') => Ok(NotifySocket::Path(PathBuf::from(value))),
         Some(b'@') if bytes.len() > 1 => Ok(NotifySocket::Abstract(bytes[1..].to_vec())),
-        _ => Err(format!(
-            "NOTIFY_SOCKET={} is neither an absolute path nor @abstract-name",
-            value.to_string_lossy()
+        _ => Err(UnsupportedNotifySocket(
+            value.to_string_lossy().into_owned(),
         )),
     }
 }

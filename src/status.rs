@@ -144,7 +144,7 @@ pub async fn report(cfg: &Config) -> Report {
         ),
         Some(addr) => match fetch_live(addr).await {
             Ok(l) => (Some(l), None),
-            Err(e) => (None, Some(e)),
+            Err(e) => (None, Some(e.to_string())),
         },
     };
     Report {
@@ -157,25 +157,53 @@ pub async fn report(cfg: &Config) -> Report {
     }
 }
 
-async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, String> {
+/// Why the running daemon's live status could not be had.
+#[derive(Debug, thiserror::Error)]
+enum LiveError {
+    #[error("cannot build an HTTP client: {0}")]
+    Client(#[source] reqwest::Error),
+    #[error("GET {url}: {source} (is the daemon running?)")]
+    Unreachable {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("GET {url}: HTTP {status}")]
+    Status { url: String, status: u16 },
+    #[error("GET {url}: unexpected answer: {source}")]
+    Answer {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+}
+
+async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, LiveError> {
     let url = format!("http://{addr}/status");
     // The daemon's own listener on this host: never through an environment proxy.
     let client = reqwest::Client::builder()
         .timeout(Duration::from_secs(2))
         .no_proxy()
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(LiveError::Client)?;
     let resp = client
         .get(&url)
         .send()
         .await
-        .map_err(|e| format!("GET {url}: {e} (is the daemon running?)"))?;
+        .map_err(|e| LiveError::Unreachable {
+            url: url.clone(),
+            source: e.without_url(),
+        })?;
     if !resp.status().is_success() {
-        return Err(format!("GET {url}: HTTP {}", resp.status().as_u16()));
+        return Err(LiveError::Status {
+            url,
+            status: resp.status().as_u16(),
+        });
     }
-    resp.json()
-        .await
-        .map_err(|e| format!("GET {url}: unexpected answer: {e}"))
+    resp.json().await.map_err(|e| LiveError::Answer {
+        url,
+        source: e.without_url(),
+    })
 }
 
 /// The report as text for a terminal.

@@ -127,30 +127,57 @@ pub struct LiveStatus {
     pub state_write_error: Option<String>,
 }
 
+/// Why `/readyz` says not ready.
+#[derive(Clone, Debug, PartialEq, thiserror::Error)]
+pub enum NotReady {
+    /// The PeerId is not read yet (merod not up, or its config unreadable).
+    #[error("identity not read yet ({0})")]
+    NoIdentity(Phase),
+    /// The daemon is shutting down.
+    #[error("stopping")]
+    Stopping,
+    /// State writes fail: no leave starts meanwhile.
+    #[error("the state file cannot be written ({0})")]
+    StateUnwritable(String),
+    /// No poll has succeeded since start.
+    #[error("no successful poll yet")]
+    NoPollYet,
+    /// The last successful poll is older than `ready_max_poll_age`.
+    #[error("last successful poll {age_secs:.1} s ago (limit {} s){last_error}", .limit.as_secs())]
+    PollTooOld {
+        /// Seconds since it.
+        age_secs: f64,
+        /// `ready_max_poll_age`.
+        limit: Duration,
+        /// `: <the last poll error>`, or empty.
+        last_error: String,
+    },
+}
+
 impl LiveStatus {
     /// Whether `/readyz` says ready at `now` (Unix s): the identity is known and a poll
-    /// succeeded within `max_poll_age`. Errors: the reason it is not ready.
-    pub fn readiness(&self, now: f64, max_poll_age: Duration) -> Result<(), String> {
+    /// succeeded within `max_poll_age`. Errors: [`NotReady`], the reason it is not ready.
+    pub fn readiness(&self, now: f64, max_poll_age: Duration) -> Result<(), NotReady> {
         if self.peer_id.is_none() {
-            return Err(format!("identity not read yet ({})", self.phase));
+            return Err(NotReady::NoIdentity(self.phase));
         }
         if self.phase == Phase::Stopping {
-            return Err("stopping".to_owned());
+            return Err(NotReady::Stopping);
         }
         if let Some(e) = &self.state_write_error {
-            return Err(format!("the state file cannot be written ({e})"));
+            return Err(NotReady::StateUnwritable(e.clone()));
         }
         match self.last_ok_poll_at {
-            None => Err("no successful poll yet".to_owned()),
-            Some(t) if now - t > max_poll_age.as_secs_f64() => Err(format!(
-                "last successful poll {:.1} s ago (limit {} s){}",
-                now - t,
-                max_poll_age.as_secs(),
-                self.last_poll_error
+            None => Err(NotReady::NoPollYet),
+            Some(t) if now - t > max_poll_age.as_secs_f64() => Err(NotReady::PollTooOld {
+                age_secs: now - t,
+                limit: max_poll_age,
+                last_error: self
+                    .last_poll_error
                     .as_deref()
                     .map(|e| format!(": {e}"))
-                    .unwrap_or_default()
-            )),
+                    .unwrap_or_default(),
+            }),
             Some(_) => Ok(()),
         }
     }
@@ -419,17 +446,14 @@ mod tests {
             ..LiveStatus::default()
         };
         let e = s.readiness(100.0, max).unwrap_err();
-        assert_eq!(e, "identity not read yet (waiting_for_merod)");
+        assert_eq!(e.to_string(), "identity not read yet (waiting_for_merod)");
         s.peer_id = Some("12D3KooW".into());
         s.phase = Phase::Running;
-        assert!(s
-            .readiness(100.0, max)
-            .unwrap_err()
-            .contains("no successful poll"));
+        assert_eq!(s.readiness(100.0, max), Err(NotReady::NoPollYet));
         s.last_ok_poll_at = Some(90.0);
         assert!(s.readiness(100.0, max).is_ok());
         s.last_poll_error = Some("HTTP 503".into());
-        let e = s.readiness(121.0, max).unwrap_err();
+        let e = s.readiness(121.0, max).unwrap_err().to_string();
         assert!(e.contains("31.0 s ago") && e.contains("HTTP 503"), "{e}");
         s.phase = Phase::Stopping;
         assert!(s.readiness(100.0, max).is_err());

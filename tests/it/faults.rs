@@ -252,7 +252,7 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
         "no irreversible leave while its outcome cannot be recorded"
     );
     let why = ready().unwrap_err();
-    assert!(why.contains("state file"), "{why}");
+    assert!(why.to_string().contains("state file"), "{why}");
 
     mend_state_dir(&state_dir, &aside);
     tokio::time::sleep(Duration::from_secs(5)).await;
