@@ -4,6 +4,7 @@
 mod cli;
 mod common;
 mod contract;
+mod crash;
 mod heartbeat;
 mod history;
 mod operability;
