@@ -30,7 +30,7 @@ const IDS: [&str; 4] = [A, B, C, D];
 
 /// What MDMA answered from a moment on: `Some(assigned)` for a good poll, `None` for an
 /// outage (error status or a hung poll).
-type Phases = Arc<Mutex<Vec<(Instant, Option<BTreeSet<String>>)>>>;
+pub(crate) type Phases = Arc<Mutex<Vec<(Instant, Option<BTreeSet<String>>)>>>;
 
 fn env_num(key: &str) -> Option<u64> {
     std::env::var(key).ok().and_then(|v| v.parse().ok())
@@ -115,7 +115,7 @@ fn assigned_at(
 
 /// Every leave merod received was of a namespace that neither the latest good poll before
 /// it nor MDMA's answer at that instant assigned.
-fn check_leaves(sb: &Sandbox, phases: &Phases) {
+pub(crate) fn check_leaves(sb: &Sandbox, phases: &Phases) {
     let phases = phases.lock().unwrap().clone();
     let polls = sb.mdma.polls();
     for call in sb.merod.calls() {
@@ -142,7 +142,7 @@ fn check_leaves(sb: &Sandbox, phases: &Phases) {
 }
 
 /// The state file parses and holds `confirmed ⊆ admitted` as written (not normalized).
-fn check_state_file(sb: &Sandbox) {
+pub(crate) fn check_state_file(sb: &Sandbox) {
     let Ok(bytes) = std::fs::read(sb.state_file()) else {
         return; // not written yet
     };

@@ -13,4 +13,5 @@ mod paused;
 mod poll_gate;
 mod proto;
 mod reconcile_loop;
+mod soak;
 mod tls;
