@@ -31,6 +31,9 @@
 pub mod config;
 pub mod daemon;
 pub mod emulator;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod identity;
 pub mod ids;
 pub mod logging;
