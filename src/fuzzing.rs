@@ -82,8 +82,11 @@ pub fn quote(data: &[u8]) {
     let _ = crate::mrtd::parse_quote(data);
 }
 
-/// Every target by name, for the corpus-replay test and the fuzz crate.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+/// A fuzz target: raw bytes in, result dropped.
+pub type Target = fn(&[u8]);
+
+/// Every target by name, for the corpus-replay test.
+pub const TARGETS: &[(&str, Target)] = &[
     ("should_join", should_join),
     ("fleet_join", fleet_join),
     ("namespace_get", namespace_get),

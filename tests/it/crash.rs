@@ -128,8 +128,8 @@ pub(crate) fn check_leaves(sb: &Sandbox, phases: &Phases) {
         };
         let last_good = polls
             .iter()
-            .filter(|p| p.status == 200 && p.at <= call.at)
-            .last()
+            .rev()
+            .find(|p| p.status == 200 && p.at <= call.at)
             .expect("a leave only follows a good poll");
         let before = assigned_at(&phases, last_good.at).is_some_and(|a| a.contains(id));
         let now = assigned_at(&phases, call.at).is_some_and(|a| a.contains(id));
