@@ -126,10 +126,12 @@ pub(crate) fn check_leaves(sb: &Sandbox, phases: &Phases) {
         else {
             continue;
         };
-        let last_good = polls
+        // Polls are recorded in arrival order: search back from the leave's moment.
+        let upto = polls.partition_point(|p| p.at <= call.at);
+        let last_good = polls[..upto]
             .iter()
             .rev()
-            .find(|p| p.status == 200 && p.at <= call.at)
+            .find(|p| p.status == 200)
             .expect("a leave only follows a good poll");
         let before = assigned_at(&phases, last_good.at).is_some_and(|a| a.contains(id));
         let now = assigned_at(&phases, call.at).is_some_and(|a| a.contains(id));

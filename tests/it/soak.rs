@@ -11,7 +11,8 @@
 //! poll MDMA received.
 //!
 //! Checked: RSS sampled every 1,000 cycles does not grow by more than 1 MiB after warm-up
-//! (the first 20% of the run, at least 1,000 cycles), the fd count does not grow, no leave
+//! (the first 20% of the run, at least 1,000 cycles); the fd count, at its busiest and at
+//! rest after the run, stays within a few of the warm-up's (connections in flight); no leave
 //! of an assigned namespace (as in the crash test), the state file parses with
 //! `confirmed ⊆ admitted`, and the node converges to MDMA's final assignment.
 //!
@@ -184,7 +185,8 @@ async fn soak_the_loop_with_random_faults() {
     }
     let elapsed = started.elapsed();
 
-    // Calm: faults cleared, MDMA settles on {B, D}; the node must converge to it.
+    // Calm: faults cleared, MDMA settles on {B, D}; the node must converge to it (a
+    // namespace whose joins kept failing may first wait out a join backoff of up to 60 s).
     for id in IDS {
         sb.merod.set_join(id, JoinBehaviour::default());
     }
@@ -196,7 +198,7 @@ async fn soak_the_loop_with_random_faults() {
     sb.mdma.set_reply(PollReply::assign([B, D]));
     eventually(
         "the node holds, admits and confirms exactly {B, D}",
-        Duration::from_secs(60),
+        Duration::from_secs(180),
         || {
             let state = load(&sb);
             sb.merod.held() == strings(&[B, D])
@@ -205,6 +207,8 @@ async fn soak_the_loop_with_random_faults() {
         },
     )
     .await;
+    // Open fds at rest (no join or leave in flight; idle pooled connections may remain).
+    let rest_fds = fd_count(pid);
     let _ = child.kill();
     let _ = child.wait();
     check_state_file(&sb);
@@ -214,11 +218,17 @@ async fn soak_the_loop_with_random_faults() {
     let base = after.first().expect("samples after warm-up");
     let max_rss = after.iter().map(|s| s.1).max().unwrap();
     let max_fds = after.iter().map(|s| s.2).max().unwrap();
+    let warm_up_fds = samples
+        .iter()
+        .filter(|s| s.0 < warm_up)
+        .map(|s| s.2)
+        .max()
+        .unwrap_or(base.2);
     let calls = sb.merod.calls();
     let count = |suffix: &str| calls.iter().filter(|c| c.path.ends_with(suffix)).count();
     let failed_polls = sb.mdma.polls().iter().filter(|p| p.status != 200).count();
     eprintln!(
-        "soak: {cycles} cycles in {:.1} s; RSS {} KiB at cycle {} -> max {} KiB after warm-up (+{} KiB), final {} KiB; fds {} -> max {}; {failed_polls} failed polls, {} fleet-joins, {} leaves, {} confirms",
+        "soak: {cycles} cycles in {:.1} s; RSS {} KiB at cycle {} -> max {} KiB after warm-up (+{} KiB), final {} KiB; fds {} -> max {}, {rest_fds} at rest (warm-up max {warm_up_fds}); {failed_polls} failed polls, {} fleet-joins, {} leaves, {} confirms",
         elapsed.as_secs_f64(),
         base.1,
         base.0,
@@ -236,9 +246,11 @@ async fn soak_the_loop_with_random_faults() {
         "RSS grew by {} KiB after warm-up: {samples:?}",
         max_rss - base.1
     );
+    // In-flight joins and leaves hold connections (up to max_concurrent_joins hung joins
+    // and a leave or two), so the count moves with the faults; a leak shows as growth at
+    // rest and beyond the busiest warm-up moment plus that headroom.
     assert!(
-        max_fds <= base.2 + 2,
-        "fd count grew from {} to {max_fds}: {samples:?}",
-        base.2
+        rest_fds <= warm_up_fds + 2 && max_fds <= warm_up_fds + 6,
+        "fds: {rest_fds} at rest, {max_fds} at most after warm-up, {warm_up_fds} at most during it: {samples:?}"
     );
 }
