@@ -68,6 +68,9 @@ pub mod config;
 pub mod daemon;
 #[cfg(feature = "emulator")]
 pub mod emulator;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod identity;
 pub mod ids;
 #[cfg(feature = "daemon")]

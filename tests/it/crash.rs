@@ -1,0 +1,271 @@
+//! Crash consistency of the real binary: a scripted history (joins, confirms, withdrawals,
+//! outages of MDMA and merod) runs against the emulators while the daemon is SIGKILLed at
+//! random moments, half of them the instant a state write is seen starting, and restarted
+//! each time.
+//!
+//! After every kill: the state file parses and `confirmed ⊆ admitted` on disk. Throughout:
+//! no leave was sent for a namespace that MDMA assigned at that moment (per the emulators'
+//! records). At the end, with the world calm, the node converges to exactly what MDMA
+//! assigns. Kills that landed inside a state write are counted by the temp file the atomic
+//! write leaves behind when killed between creating it and renaming it over the state.
+//!
+//! `FLEET_CRASH_KILLS` sets the number of kills (default 12, for CI; the recorded run uses
+//! 200, see `scripts/crash-run.sh` and RELIABILITY.md); `FLEET_CRASH_SEED` replays a run.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::state::parse_state;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::common::*;
+
+const IDS: [&str; 4] = [A, B, C, D];
+
+/// What MDMA answered from a moment on: `Some(assigned)` for a good poll, `None` for an
+/// outage (error status or a hung poll).
+pub(crate) type Phases = Arc<Mutex<Vec<(Instant, Option<BTreeSet<String>>)>>>;
+
+fn env_num(key: &str) -> Option<u64> {
+    std::env::var(key).ok().and_then(|v| v.parse().ok())
+}
+
+/// The temp files of interrupted atomic writes (`.fleet-confirmed.*.tmp`) in `dir`.
+fn temp_files(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(|e| e.ok())
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".fleet-confirmed.") && n.ends_with(".tmp"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// One step of the scripted history, picked at random every 0.5–3 s.
+fn step(sb: &Sandbox, rng: &mut fastrand::Rng, phases: &Phases) {
+    let pick = |rng: &mut fastrand::Rng| IDS[rng.usize(..IDS.len())];
+    let reply = match rng.u8(..10) {
+        0 => Some(PollReply::Status(503)),
+        1 => Some(PollReply::Hang),
+        2 => {
+            let status = if rng.bool() { 500 } else { 503 };
+            let message = "Failed to generate attestation".to_owned();
+            sb.merod
+                .set_join(pick(rng), JoinBehaviour::Error { status, message });
+            None
+        }
+        3 => {
+            sb.merod.set_join(pick(rng), JoinBehaviour::Hang);
+            None
+        }
+        4 => {
+            sb.mdma.fail_next_confirms(pick(rng), rng.u32(1..4));
+            None
+        }
+        5 => {
+            sb.merod
+                .set_default_leave(LeaveBehaviour::Error { status: 500 });
+            None
+        }
+        6 => {
+            for id in IDS {
+                sb.merod.set_join(id, JoinBehaviour::default());
+            }
+            sb.merod.set_default_leave(LeaveBehaviour::Normal {
+                delay: Duration::from_millis(rng.u64(0..300)),
+            });
+            None
+        }
+        _ => {
+            let assigned: Vec<&str> = IDS.iter().copied().filter(|_| rng.bool()).collect();
+            Some(PollReply::assign(assigned))
+        }
+    };
+    if let Some(reply) = reply {
+        let assigned = match &reply {
+            PollReply::Assign { assignments, .. } => Some(assignments.iter().cloned().collect()),
+            _ => None,
+        };
+        // Logged before the switch: a poll arriving in between is judged by the new phase,
+        // which only makes the leave check stricter for that instant.
+        phases.lock().unwrap().push((Instant::now(), assigned));
+        sb.mdma.set_reply(reply);
+    }
+}
+
+/// The assignment MDMA answered with at `at` (`None` during an outage).
+fn assigned_at(
+    phases: &[(Instant, Option<BTreeSet<String>>)],
+    at: Instant,
+) -> Option<&BTreeSet<String>> {
+    phases
+        .iter()
+        .rev()
+        .find(|(from, _)| *from <= at)
+        .and_then(|(_, a)| a.as_ref())
+}
+
+/// Every leave merod received was of a namespace that neither the latest good poll before
+/// it nor MDMA's answer at that instant assigned.
+pub(crate) fn check_leaves(sb: &Sandbox, phases: &Phases) {
+    let phases = phases.lock().unwrap().clone();
+    let polls = sb.mdma.polls();
+    for call in sb.merod.calls() {
+        let Some(id) = call
+            .path
+            .strip_prefix("/admin-api/namespaces/")
+            .and_then(|p| p.strip_suffix("/leave"))
+        else {
+            continue;
+        };
+        // Polls are recorded in arrival order: search back from the leave's moment.
+        let upto = polls.partition_point(|p| p.at <= call.at);
+        let last_good = polls[..upto]
+            .iter()
+            .rev()
+            .find(|p| p.status == 200)
+            .expect("a leave only follows a good poll");
+        let before = assigned_at(&phases, last_good.at).is_some_and(|a| a.contains(id));
+        let now = assigned_at(&phases, call.at).is_some_and(|a| a.contains(id));
+        assert!(
+            !(before && now),
+            "left {id} while MDMA assigned it (leave {:?} after the start)",
+            call.at.duration_since(phases[0].0)
+        );
+    }
+}
+
+/// The state file parses and holds `confirmed ⊆ admitted` as written (not normalized).
+pub(crate) fn check_state_file(sb: &Sandbox) {
+    let Ok(bytes) = std::fs::read(sb.state_file()) else {
+        return; // not written yet
+    };
+    parse_state(&bytes, &sb.state_file()).expect("the state file parses after a kill");
+    let doc: serde_json::Value = serde_json::from_slice(&bytes).expect("state is JSON");
+    let ids = |key: &str| -> BTreeSet<String> {
+        doc[key]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|v| v.as_str().map(str::to_owned))
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let (admitted, confirmed) = (ids("admitted"), ids("confirmed"));
+    assert!(
+        confirmed.is_subset(&admitted),
+        "confirmed {confirmed:?} ⊄ admitted {admitted:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_at_random_moments_keeps_state_and_safety() {
+    let kills = env_num("FLEET_CRASH_KILLS").unwrap_or(12);
+    let seed = env_num("FLEET_CRASH_SEED").unwrap_or_else(|| fastrand::u64(..));
+    eprintln!("crash test: {kills} kills, FLEET_CRASH_SEED={seed}");
+    let started = Instant::now();
+    let sb = Arc::new(Sandbox::start(None).await.unwrap());
+    let cfg = sb
+        .write_config(
+            "leave_after_polls = 1\nmass_drop_min = 1000\njoin_timeout = \"3s\"\nleave_timeout = \"3s\"\nmax_backoff = \"2s\"",
+        )
+        .unwrap();
+    let state_dir = sb.state_file().parent().unwrap().to_owned();
+    let phases: Phases = Arc::new(Mutex::new(vec![(Instant::now(), Some(BTreeSet::new()))]));
+
+    // The history runs on its own clock, independent of the kills.
+    let script = {
+        let (sb, phases) = (Arc::clone(&sb), Arc::clone(&phases));
+        tokio::spawn(async move {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            loop {
+                step(&sb, &mut rng, &phases);
+                tokio::time::sleep(Duration::from_millis(rng.u64(500..3000))).await;
+            }
+        })
+    };
+
+    let mut rng = fastrand::Rng::with_seed(seed ^ 0x5eed);
+    let mut seen = temp_files(&state_dir);
+    let (mut in_write, mut at_sight) = (0u32, 0u32);
+    for _ in 0..kills {
+        let mut child = spawn_daemon(&cfg, false, &[]);
+        let pid = Pid::from_raw(child.id() as i32);
+        let watch_writes = rng.bool();
+        let limit = Duration::from_millis(rng.u64(200..4000));
+        let dir = state_dir.clone();
+        let before = seen.clone();
+        // Either a random moment, or the instant a new temp file appears (a write under
+        // way), whichever comes first when watching.
+        let sighted = tokio::task::spawn_blocking(move || {
+            let t = Instant::now();
+            while t.elapsed() < limit {
+                if watch_writes && !temp_files(&dir).is_subset(&before) {
+                    kill(pid, Signal::SIGKILL).unwrap();
+                    return true;
+                }
+                std::thread::sleep(Duration::from_micros(if watch_writes { 50 } else { 5000 }));
+            }
+            kill(pid, Signal::SIGKILL).unwrap();
+            false
+        })
+        .await
+        .unwrap();
+        at_sight += u32::from(sighted);
+        wait_exit(&mut child, Duration::from_secs(10)).await;
+        let now = temp_files(&state_dir);
+        in_write += u32::try_from(now.difference(&seen).count()).unwrap();
+        seen = now;
+        check_state_file(&sb);
+        check_leaves(&sb, &phases);
+    }
+    script.abort();
+
+    // Calm: every fault cleared, MDMA settles on {A, C}; the node must converge to it.
+    for id in IDS {
+        sb.merod.set_join(id, JoinBehaviour::default());
+    }
+    sb.merod.set_default_leave(LeaveBehaviour::default());
+    phases
+        .lock()
+        .unwrap()
+        .push((Instant::now(), Some(strings(&[A, C]))));
+    sb.mdma.set_reply(PollReply::assign([A, C]));
+    let mut child = spawn_daemon(&cfg, false, &[]);
+    eventually(
+        "the node holds, admits and confirms exactly {A, C}",
+        Duration::from_secs(60),
+        || {
+            let state = load(&sb);
+            sb.merod.held() == strings(&[A, C])
+                && state.admitted == set(&[A, C])
+                && state.confirmed == set(&[A, C])
+                && sb.mdma.confirmed().is_superset(&strings(&[A, C]))
+        },
+    )
+    .await;
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    wait_exit(&mut child, Duration::from_secs(15)).await;
+    check_state_file(&sb);
+    check_leaves(&sb, &phases);
+    let leaves = sb
+        .merod
+        .calls()
+        .iter()
+        .filter(|c| c.path.ends_with("/leave"))
+        .count();
+    eprintln!(
+        "crash test: {kills} kills ({at_sight} at the sight of a state write, {in_write} landed inside one), {leaves} leaves, {} polls, {:.1} s",
+        sb.mdma.polls().len(),
+        started.elapsed().as_secs_f64()
+    );
+}
