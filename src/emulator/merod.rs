@@ -824,7 +824,7 @@ mod tests {
         emu.set_join(
             ID,
             JoinBehaviour::Admit {
-                delay: Duration::from_millis(300),
+                delay: Duration::from_secs(2),
             },
         );
         let started = Instant::now();
@@ -832,12 +832,17 @@ mod tests {
             let emu = emu.clone();
             tokio::spawn(async move { join(&emu, ID).await })
         };
-        tokio::time::sleep(Duration::from_millis(100)).await;
+        // Wait for the request to arrive (not a fixed sleep: a loaded machine may be slow to
+        // send it), then it must still be pending.
+        while emu.calls().is_empty() {
+            assert!(started.elapsed() < Duration::from_secs(30), "no request arrived");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         assert!(emu.held().is_empty());
         assert_eq!(emu.calls().last().unwrap().status, 0);
 
         let (status, body) = pending.await.unwrap();
-        assert!(started.elapsed() >= Duration::from_millis(300));
+        assert!(started.elapsed() >= Duration::from_secs(2));
         assert_eq!((status, body["admitted"].clone()), (200, json!(true)));
         assert!(emu.held().contains(ID));
         assert_eq!(emu.calls().last().unwrap().status, 200);
