@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub use crate::daemon::{JOIN_RETRY_MAX, JOIN_RETRY_MIN};
+pub(crate) use crate::daemon::{JOIN_RETRY_MAX, JOIN_RETRY_MIN};
 use crate::ids::GroupId;
 
 /// The wait after the `failures`-th failure in a row (1-based), for `jitter` in `[0, 1)`:

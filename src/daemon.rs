@@ -11,6 +11,8 @@
 //! namespace → the admission is persisted (the loop acknowledges) → confirm to MDMA → the
 //! confirmation is persisted. A failed poll plans nothing at all.
 
+pub use crate::status::serve as serve_status;
+pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, Telemetry};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
@@ -26,34 +28,29 @@ use crate::config::Config;
 use crate::identity::{read_peer_id, IdentityError};
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane, PollError, MDMA_TIMEOUT};
-use crate::merod::Node;
+use crate::merod::{Node, CHECK_TIMEOUT, PROBE_TIMEOUT};
 use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable};
 use crate::reconcile::{
     self, Desired, Guard, LeaveWait, MassDrop, MassDropEvent, Outcome, PlanInput,
 };
 use crate::state::{State, StateError, StateStore};
-use crate::telemetry::{unix_now, Phase, Telemetry};
 
-/// Bound of one readiness probe of merod.
-pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Time between readiness probes.
-pub const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(1);
 /// Wait before the one retry of reading the PeerId (merod may still be writing its config).
-pub const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
-/// Bound of the membership check (`GET /admin-api/namespaces/{id}`).
-pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 /// How often an unreadable MRTD is tried again (a later module load can make it appear).
-pub const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
+pub(crate) const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
 /// Bound of one MRTD read (sysfs, ioctl with its short retries, configfs-tsm quote).
-pub const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// First wait before retrying a join that failed with an error (doubles, up to the cap).
-pub const JOIN_RETRY_MIN: Duration = Duration::from_secs(2);
+pub(crate) const JOIN_RETRY_MIN: Duration = Duration::from_secs(2);
 /// Longest wait before retrying a failing join.
-pub const JOIN_RETRY_MAX: Duration = Duration::from_secs(60);
+pub(crate) const JOIN_RETRY_MAX: Duration = Duration::from_secs(60);
 /// On shutdown, how long running joins and leaves may take to finish before they are cut.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// A poll failing the same way is logged again after this many repeats.
-pub const REPEAT_LOG_EVERY: u64 = 60;
+pub(crate) const REPEAT_LOG_EVERY: u64 = 60;
 
 /// The outside world the loop drives, and where it reports.
 #[derive(Clone)]
@@ -81,7 +78,7 @@ impl Deps {
 /// failed polls in a row: a jittered exponential backoff, so a fleet recovering from an
 /// MDMA outage does not poll in lockstep: `base = min(max_backoff, interval · 2^failures)`,
 /// wait `base · (1 + jitter) / 2` for `jitter` in `[0, 1)` — never below `interval`.
-pub fn next_poll_delay(
+pub(crate) fn next_poll_delay(
     interval: Duration,
     max_backoff: Duration,
     failures: u64,
@@ -290,7 +287,7 @@ pub enum Readiness {
     GaveUp(String),
 }
 
-/// Probes merod every [`PROBE_INTERVAL`] until it answers (or `limit`, if any, passes);
+/// Probes merod every second (`PROBE_INTERVAL`) until it answers (or `limit`, if any, passes);
 /// logs one line per change of what it sees, and reports each probe as a heartbeat.
 pub async fn wait_for_merod(
     merod: &dyn Node,
@@ -390,6 +387,13 @@ impl Sidecar {
         if cfg.dry_run {
             warn!("dry run: polling and logging plans only; merod is not called, nothing is confirmed, the state file is not written");
         } else {
+            let removed = store.remove_stale_temp_files();
+            if removed > 0 {
+                info!(
+                    removed,
+                    "removed temp files an interrupted state write left behind"
+                );
+            }
             store.check_writable()?;
             match wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown, merod_wait).await {
                 Readiness::Ready => {}
@@ -482,8 +486,8 @@ impl Sidecar {
     }
 
     /// Reconciles every `poll_interval` (backing off while polls fail, see
-    /// [`next_poll_delay`]) until shutdown, then lets running tasks finish for up to
-    /// [`SHUTDOWN_GRACE`] and persists.
+    /// `next_poll_delay`) until shutdown, then lets running tasks finish for up to
+    /// `SHUTDOWN_GRACE` (10 s) and persists.
     pub async fn run_loop(&mut self) {
         let shutdown = self.shutdown.clone();
         let mut next_poll = Instant::now();

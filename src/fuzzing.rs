@@ -25,7 +25,7 @@ pub fn fleet_join(data: &[u8]) {
 
 /// merod's `GET /admin-api/namespaces/{id}` answer: the first two bytes pick the HTTP
 /// status (big-endian), the rest is the body, decoded as the client does (not JSON → null),
-/// then [`crate::merod::parse_namespace_get`].
+/// then `merod::parse_namespace_get`.
 pub fn namespace_get(data: &[u8]) {
     let (status, body) = match data {
         [hi, lo, rest @ ..] => (u16::from_be_bytes([*hi, *lo]), rest),
@@ -51,7 +51,7 @@ pub fn sidecar_config(data: &[u8]) {
 }
 
 /// merod's `config.toml`, through the two public readers
-/// ([`crate::identity::read_peer_id`], [`crate::identity::admin_url_from_merod_config`]):
+/// ([`crate::identity::read_peer_id`], `identity::admin_url_from_merod_config`):
 /// they take a path, so the bytes are written to a file in a per-process temp directory.
 pub fn merod_config(data: &[u8]) {
     thread_local! {

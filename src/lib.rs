@@ -49,6 +49,13 @@
 //!
 //! Never send `should-join` from a tool: MDMA counts it as the node's heartbeat.
 //!
+//! ## Embedding the loop
+//!
+//! With the `daemon` feature, [`daemon::run`] runs the whole loop against any
+//! [`ControlPlane`] and [`Node`] (the real clients, or your own), and [`reconcile::plan`]
+//! is the pure decision of what to join and leave, for a tool that wants to show what the
+//! sidecar would do. [`cli::main`] is the `fleet-sidecar` command line itself.
+//!
 //! ## Features
 //!
 //! * `daemon` (default): the loop, the `fleet-sidecar` binary and what only it needs.
@@ -62,8 +69,10 @@
 #![warn(missing_docs)]
 
 #[cfg(feature = "daemon")]
-pub(crate) mod backoff;
-pub mod config;
+mod backoff;
+#[cfg(feature = "daemon")]
+pub mod cli;
+mod config;
 #[cfg(feature = "daemon")]
 pub mod daemon;
 #[cfg(feature = "emulator")]
@@ -71,29 +80,46 @@ pub mod emulator;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod identity;
-pub mod ids;
+mod identity;
+mod ids;
 #[cfg(feature = "daemon")]
-pub mod logging;
-pub mod mdma;
-pub mod merod;
-pub mod mrtd;
+mod logging;
+mod mdma;
+mod merod;
+mod mrtd;
 #[cfg(feature = "daemon")]
-pub mod notify;
+mod notify;
 pub mod reconcile;
-pub mod state;
+mod state;
 #[cfg(feature = "daemon")]
-pub mod status;
-pub(crate) mod strict_json;
+mod status;
+mod strict_json;
 #[cfg(feature = "daemon")]
-pub mod telemetry;
+mod telemetry;
 
-pub use config::{Config, ConfigError, MerodConfig, ToolConfig, DEFAULT_CONFIG_PATH};
-pub use identity::{read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError};
-pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
-pub use merod::{Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp};
-pub use mrtd::{
-    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, Mrtd, MrtdError, MrtdReading, MrtdSource,
-    MrtdUnavailable, TdxConfig,
+pub use config::{
+    Config, ConfigError, LogFormat, LogTarget, MerodConfig, ToolConfig, DEFAULT_ADMIN_URL,
+    DEFAULT_CONFIG_PATH,
 };
-pub use state::{Repair, State, StateError, StateFile, StateFormat, StateReport, StateStore};
+pub use identity::{
+    read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError, ListenAddrError,
+};
+pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
+pub use mdma::{
+    parse_should_join, ConfirmError, ControlPlane, FleetToken, MalformedAnswer, MdmaClient,
+    MdmaClientBuilder, MdmaClientError, PollError, RequestError, ShouldJoin, MAX_POLL_BODY,
+    MDMA_TIMEOUT,
+};
+pub use merod::{
+    parse_fleet_join, Admission, BoxError, MerodClient, MerodClientBuilder, MerodError, MerodOp,
+    NoAdmitted, Node, CHECK_TIMEOUT, JOIN_TIMEOUT, LEAVE_TIMEOUT, MEROD_CONNECT_TIMEOUT,
+    PROBE_TIMEOUT,
+};
+pub use mrtd::{
+    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_saved, Mrtd, MrtdError, MrtdReading,
+    MrtdSource, MrtdUnavailable, SavedEvidence, TdxConfig, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
+};
+pub use state::{
+    inspect_state, parse_state, render_state, Repair, State, StateError, StateFile, StateFormat,
+    StateReport, StateStore, STATE_VERSION,
+};

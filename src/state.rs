@@ -389,6 +389,26 @@ impl StateStore {
         }
     }
 
+    /// Removes temp files a write interrupted by a crash or `SIGKILL` left beside the state
+    /// file (`.fleet-confirmed.*.tmp`, `.fleet-confirmed.*.probe`); the state file itself is
+    /// never touched (writes are atomic renames). Run at start, before any write. Returns
+    /// how many were removed; a directory that cannot be listed counts as none.
+    pub fn remove_stale_temp_files(&self) -> usize {
+        let Ok(entries) = std::fs::read_dir(parent_dir(&self.path)) else {
+            return 0;
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter(|e| {
+                let name = e.file_name();
+                let name = name.to_string_lossy();
+                name.starts_with(".fleet-confirmed.")
+                    && (name.ends_with(".tmp") || name.ends_with(".probe"))
+            })
+            .filter(|e| std::fs::remove_file(e.path()).is_ok())
+            .count()
+    }
+
     /// Checks that the state can be written: the directory exists (it is created if
     /// missing) and a file can be created in it. Run before anything is joined, so a
     /// read-only or wrong `state_file` stops the daemon instead of admissions that can never
@@ -761,5 +781,29 @@ mod tests {
         std::fs::create_dir(&path).unwrap();
         let err = StateStore::new(&path).load().unwrap_err();
         assert!(matches!(err, StateError::Read { .. }), "{err}");
+    }
+
+    #[test]
+    fn temp_files_left_by_a_killed_write_are_removed_and_the_state_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = StateStore::new(dir.path().join("fleet-confirmed.json"));
+        let state = State {
+            admitted: [id(1)].into(),
+            confirmed: [id(1)].into(),
+            ..State::default()
+        };
+        store.save(&state).unwrap();
+        for name in [".fleet-confirmed.a1B2c3.tmp", ".fleet-confirmed.x.probe"] {
+            std::fs::write(dir.path().join(name), b"{\"version\":2,").unwrap();
+        }
+        std::fs::write(dir.path().join("unrelated.tmp"), b"x").unwrap();
+        assert_eq!(store.remove_stale_temp_files(), 2);
+        let mut left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["fleet-confirmed.json", "unrelated.tmp"]);
+        assert_eq!(StateStore::new(store.path()).load().unwrap(), Some(state));
     }
 }

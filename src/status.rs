@@ -71,7 +71,8 @@ async fn status(AxumState(s): AxumState<Shared>) -> Response {
     axum::Json(s.telemetry.snapshot()).into_response()
 }
 
-/// Binds `addr` and serves [`router`] until `shutdown`. Returns the bound address.
+/// Binds `addr` and serves `/healthz`, `/readyz`, `/metrics` and `/status` until `shutdown`.
+/// Returns the bound address.
 ///
 /// Errors: the bind error (address in use, permission).
 pub async fn serve(

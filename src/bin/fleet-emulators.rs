@@ -26,8 +26,8 @@ use std::time::Duration;
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::merod::{JoinBehaviour, MerodEmulator};
 use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
-use fleet_sidecar::ids::GroupId;
-use fleet_sidecar::state::{State, StateStore};
+use fleet_sidecar::GroupId;
+use fleet_sidecar::{State, StateStore};
 use std::time::Instant;
 use tokio::io::{AsyncBufReadExt, BufReader};
 

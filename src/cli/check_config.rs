@@ -10,13 +10,13 @@
 use std::path::Path;
 use std::time::Duration;
 
-use fleet_sidecar::config::{Config, LogFormat, LogTarget};
-use fleet_sidecar::identity::{read_peer_id, resolve_admin_url};
-use fleet_sidecar::mrtd::{read_source, MrtdSource};
+use crate::config::{Config, LogFormat, LogTarget};
+use crate::identity::{read_peer_id, resolve_admin_url};
+use crate::mrtd::{read_source, MrtdSource};
 
 /// Runs the check on the config file at `path`: the report goes to stdout, a config error
 /// to stderr. Returns whether the config is usable.
-pub fn run(path: &Path) -> bool {
+pub(crate) fn run(path: &Path) -> bool {
     match Config::load(path) {
         Ok(cfg) => {
             print!("{}", render(path, &cfg));

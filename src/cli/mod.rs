@@ -1,5 +1,361 @@
-//! Subcommands of the binary that are not the daemon itself: `check-config`, and the
-//! shell completions and man page generated from the clap definition.
+//! The `fleet-sidecar` command line: parse it, load the config, build the real clients, run,
+//! and map the outcome to an exit code. [`main`] is the binary's entry point; the
+//! subcommands that are not the daemon itself (`check-config`, completions, the man page)
+//! are in the submodules.
 
-pub mod check_config;
-pub mod generate;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use clap::{CommandFactory, Parser, Subcommand};
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+use crate::config::{Config, DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH};
+use crate::daemon::{self, CycleOutcome, Deps};
+use crate::identity::{resolve_admin_url, AdminUrlSource};
+use crate::logging;
+use crate::mdma::MdmaClient;
+use crate::merod::MerodClient;
+use crate::mrtd::{read_mrtd, read_saved, SavedEvidence, TdxConfig};
+use crate::telemetry::unix_now;
+use crate::{notify, status};
+
+mod check_config;
+mod generate;
+
+/// Exit code: the daemon or the cycle failed.
+const EXIT_FAILURE: u8 = 1;
+/// Exit code of `once` when the poll failed (nothing was joined or left).
+const EXIT_POLL_FAILED: u8 = 3;
+/// Exit code for a bad command line (as clap uses).
+const EXIT_USAGE: u8 = 2;
+/// Exit code for an unusable config file (sysexits EX_CONFIG).
+const EXIT_CONFIG: u8 = 78;
+
+/// Keeps this Calimero TEE node's namespace membership in sync with MDMA.
+#[derive(Parser, Debug)]
+#[command(name = "fleet-sidecar", version, about, long_about = None)]
+struct Cli {
+    /// The config file (TOML) [default: /etc/calimero/fleet-sidecar.toml].
+    #[arg(long, global = true, value_name = "PATH")]
+    config: Option<PathBuf>,
+    /// Poll and log the plan only: merod is not called, nothing is confirmed, the state
+    /// file is not written (with `run` or `once`).
+    #[arg(long, global = true)]
+    dry_run: bool,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the daemon (the default): reconcile every poll_interval until SIGTERM/SIGINT.
+    Run,
+    /// Run one full cycle and exit: 0 on a successful poll, 3 when the poll failed.
+    Once,
+    /// Print what this node holds (from the state file) and, when `status_listen` is set,
+    /// the running daemon's live status; exit 1 if the state file is unreadable.
+    Status {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print this TD's MRTD and its source (or each source's failure; exit 1 if none
+    /// worked), or parse a saved TDREPORT or quote offline.
+    Mrtd {
+        /// Parse this saved 1024-byte TDREPORT instead of reading the TD.
+        #[arg(long, value_name = "FILE", conflicts_with = "quote")]
+        tdreport: Option<PathBuf>,
+        /// Parse this saved TD quote (v4 or v5) instead of reading the TD.
+        #[arg(long, value_name = "FILE")]
+        quote: Option<PathBuf>,
+    },
+    /// Load and validate the config, read merod's config.toml and each MRTD source
+    /// without side effects, and print the effective configuration (the token only as
+    /// set/unset); exit 0, or 78 when the config is unusable.
+    CheckConfig,
+    /// Print the completion script for SHELL (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
+    /// Print the man page (roff); the package build ships it.
+    #[command(hide = true)]
+    Man,
+}
+
+/// Runs the `fleet-sidecar` command line (the process arguments) and returns its exit
+/// status: 0 success, 1 failure, 2 usage, 3 a failed poll with `once`, 78 a bad config.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let command = cli.command.unwrap_or(Command::Run);
+    if cli.dry_run && !matches!(command, Command::Run | Command::Once) {
+        eprintln!("fleet-sidecar: --dry-run goes with run or once");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    match command {
+        Command::Mrtd { tdreport, quote } => mrtd_command(cli.config.as_deref(), tdreport, quote),
+        Command::CheckConfig => {
+            let path = cli
+                .config
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+            if check_config::run(&path) {
+                ExitCode::SUCCESS
+            } else {
+                ExitCode::from(EXIT_CONFIG)
+            }
+        }
+        Command::Completions { shell } => {
+            generate::completions(Cli::command(), shell);
+            ExitCode::SUCCESS
+        }
+        Command::Man => match generate::man(Cli::command()) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("fleet-sidecar: cannot write the man page: {e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        },
+        command => {
+            let path = cli
+                .config
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_CONFIG_PATH));
+            let mut cfg = match Config::load(&path) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("fleet-sidecar: {e}");
+                    return ExitCode::from(EXIT_CONFIG);
+                }
+            };
+            cfg.dry_run = cli.dry_run;
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+            {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("fleet-sidecar: cannot start the async runtime: {e}");
+                    return ExitCode::from(EXIT_FAILURE);
+                }
+            };
+            match command {
+                Command::Status { json } => runtime.block_on(status_command(&cfg, json)),
+                command => runtime.block_on(serve(cfg, matches!(command, Command::Once))),
+            }
+        }
+    }
+}
+
+async fn serve(cfg: Config, once: bool) -> ExitCode {
+    let file = cfg.log_to_file.then_some(cfg.log_file.as_path());
+    let log_file = match logging::init(file, cfg.log_format, cfg.log_target) {
+        Ok(f) => f,
+        Err(problem) => {
+            eprintln!("fleet-sidecar: {problem}");
+            None
+        }
+    };
+    for w in &cfg.warnings {
+        warn!("{w}");
+    }
+    let admin_url = admin_url(&cfg);
+    let mdma = match MdmaClient::new(
+        &cfg.mdma_url,
+        cfg.fleet_token.clone(),
+        cfg.mdma_ca_file.as_deref(),
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    let merod = match MerodClient::new(&admin_url) {
+        Ok(c) => c,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
+    };
+    info!(
+        version = env!("CARGO_PKG_VERSION"),
+        mdma = %cfg.mdma_url,
+        merod = %admin_url,
+        state = %cfg.state_file.display(),
+        "fleet-sidecar starting"
+    );
+    let deps = Deps::new(Arc::new(mdma), Arc::new(merod));
+    if notify::install(&deps.telemetry) {
+        info!("systemd notification on (READY, STATUS, WATCHDOG, STOPPING)");
+    }
+    let shutdown = CancellationToken::new();
+    if let Some(addr) = cfg.status_listen {
+        match status::serve(
+            addr,
+            Arc::clone(&deps.telemetry),
+            cfg.ready_max_poll_age,
+            shutdown.clone(),
+        )
+        .await
+        {
+            Ok(bound) => {
+                info!("status listener on http://{bound} (/healthz /readyz /metrics /status)")
+            }
+            Err(e) => {
+                error!("cannot listen on status_listen {addr}: {e}");
+                return ExitCode::from(EXIT_CONFIG);
+            }
+        }
+    }
+    if let Err(e) = spawn_signal_handler(shutdown.clone(), log_file) {
+        error!("cannot install signal handlers: {e}");
+        return ExitCode::from(EXIT_FAILURE);
+    }
+    if once {
+        match daemon::once(cfg, deps, shutdown).await {
+            Ok(Some(CycleOutcome::Planned { joins, leaves })) => {
+                info!(joins, leaves, "cycle done");
+                ExitCode::SUCCESS
+            }
+            Ok(Some(CycleOutcome::PollFailed(e))) => {
+                error!("poll failed: {e}");
+                ExitCode::from(EXIT_POLL_FAILED)
+            }
+            Ok(None) => ExitCode::SUCCESS,
+            Err(e) => {
+                error!("{e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        }
+    } else {
+        match daemon::run(cfg, deps, shutdown).await {
+            Ok(()) => {
+                info!("stopped");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                error!("{e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        }
+    }
+}
+
+/// merod's admin URL, saying why when it falls back to the default (a wrong `[merod].home`
+/// shows here first; the PeerId read then fails loudly).
+fn admin_url(cfg: &Config) -> url::Url {
+    let resolved = resolve_admin_url(&cfg.merod);
+    match &resolved.source {
+        AdminUrlSource::Configured | AdminUrlSource::MerodListen(_) => {}
+        AdminUrlSource::DefaultNoMerodConfig(path) => warn!(
+            "merod config {} not found (is [merod] home/node right?): using {DEFAULT_ADMIN_URL}",
+            path.display()
+        ),
+        AdminUrlSource::DefaultNoListen(path) => info!(
+            "merod config {} has no [server].listen: using {DEFAULT_ADMIN_URL}",
+            path.display()
+        ),
+        AdminUrlSource::DefaultUnreadable(e) => warn!("{e}; using {DEFAULT_ADMIN_URL}"),
+    }
+    resolved.url
+}
+
+/// `fleet-sidecar status`: the state file and, if the listener is on, the live status.
+async fn status_command(cfg: &Config, json: bool) -> ExitCode {
+    let report = status::report(cfg).await;
+    if json {
+        match serde_json::to_string_pretty(&report) {
+            Ok(text) => println!("{text}"),
+            Err(e) => {
+                eprintln!("fleet-sidecar: cannot render the report: {e}");
+                return ExitCode::from(EXIT_FAILURE);
+            }
+        }
+    } else {
+        print!("{}", status::render_text(&report, unix_now()));
+    }
+    if report.state_error.is_some() {
+        ExitCode::from(EXIT_FAILURE)
+    } else {
+        ExitCode::SUCCESS
+    }
+}
+
+/// SIGTERM and SIGINT cancel `shutdown`; SIGHUP reopens the log file (logrotate).
+fn spawn_signal_handler(
+    shutdown: CancellationToken,
+    log_file: Option<Arc<logging::LogFile>>,
+) -> std::io::Result<()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    let mut hup = signal(SignalKind::hangup())?;
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = term.recv() => { info!("SIGTERM: stopping between steps"); shutdown.cancel(); }
+                _ = int.recv() => { info!("SIGINT: stopping between steps"); shutdown.cancel(); }
+                _ = hup.recv() => match &log_file {
+                    Some(f) => match f.reopen() {
+                        Ok(()) => info!(path = %f.path().display(), "log file reopened"),
+                        Err(e) => warn!(path = %f.path().display(), "cannot reopen log file: {e}"),
+                    },
+                    None => info!("SIGHUP: no log file to reopen"),
+                },
+            }
+        }
+    });
+    Ok(())
+}
+
+/// `fleet-sidecar mrtd`: read (or parse offline) and print the MRTD with its source. With
+/// no `--config`, the default config file is used if it exists, else the default sources.
+fn mrtd_command(
+    config: Option<&std::path::Path>,
+    tdreport: Option<PathBuf>,
+    quote: Option<PathBuf>,
+) -> ExitCode {
+    let offline = tdreport
+        .map(|p| (p, SavedEvidence::TdReport, "tdreport"))
+        .or_else(|| quote.map(|p| (p, SavedEvidence::Quote, "quote")));
+    if let Some((path, kind, name)) = offline {
+        return match read_saved(&path, kind) {
+            Ok(m) => {
+                println!("{m}\t{name} file {}", path.display());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("fleet-sidecar: {e}");
+                ExitCode::from(EXIT_FAILURE)
+            }
+        };
+    }
+    let default = std::path::Path::new(DEFAULT_CONFIG_PATH);
+    let path = match config {
+        Some(p) => Some(p),
+        None => default.exists().then_some(default),
+    };
+    let tdx = match path.map(Config::load) {
+        None => TdxConfig::default(),
+        Some(Ok(c)) => c.tdx,
+        Some(Err(e)) => {
+            eprintln!("fleet-sidecar: {e}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
+    match read_mrtd(&tdx) {
+        Ok(r) => {
+            println!("{}\t{}", r.mrtd, r.source);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            for (source, err) in &e.failures {
+                eprintln!("{source}: {err}");
+            }
+            eprintln!("fleet-sidecar: no MRTD source worked");
+            ExitCode::from(EXIT_FAILURE)
+        }
+    }
+}

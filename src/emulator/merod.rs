@@ -835,7 +835,10 @@ mod tests {
         // Wait for the request to arrive (not a fixed sleep: a loaded machine may be slow to
         // send it), then it must still be pending.
         while emu.calls().is_empty() {
-            assert!(started.elapsed() < Duration::from_secs(30), "no request arrived");
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "no request arrived"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(emu.held().is_empty());

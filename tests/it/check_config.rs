@@ -103,7 +103,7 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
         .map(|l| l.split("  # ").next().unwrap())
         .collect::<Vec<_>>()
         .join("\n");
-    fleet_sidecar::config::Config::from_toml(&body, Path::new("printed"))
+    fleet_sidecar::Config::from_toml(&body, Path::new("printed"))
         .expect("the printed configuration loads");
 }
 

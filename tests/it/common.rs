@@ -4,11 +4,11 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use fleet_sidecar::daemon::Telemetry;
 use fleet_sidecar::daemon::{self, DaemonError};
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::ids::GroupId;
-use fleet_sidecar::state::{State, StateStore};
-use fleet_sidecar::telemetry::Telemetry;
+use fleet_sidecar::GroupId;
+use fleet_sidecar::{State, StateStore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -153,12 +153,12 @@ impl NodeDir {
 
     /// A config with the state in `{dir}/state.json`, the MRTD from `{dir}/none` (absent
     /// unless a test writes it) and `extra` top-level keys.
-    pub fn config(&self, extra: &str) -> fleet_sidecar::config::Config {
+    pub fn config(&self, extra: &str) -> fleet_sidecar::Config {
         let d = self.dir.path().display();
         let text = format!(
             "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\n{extra}\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n"
         );
-        fleet_sidecar::config::Config::from_toml(&text, std::path::Path::new("test.toml"))
+        fleet_sidecar::Config::from_toml(&text, std::path::Path::new("test.toml"))
             .expect("test config")
     }
 

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::state::parse_state;
+use fleet_sidecar::parse_state;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
@@ -257,6 +257,12 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     wait_exit(&mut child, Duration::from_secs(15)).await;
     check_state_file(&sb);
     check_leaves(&sb, &phases);
+    // The last start removed what the killed writes left; a clean stop leaves none.
+    assert!(
+        temp_files(&state_dir).is_empty(),
+        "temp files of killed writes left behind: {:?}",
+        temp_files(&state_dir)
+    );
     let leaves = sb
         .merod
         .calls()

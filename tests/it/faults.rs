@@ -7,15 +7,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fleet_sidecar::config::Config;
+use fleet_sidecar::daemon::Telemetry;
 use fleet_sidecar::daemon::{self, Deps};
-use fleet_sidecar::ids::{GroupId, PeerId};
-use fleet_sidecar::mdma::ShouldJoin;
-use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError};
-use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
-use fleet_sidecar::mrtd::Mrtd;
-use fleet_sidecar::state::{State, StateStore};
-use fleet_sidecar::telemetry::Telemetry;
+use fleet_sidecar::Config;
+use fleet_sidecar::Mrtd;
+use fleet_sidecar::ShouldJoin;
+use fleet_sidecar::{Admission, MerodError, MerodOp, Node};
+use fleet_sidecar::{ConfirmError, ControlPlane, PollError};
+use fleet_sidecar::{GroupId, PeerId};
+use fleet_sidecar::{State, StateStore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -237,10 +237,9 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     let (stop, telemetry, h) = run(&fake, cfg);
     tokio::time::sleep(Duration::from_secs(3)).await;
     let ready = || {
-        telemetry.snapshot().readiness(
-            fleet_sidecar::telemetry::unix_now(),
-            Duration::from_secs(30),
-        )
+        telemetry
+            .snapshot()
+            .readiness(fleet_sidecar::daemon::unix_now(), Duration::from_secs(30))
     };
     assert_eq!(ready(), Ok(()));
 

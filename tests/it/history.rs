@@ -13,12 +13,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use fleet_sidecar::daemon::{self, Deps};
-use fleet_sidecar::ids::{GroupId, PeerId};
-use fleet_sidecar::mdma::ShouldJoin;
-use fleet_sidecar::mdma::{parse_should_join, ConfirmError, ControlPlane, PollError, RequestError};
-use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
-use fleet_sidecar::mrtd::Mrtd;
-use fleet_sidecar::state::StateStore;
+use fleet_sidecar::Mrtd;
+use fleet_sidecar::ShouldJoin;
+use fleet_sidecar::StateStore;
+use fleet_sidecar::{parse_should_join, ConfirmError, ControlPlane, PollError, RequestError};
+use fleet_sidecar::{Admission, MerodError, MerodOp, Node};
+use fleet_sidecar::{GroupId, PeerId};
 use proptest::prelude::*;
 use tokio_util::sync::CancellationToken;
 

@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::status;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
@@ -52,7 +51,7 @@ async fn every_metric_the_rules_and_the_dashboard_use_is_exported() {
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "");
     let stop = CancellationToken::new();
-    let addr = status::serve(
+    let addr = fleet_sidecar::daemon::serve_status(
         "127.0.0.1:0".parse().unwrap(),
         Arc::clone(&d.telemetry),
         Duration::from_secs(30),

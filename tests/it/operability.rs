@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::status;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use tokio_util::sync::CancellationToken;
@@ -111,7 +110,7 @@ async fn readyz_goes_unready_during_an_mdma_outage_and_back() {
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "ready_max_poll_age = \"2s\"\nmax_backoff = \"1s\"");
     let stop = CancellationToken::new();
-    let addr = status::serve(
+    let addr = fleet_sidecar::daemon::serve_status(
         "127.0.0.1:0".parse().unwrap(),
         Arc::clone(&d.telemetry),
         Duration::from_secs(2),
@@ -168,7 +167,7 @@ async fn metrics_after_a_scripted_scenario() {
     sb.mdma.set_reply(PollReply::assign([A, B]));
     let d = start(&sb, REFERENCE);
     let stop = CancellationToken::new();
-    let addr = status::serve(
+    let addr = fleet_sidecar::daemon::serve_status(
         "127.0.0.1:0".parse().unwrap(),
         Arc::clone(&d.telemetry),
         Duration::from_secs(30),

@@ -6,14 +6,14 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
-use fleet_sidecar::ids::{GroupId, PeerId};
-use fleet_sidecar::mdma::ShouldJoin;
-use fleet_sidecar::mdma::{ConfirmError, ControlPlane, PollError, RequestError};
-use fleet_sidecar::merod::{Admission, MerodError, MerodOp, Node};
-use fleet_sidecar::mrtd::Mrtd;
-use fleet_sidecar::state::{State, StateStore};
+use fleet_sidecar::Config;
+use fleet_sidecar::Mrtd;
+use fleet_sidecar::ShouldJoin;
+use fleet_sidecar::{Admission, MerodError, MerodOp, Node};
+use fleet_sidecar::{ConfirmError, ControlPlane, PollError, RequestError};
+use fleet_sidecar::{GroupId, PeerId};
+use fleet_sidecar::{State, StateStore};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
@@ -350,7 +350,7 @@ async fn the_wait_for_merod_can_be_bounded() {
             unreachable!("never called while merod is down")
         }
     }
-    let telemetry = fleet_sidecar::telemetry::Telemetry::new();
+    let telemetry = fleet_sidecar::daemon::Telemetry::new();
     let started = Instant::now();
     let r = daemon::wait_for_merod(
         &Down,

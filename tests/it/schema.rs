@@ -132,7 +132,7 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
         let text = std::fs::read(root().join("proto").join(file)).unwrap();
         let found = errors(&v, &serde_json::from_slice(&text).unwrap());
         assert!(found.is_empty(), "{file}:\n{found}");
-        fleet_sidecar::state::parse_state(&text, Path::new(file)).expect("the code reads it");
+        fleet_sidecar::parse_state(&text, Path::new(file)).expect("the code reads it");
     }
     let id = crate::common::A;
     let accepted = [json!([id]), json!({"version": 1, "confirmed": []})];
@@ -156,7 +156,7 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
         assert!(!v.is_valid(&doc), "the schema accepts {doc}");
         let bytes = serde_json::to_vec(&doc).unwrap();
         assert!(
-            fleet_sidecar::state::parse_state(&bytes, Path::new("t")).is_err(),
+            fleet_sidecar::parse_state(&bytes, Path::new("t")).is_err(),
             "the code accepts {doc}"
         );
     }
@@ -178,7 +178,7 @@ fn every_mdma_example_matches_the_openapi_document() {
     ] {
         assert!(!answer.is_valid(&bad), "the schema accepts {bad}");
         let bytes = serde_json::to_vec(&bad).unwrap();
-        assert!(fleet_sidecar::mdma::parse_should_join(&bytes).is_err());
+        assert!(fleet_sidecar::parse_should_join(&bytes).is_err());
     }
     let request = component(&doc, "ShouldJoinRequest");
     assert!(request

@@ -25,13 +25,13 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::config::Config;
 use fleet_sidecar::daemon::{self, Deps};
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::mdma::MdmaClient;
-use fleet_sidecar::merod::MerodClient;
+use fleet_sidecar::Config;
+use fleet_sidecar::MdmaClient;
+use fleet_sidecar::MerodClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;

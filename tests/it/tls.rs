@@ -3,8 +3,8 @@
 use std::sync::Arc;
 
 use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
-use fleet_sidecar::ids::PeerId;
-use fleet_sidecar::mdma::{ControlPlane, MdmaClient, MdmaClientError, PollError, RequestError};
+use fleet_sidecar::PeerId;
+use fleet_sidecar::{ControlPlane, MdmaClient, MdmaClientError, PollError, RequestError};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
