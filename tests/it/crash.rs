@@ -176,7 +176,7 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     let sb = Arc::new(Sandbox::start(None).await.unwrap());
     let cfg = sb
         .write_config(
-            "leave_after_polls = 1\nmass_drop_min = 1000\njoin_timeout = \"3s\"\nleave_timeout = \"3s\"\nmax_backoff = \"2s\"",
+            "leave_after_polls = 1\nmass_drop_min = 1000\njoin_timeout = \"10s\"\nleave_timeout = \"3s\"\nmax_backoff = \"2s\"",
         )
         .unwrap();
     let state_dir = sb.state_file().parent().unwrap().to_owned();
@@ -200,6 +200,14 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     for _ in 0..kills {
         let mut child = spawn_daemon(&cfg, false, &[]);
         let pid = Pid::from_raw(child.id() as i32);
+        // Not vacuous: the daemon must be running when it is killed (a config it refuses
+        // would exit 78 at once and every kill would hit nothing).
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            matches!(child.try_wait(), Ok(None)),
+            "the daemon exited before its kill: {:?}",
+            child.try_wait()
+        );
         let watch_writes = rng.bool();
         let limit = Duration::from_millis(rng.u64(200..4000));
         let dir = state_dir.clone();

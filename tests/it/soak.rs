@@ -71,8 +71,10 @@ async fn soak_child() {
         return;
     };
     let mut cfg = Config::load(config.as_ref()).expect("soak config");
+    // Below the config file's bounds on purpose, set on the struct: 100,000 cycles in minutes.
     cfg.poll_interval = Duration::from_millis(1);
     cfg.max_backoff = Duration::from_millis(1);
+    cfg.join_timeout = Duration::from_secs(1);
     let mdma = MdmaClient::new(&cfg.mdma_url, None, None).expect("MDMA client");
     let merod = MerodClient::new(&merod.parse().expect("merod URL")).expect("merod client");
     let deps = Deps::new(Arc::new(mdma), Arc::new(merod));
@@ -141,7 +143,7 @@ async fn soak_the_loop_with_random_faults() {
     });
     let sb = Sandbox::start(None).await.unwrap();
     let cfg = sb
-        .write_config("leave_after_polls = 2\nmass_drop_min = 1000\nmax_leaves_per_minute = 1000\njoin_timeout = \"1s\"\nleave_timeout = \"1s\"")
+        .write_config("leave_after_polls = 2\nmass_drop_min = 1000\nmax_leaves_per_minute = 1000\njoin_timeout = \"10s\"\nleave_timeout = \"1s\"")
         .unwrap();
     let phases: Phases = Arc::new(Mutex::new(vec![(Instant::now(), Some(BTreeSet::new()))]));
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
