@@ -78,24 +78,38 @@ pub async fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool
 
 /// Writes a state document and returns its bytes.
 pub fn seed(sb: &Sandbox, admitted: &[&str], confirmed: &[&str]) -> Vec<u8> {
-    let state = State {
-        admitted: set(admitted),
-        confirmed: set(confirmed),
-        absent_polls: Default::default(),
-    };
-    StateStore::new(sb.state_file())
-        .save(&state)
-        .expect("seed state");
+    save_state(&sb.state_file(), &set(admitted), &set(confirmed));
     std::fs::read(sb.state_file()).expect("read seeded state")
+}
+
+/// Writes a state with `admitted` and `confirmed` to `path`.
+pub fn save_state(
+    path: &std::path::Path,
+    admitted: &BTreeSet<GroupId>,
+    confirmed: &BTreeSet<GroupId>,
+) {
+    StateStore::new(path)
+        .save(&State {
+            admitted: admitted.clone(),
+            confirmed: confirmed.clone(),
+            absent_polls: Default::default(),
+        })
+        .expect("seed state");
 }
 
 /// The state the daemon wrote (checked against proto/state.schema.json), or the empty
 /// state when there is no file yet.
 pub fn load(sb: &Sandbox) -> State {
-    if let Ok(bytes) = std::fs::read(sb.state_file()) {
+    load_state(&sb.state_file())
+}
+
+/// The state at `path` (checked against proto/state.schema.json), or the empty state when
+/// there is no file yet.
+pub fn load_state(path: &std::path::Path) -> State {
+    if let Ok(bytes) = std::fs::read(path) {
         crate::schema::assert_state_valid(&bytes);
     }
-    StateStore::new(sb.state_file())
+    StateStore::new(path)
         .load()
         .expect("state readable")
         .unwrap_or_default()
