@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 use fleet_sidecar::daemon::{self, DaemonError};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::ids::GroupId;
+use fleet_sidecar::merod::{MerodError, MerodOp};
 use fleet_sidecar::state::{State, StateStore};
 use fleet_sidecar::telemetry::Telemetry;
 use tokio::task::JoinHandle;
@@ -23,6 +24,25 @@ pub const REFERENCE: &str = "leave_after_polls = 1\nmass_drop_min = 1000";
 
 pub fn gid(s: &str) -> GroupId {
     s.parse().expect("test ids are valid")
+}
+
+/// The group id whose 32 bytes are all `n`.
+pub fn id(n: u8) -> GroupId {
+    GroupId::from_bytes([n; 32])
+}
+
+/// `id(1)` … `id(n)`.
+pub fn ids(n: u8) -> BTreeSet<GroupId> {
+    (1..=n).map(id).collect()
+}
+
+/// A failed merod call of `op`, failing with `cause`.
+pub fn merod_err(op: MerodOp, cause: &str) -> MerodError {
+    MerodError::Call {
+        op,
+        url: "http://merod.test/".into(),
+        source: cause.into(),
+    }
 }
 
 pub fn set(ids: &[&str]) -> BTreeSet<GroupId> {
@@ -54,6 +74,11 @@ impl Running {
 pub fn start(sb: &Sandbox, extra: &str) -> Running {
     let cfg = sb.config(extra).expect("config");
     let deps = sb.deps(&cfg).expect("deps");
+    spawn_loop(cfg, deps)
+}
+
+/// The daemon's loop with `cfg` on `deps`, as a task of this runtime.
+pub fn spawn_loop(cfg: fleet_sidecar::config::Config, deps: daemon::Deps) -> Running {
     let telemetry = Arc::clone(&deps.telemetry);
     let shutdown = CancellationToken::new();
     let handle = tokio::spawn(daemon::run(cfg, deps, shutdown.clone()));
@@ -178,6 +203,16 @@ impl NodeDir {
 
     pub fn state_file(&self) -> std::path::PathBuf {
         self.dir.path().join("state.json")
+    }
+
+    /// Writes a state with `admitted` and `confirmed` to `state_file()`.
+    pub fn seed(&self, admitted: &BTreeSet<GroupId>, confirmed: &BTreeSet<GroupId>) {
+        save_state(&self.state_file(), admitted, confirmed);
+    }
+
+    /// The state the daemon wrote, as [`load_state`] reads it.
+    pub fn state(&self) -> State {
+        load_state(&self.state_file())
     }
 }
 

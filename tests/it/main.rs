@@ -6,6 +6,7 @@ mod cli;
 mod common;
 mod contract;
 mod deb;
+mod fakes;
 mod faults;
 mod heartbeat;
 mod history;
