@@ -62,6 +62,25 @@ pub struct Running {
 }
 
 impl Running {
+    /// The status listener (`/healthz`, `/readyz`, `/metrics`) for this daemon on a
+    /// loopback port, ready while the last good poll is under `ready_max_poll_age` old;
+    /// cancel the token to stop it.
+    pub async fn serve_status(
+        &self,
+        ready_max_poll_age: Duration,
+    ) -> (std::net::SocketAddr, CancellationToken) {
+        let stop = CancellationToken::new();
+        let addr = fleet_sidecar::status::serve(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&self.telemetry),
+            ready_max_poll_age,
+            stop.clone(),
+        )
+        .await
+        .expect("the status listener binds loopback");
+        (addr, stop)
+    }
+
     pub async fn stop(self) {
         self.shutdown.cancel();
         let r = tokio::time::timeout(Duration::from_secs(15), self.handle)
