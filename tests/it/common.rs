@@ -259,3 +259,23 @@ pub fn spawn_daemon(
         .spawn()
         .expect("the daemon starts")
 }
+
+/// A TLS server configuration (ring, safe default versions, no client auth) presenting
+/// `leaf`, whose key is `key`.
+pub fn tls_server_config(
+    leaf: &rcgen::Certificate,
+    key: &rcgen::KeyPair,
+) -> tokio_rustls::rustls::ServerConfig {
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+    tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(
+        tokio_rustls::rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("ring supports the default versions")
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![CertificateDer::from(leaf.der().to_vec())],
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+    )
+    .expect("a generated certificate and key")
+}

@@ -16,8 +16,6 @@ use fleet_sidecar::merod::{MerodClient, MerodError, Node};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio_rustls::rustls::{crypto::ring, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
@@ -194,15 +192,7 @@ async fn tls_server(issuer: &Ca, names: &[&str], expired: bool) -> u16 {
         p.not_after = rcgen::date_time_ymd(2001, 1, 1);
     }
     let leaf = p.signed_by(&key, &issuer.cert, &issuer.key).unwrap();
-    let server = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![CertificateDer::from(leaf.der().to_vec())],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .unwrap();
+    let server = tls_server_config(&leaf, &key);
     let acceptor = TlsAcceptor::from(Arc::new(server));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
