@@ -8,6 +8,7 @@ use fleet_sidecar::daemon::Telemetry;
 use fleet_sidecar::daemon::{self, DaemonError};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::GroupId;
+use fleet_sidecar::{MerodError, MerodOp};
 use fleet_sidecar::{State, StateStore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -23,6 +24,25 @@ pub const REFERENCE: &str = "leave_after_polls = 1\nmass_drop_min = 1000";
 
 pub fn gid(s: &str) -> GroupId {
     s.parse().expect("test ids are valid")
+}
+
+/// The group id whose 32 bytes are all `n`.
+pub fn id(n: u8) -> GroupId {
+    GroupId::from_bytes([n; 32])
+}
+
+/// `id(1)` … `id(n)`.
+pub fn ids(n: u8) -> BTreeSet<GroupId> {
+    (1..=n).map(id).collect()
+}
+
+/// A failed merod call of `op`, failing with `cause`.
+pub fn merod_err(op: MerodOp, cause: &str) -> MerodError {
+    MerodError::Call {
+        op,
+        url: "http://merod.test/".into(),
+        source: cause.into(),
+    }
 }
 
 pub fn set(ids: &[&str]) -> BTreeSet<GroupId> {
@@ -42,6 +62,25 @@ pub struct Running {
 }
 
 impl Running {
+    /// The status listener (`/healthz`, `/readyz`, `/metrics`) for this daemon on a
+    /// loopback port, ready while the last good poll is under `ready_max_poll_age` old;
+    /// cancel the token to stop it.
+    pub async fn serve_status(
+        &self,
+        ready_max_poll_age: Duration,
+    ) -> (std::net::SocketAddr, CancellationToken) {
+        let stop = CancellationToken::new();
+        let addr = fleet_sidecar::daemon::serve_status(
+            "127.0.0.1:0".parse().unwrap(),
+            Arc::clone(&self.telemetry),
+            ready_max_poll_age,
+            stop.clone(),
+        )
+        .await
+        .expect("the status listener binds loopback");
+        (addr, stop)
+    }
+
     pub async fn stop(self) {
         self.shutdown.cancel();
         let r = tokio::time::timeout(Duration::from_secs(15), self.handle)
@@ -54,6 +93,11 @@ impl Running {
 pub fn start(sb: &Sandbox, extra: &str) -> Running {
     let cfg = sb.config(extra).expect("config");
     let deps = sb.deps(&cfg).expect("deps");
+    spawn_loop(cfg, deps)
+}
+
+/// The daemon's loop with `cfg` on `deps`, as a task of this runtime.
+pub fn spawn_loop(cfg: fleet_sidecar::Config, deps: daemon::Deps) -> Running {
     let telemetry = Arc::clone(&deps.telemetry);
     let shutdown = CancellationToken::new();
     let handle = tokio::spawn(daemon::run(cfg, deps, shutdown.clone()));
@@ -78,24 +122,38 @@ pub async fn eventually(what: &str, limit: Duration, mut f: impl FnMut() -> bool
 
 /// Writes a state document and returns its bytes.
 pub fn seed(sb: &Sandbox, admitted: &[&str], confirmed: &[&str]) -> Vec<u8> {
-    let state = State {
-        admitted: set(admitted),
-        confirmed: set(confirmed),
-        absent_polls: Default::default(),
-    };
-    StateStore::new(sb.state_file())
-        .save(&state)
-        .expect("seed state");
+    save_state(&sb.state_file(), &set(admitted), &set(confirmed));
     std::fs::read(sb.state_file()).expect("read seeded state")
+}
+
+/// Writes a state with `admitted` and `confirmed` to `path`.
+pub fn save_state(
+    path: &std::path::Path,
+    admitted: &BTreeSet<GroupId>,
+    confirmed: &BTreeSet<GroupId>,
+) {
+    StateStore::new(path)
+        .save(&State {
+            admitted: admitted.clone(),
+            confirmed: confirmed.clone(),
+            absent_polls: Default::default(),
+        })
+        .expect("seed state");
 }
 
 /// The state the daemon wrote (checked against proto/state.schema.json), or the empty
 /// state when there is no file yet.
 pub fn load(sb: &Sandbox) -> State {
-    if let Ok(bytes) = std::fs::read(sb.state_file()) {
+    load_state(&sb.state_file())
+}
+
+/// The state at `path` (checked against proto/state.schema.json), or the empty state when
+/// there is no file yet.
+pub fn load_state(path: &std::path::Path) -> State {
+    if let Ok(bytes) = std::fs::read(path) {
         crate::schema::assert_state_valid(&bytes);
     }
-    StateStore::new(sb.state_file())
+    StateStore::new(path)
         .load()
         .expect("state readable")
         .unwrap_or_default()
@@ -165,6 +223,16 @@ impl NodeDir {
     pub fn state_file(&self) -> std::path::PathBuf {
         self.dir.path().join("state.json")
     }
+
+    /// Writes a state with `admitted` and `confirmed` to `state_file()`.
+    pub fn seed(&self, admitted: &BTreeSet<GroupId>, confirmed: &BTreeSet<GroupId>) {
+        save_state(&self.state_file(), admitted, confirmed);
+    }
+
+    /// The state the daemon wrote, as [`load_state`] reads it.
+    pub fn state(&self) -> State {
+        load_state(&self.state_file())
+    }
 }
 
 /// The daemon binary's `run` with `config`, its output piped (to read) or dropped, and
@@ -190,4 +258,24 @@ pub fn spawn_daemon(
         .stderr(out())
         .spawn()
         .expect("the daemon starts")
+}
+
+/// A TLS server configuration (ring, safe default versions, no client auth) presenting
+/// `leaf`, whose key is `key`.
+pub fn tls_server_config(
+    leaf: &rcgen::Certificate,
+    key: &rcgen::KeyPair,
+) -> tokio_rustls::rustls::ServerConfig {
+    use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+    tokio_rustls::rustls::ServerConfig::builder_with_provider(Arc::new(
+        tokio_rustls::rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .expect("ring supports the default versions")
+    .with_no_client_auth()
+    .with_single_cert(
+        vec![CertificateDer::from(leaf.der().to_vec())],
+        PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
+    )
+    .expect("a generated certificate and key")
 }

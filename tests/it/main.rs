@@ -7,6 +7,7 @@ mod common;
 mod contract;
 mod crash;
 mod deb;
+mod fakes;
 mod faults;
 mod heartbeat;
 mod history;

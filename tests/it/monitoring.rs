@@ -3,12 +3,10 @@
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
 
@@ -50,15 +48,7 @@ async fn every_metric_the_rules_and_the_dashboard_use_is_exported() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "");
-    let stop = CancellationToken::new();
-    let addr = fleet_sidecar::daemon::serve_status(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::clone(&d.telemetry),
-        Duration::from_secs(30),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
+    let (addr, stop) = d.serve_status(Duration::from_secs(30)).await;
     eventually("A confirmed", Duration::from_secs(20), || {
         load(&sb).confirmed.contains(&gid(A))
     })

@@ -2,14 +2,12 @@
 //! logs, SIGHUP, and the token never in any output.
 
 use std::process::Command;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
-use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
 
@@ -109,15 +107,7 @@ async fn readyz_goes_unready_during_an_mdma_outage_and_back() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "ready_max_poll_age = \"2s\"\nmax_backoff = \"1s\"");
-    let stop = CancellationToken::new();
-    let addr = fleet_sidecar::daemon::serve_status(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::clone(&d.telemetry),
-        Duration::from_secs(2),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
+    let (addr, stop) = d.serve_status(Duration::from_secs(2)).await;
     let base = format!("http://{addr}");
     assert_eq!(get(&format!("{base}/healthz")).await.0, 200);
     let t = Instant::now();
@@ -166,15 +156,7 @@ async fn metrics_after_a_scripted_scenario() {
     sb.mdma.fail_next_confirms(B, 1);
     sb.mdma.set_reply(PollReply::assign([A, B]));
     let d = start(&sb, REFERENCE);
-    let stop = CancellationToken::new();
-    let addr = fleet_sidecar::daemon::serve_status(
-        "127.0.0.1:0".parse().unwrap(),
-        Arc::clone(&d.telemetry),
-        Duration::from_secs(30),
-        stop.clone(),
-    )
-    .await
-    .unwrap();
+    let (addr, stop) = d.serve_status(Duration::from_secs(30)).await;
     eventually("A, B confirmed", LIMIT, || {
         load(&sb).confirmed == set(&[A, B])
     })

@@ -2,163 +2,28 @@
 //! daemon time run in milliseconds, and no test sleeps for real.
 
 use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use fleet_sidecar::daemon::{self, Deps};
-use fleet_sidecar::Config;
-use fleet_sidecar::Mrtd;
-use fleet_sidecar::ShouldJoin;
-use fleet_sidecar::{Admission, MerodError, MerodOp, Node};
-use fleet_sidecar::{ConfirmError, ControlPlane, PollError, RequestError};
-use fleet_sidecar::{GroupId, PeerId};
-use fleet_sidecar::{State, StateStore};
+use fleet_sidecar::daemon;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
-
-#[derive(Default)]
-struct World {
-    assignments: BTreeSet<GroupId>,
-    held: BTreeSet<GroupId>,
-    hang_joins: BTreeSet<GroupId>,
-    mdma_down: bool,
-    polls: Vec<(Instant, Option<String>)>,
-    joins: Vec<(GroupId, Instant)>,
-    leaves: Vec<(GroupId, Instant)>,
-}
-
-#[derive(Clone, Default)]
-struct Fake(Arc<Mutex<World>>);
-
-impl Fake {
-    fn with<R>(&self, f: impl FnOnce(&mut World) -> R) -> R {
-        f(&mut self.0.lock().unwrap())
-    }
-}
-
-#[async_trait]
-impl ControlPlane for Fake {
-    async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<ShouldJoin, PollError> {
-        if self.with(|w| {
-            w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
-            w.mdma_down
-        }) {
-            return Err(RequestError::Status {
-                url: url::Url::parse("https://mdma.test/api/fleet/should-join").unwrap(),
-                status: 503,
-            }
-            .into());
-        }
-        Ok(self.with(|w| ShouldJoin {
-            assignments: w.assignments.clone(),
-            retain: BTreeSet::new(),
-        }))
-    }
-    async fn confirm(&self, _: &PeerId, _: GroupId) -> Result<(), ConfirmError> {
-        Ok(())
-    }
-}
-
-#[async_trait]
-impl Node for Fake {
-    async fn probe(&self) -> Result<(), MerodError> {
-        Ok(())
-    }
-    async fn fleet_join(&self, id: GroupId) -> Result<Admission, MerodError> {
-        let hang = self.with(|w| {
-            w.joins.push((id, Instant::now()));
-            w.hang_joins.contains(&id)
-        });
-        if hang {
-            std::future::pending::<()>().await;
-        }
-        self.with(|w| w.held.insert(id));
-        Ok(Admission {
-            admitted: true,
-            status: "joined".to_owned(),
-            reasons: Vec::new(),
-        })
-    }
-    async fn leave_namespace(&self, id: GroupId) -> Result<(), MerodError> {
-        self.with(|w| {
-            w.leaves.push((id, Instant::now()));
-            w.held.remove(&id);
-        });
-        Ok(())
-    }
-    async fn holds_namespace(&self, id: GroupId) -> Result<bool, MerodError> {
-        Ok(self.with(|w| w.held.contains(&id)))
-    }
-}
-
-struct Node0 {
-    node: NodeDir,
-}
-
-impl Node0 {
-    fn new() -> Self {
-        Self {
-            node: NodeDir::new(),
-        }
-    }
-
-    fn config(&self, extra: &str) -> Config {
-        self.node.config(extra)
-    }
-
-    fn seed(&self, held: &BTreeSet<GroupId>) {
-        let state = State {
-            admitted: held.clone(),
-            confirmed: held.clone(),
-            absent_polls: Default::default(),
-        };
-        StateStore::new(self.node.state_file())
-            .save(&state)
-            .unwrap();
-    }
-
-    fn state(&self) -> State {
-        if let Ok(bytes) = std::fs::read(self.node.state_file()) {
-            crate::schema::assert_state_valid(&bytes);
-        }
-        StateStore::new(self.node.state_file())
-            .load()
-            .unwrap()
-            .unwrap_or_default()
-    }
-}
-
-fn ids(n: u8) -> BTreeSet<GroupId> {
-    (1..=n).map(|i| GroupId::from_bytes([i; 32])).collect()
-}
-
-fn run(fake: &Fake, cfg: Config) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-    let deps = Deps::new(Arc::new(fake.clone()), Arc::new(fake.clone()));
-    let token = CancellationToken::new();
-    let t = token.clone();
-    let h = tokio::spawn(async move {
-        daemon::run(cfg, deps, t).await.unwrap();
-    });
-    (token, h)
-}
+use crate::fakes::{Fake, Join};
 
 #[tokio::test(start_paused = true)]
 async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
-    let node = Node0::new();
+    let node = NodeDir::new();
     let fake = Fake::default();
     let a = gid(A);
     fake.with(|w| {
         w.assignments.insert(a);
-        w.hang_joins.insert(a);
+        w.join_script = vec![Join::Hang];
     });
     let start = Instant::now();
-    let (stop, h) = run(&fake, node.config(""));
+    let running = fake.run(node.config(""));
     tokio::time::sleep(Duration::from_secs(200)).await;
-    stop.cancel();
-    h.await.unwrap();
+    running.stop().await;
     fake.with(|w| {
         let joins: Vec<Duration> = w.joins.iter().map(|(_, t)| *t - start).collect();
         assert!(joins.len() >= 2, "{joins:?}");
@@ -176,25 +41,24 @@ async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
 
 #[tokio::test(start_paused = true)]
 async fn a_mass_drop_waits_the_full_default_hold_then_leaves_rate_limited() {
-    let node = Node0::new();
+    let node = NodeDir::new();
     let fake = Fake::default();
     let all = ids(25);
-    node.seed(&all);
-    let keep = GroupId::from_bytes([1; 32]);
+    node.seed(&all, &all);
+    let keep = id(1);
     fake.with(|w| {
         w.held = all.clone();
         w.assignments = [keep].into();
     });
     let start = Instant::now();
-    let (stop, h) = run(&fake, node.config(""));
+    let running = fake.run(node.config(""));
     tokio::time::sleep(Duration::from_secs(599)).await;
     assert!(
         fake.with(|w| w.leaves.is_empty()),
         "nothing left during the 10 min hold"
     );
     tokio::time::sleep(Duration::from_secs(200)).await;
-    stop.cancel();
-    h.await.unwrap();
+    running.stop().await;
     fake.with(|w| {
         assert_eq!(
             w.leaves.len(),
@@ -223,24 +87,22 @@ async fn a_mass_drop_waits_the_full_default_hold_then_leaves_rate_limited() {
 
 #[tokio::test(start_paused = true)]
 async fn absence_counts_survive_a_restart() {
-    let node = Node0::new();
+    let node = NodeDir::new();
     let fake = Fake::default();
     let (a, b) = (gid(A), gid(B));
-    node.seed(&[a, b].into());
+    node.seed(&[a, b].into(), &[a, b].into());
     fake.with(|w| {
         w.held = [a, b].into();
         w.assignments = [a].into();
     });
-    let (stop, h) = run(&fake, node.config("leave_after_polls = 3"));
+    let running = fake.run(node.config("leave_after_polls = 3"));
     tokio::time::sleep(Duration::from_millis(1500)).await; // polls at 0 s and 1 s
-    stop.cancel();
-    h.await.unwrap();
+    running.stop().await;
     assert_eq!(node.state().absent_polls.get(&b), Some(&2));
     assert!(fake.with(|w| w.leaves.is_empty()));
-    let (stop, h) = run(&fake, node.config("leave_after_polls = 3"));
+    let running = fake.run(node.config("leave_after_polls = 3"));
     tokio::time::sleep(Duration::from_millis(500)).await; // the third poll
-    stop.cancel();
-    h.await.unwrap();
+    running.stop().await;
     assert_eq!(
         fake.with(|w| w.leaves.len()),
         1,
@@ -251,16 +113,15 @@ async fn absence_counts_survive_a_restart() {
 
 #[tokio::test(start_paused = true)]
 async fn an_mrtd_that_appears_later_is_picked_up_within_minutes() {
-    let node = Node0::new();
+    let node = NodeDir::new();
     let fake = Fake::default();
     let start = Instant::now();
-    let (stop, h) = run(&fake, node.config(""));
+    let running = fake.run(node.config(""));
     tokio::time::sleep(Duration::from_secs(10)).await;
     // A later module load makes the attribute appear.
-    std::fs::write(node.node.dir.path().join("none"), [7u8; 48]).unwrap();
+    std::fs::write(node.dir.path().join("none"), [7u8; 48]).unwrap();
     tokio::time::sleep(Duration::from_secs(300)).await;
-    stop.cancel();
-    h.await.unwrap();
+    running.stop().await;
     let want = "07".repeat(48);
     fake.with(|w| {
         let first = w
@@ -285,16 +146,15 @@ async fn an_mrtd_that_appears_later_is_picked_up_within_minutes() {
 
 #[tokio::test(start_paused = true)]
 async fn failed_polls_back_off_with_jitter_and_the_cadence_returns() {
-    let node = Node0::new();
+    let node = NodeDir::new();
     let fake = Fake::default();
     fake.with(|w| w.mdma_down = true);
-    let (stop, h) = run(&fake, node.config(""));
+    let running = fake.run(node.config(""));
     tokio::time::sleep(Duration::from_secs(120)).await;
     fake.with(|w| w.mdma_down = false);
     let recovered = fake.with(|w| w.polls.len());
     tokio::time::sleep(Duration::from_secs(30)).await;
-    stop.cancel();
-    h.await.unwrap();
+    running.stop().await;
     fake.with(|w| {
         let gaps: Vec<f64> = w
             .polls
@@ -330,30 +190,12 @@ async fn failed_polls_back_off_with_jitter_and_the_cadence_returns() {
 
 #[tokio::test(start_paused = true)]
 async fn the_wait_for_merod_can_be_bounded() {
-    struct Down;
-    #[async_trait]
-    impl Node for Down {
-        async fn probe(&self) -> Result<(), MerodError> {
-            Err(MerodError::Call {
-                op: MerodOp::Peers,
-                url: "http://127.0.0.1:2528/admin-api/peers".into(),
-                source: "connection refused".into(),
-            })
-        }
-        async fn fleet_join(&self, _: GroupId) -> Result<Admission, MerodError> {
-            unreachable!("never called while merod is down")
-        }
-        async fn leave_namespace(&self, _: GroupId) -> Result<(), MerodError> {
-            unreachable!("never called while merod is down")
-        }
-        async fn holds_namespace(&self, _: GroupId) -> Result<bool, MerodError> {
-            unreachable!("never called while merod is down")
-        }
-    }
+    let down = Fake::default();
+    down.with(|w| w.merod_down = true);
     let telemetry = fleet_sidecar::daemon::Telemetry::new();
     let started = Instant::now();
     let r = daemon::wait_for_merod(
-        &Down,
+        &down,
         &telemetry,
         &CancellationToken::new(),
         Some(daemon::ONCE_MEROD_WAIT),
@@ -372,5 +214,9 @@ async fn the_wait_for_merod_can_be_bounded() {
     assert!(
         telemetry.snapshot().heartbeats >= 59,
         "each probe is a heartbeat"
+    );
+    assert!(
+        down.with(|w| w.joins.is_empty() && w.leaves.is_empty()),
+        "nothing but probes while merod is down"
     );
 }

@@ -8,8 +8,7 @@ use fleet_sidecar::{ControlPlane, MdmaClient, MdmaClientError, PollError, Reques
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio_rustls::rustls::{crypto::ring, ServerConfig};
+use tokio_rustls::rustls::ServerConfig;
 use tokio_rustls::TlsAcceptor;
 
 use crate::common::*;
@@ -29,15 +28,7 @@ fn pki() -> Pki {
         .unwrap()
         .signed_by(&key, &ca_cert, &ca_key)
         .unwrap();
-    let server = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![CertificateDer::from(leaf.der().to_vec())],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .unwrap();
+    let server = tls_server_config(&leaf, &key);
     Pki {
         ca_pem: ca_cert.pem(),
         server,

@@ -4,28 +4,23 @@
 //! lead to a leave; merod answers naming a key twice fail closed; a CA file with a bad block
 //! names the file and the block.
 
-use std::collections::BTreeSet;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::Config;
-use fleet_sidecar::GroupId;
-use fleet_sidecar::{Admission, MerodClient, MerodError, Node};
 use fleet_sidecar::{MdmaClient, MdmaClientError, MAX_POLL_BODY};
-use fleet_sidecar::{State, StateStore};
+use fleet_sidecar::{MerodClient, MerodError, Node};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
-use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
-use tokio_rustls::rustls::{crypto::ring, ServerConfig};
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
+use crate::fakes::Fake;
 
 const DEAD_PROXY: &str = "http://127.0.0.1:9";
 
@@ -58,36 +53,6 @@ async fn environment_proxies_never_reach_loopback_merod_or_mdma() {
     child.wait().unwrap();
 }
 
-/// A node that holds `held` and records leaves; joins are admitted.
-#[derive(Clone, Default)]
-struct Recorder {
-    held: Arc<Mutex<BTreeSet<GroupId>>>,
-    leaves: Arc<Mutex<Vec<GroupId>>>,
-}
-
-#[async_trait]
-impl Node for Recorder {
-    async fn probe(&self) -> Result<(), MerodError> {
-        Ok(())
-    }
-    async fn fleet_join(&self, id: GroupId) -> Result<Admission, MerodError> {
-        self.held.lock().unwrap().insert(id);
-        Ok(Admission {
-            admitted: true,
-            status: "joined".to_owned(),
-            reasons: Vec::new(),
-        })
-    }
-    async fn leave_namespace(&self, id: GroupId) -> Result<(), MerodError> {
-        self.leaves.lock().unwrap().push(id);
-        self.held.lock().unwrap().remove(&id);
-        Ok(())
-    }
-    async fn holds_namespace(&self, id: GroupId) -> Result<bool, MerodError> {
-        Ok(self.held.lock().unwrap().contains(&id))
-    }
-}
-
 /// Runs one cycle (`once`) with A held and confirmed, leaving on the first withdrawing poll,
 /// against the MDMA at `url`: the poll must fail naming `cause`, and nothing may be left.
 async fn poll_fails_without_a_leave(
@@ -97,15 +62,9 @@ async fn poll_fails_without_a_leave(
 ) {
     let node = NodeDir::new();
     let a = gid(A);
-    StateStore::new(node.state_file())
-        .save(&State {
-            admitted: [a].into(),
-            confirmed: [a].into(),
-            absent_polls: Default::default(),
-        })
-        .unwrap();
-    let merod = Recorder::default();
-    merod.held.lock().unwrap().insert(a);
+    node.seed(&[a].into(), &[a].into());
+    let merod = Fake::default();
+    merod.with(|w| w.held.insert(a));
     let mdma = MdmaClient::new(url, None, ca_file).unwrap();
     let cfg: Config = node.config(REFERENCE);
     let deps = Deps::new(Arc::new(mdma), Arc::new(merod.clone()));
@@ -128,7 +87,7 @@ async fn poll_fails_without_a_leave(
         "ended at its deadline: {:?}",
         started.elapsed()
     );
-    assert!(merod.leaves.lock().unwrap().is_empty(), "never a leave");
+    assert!(merod.with(|w| w.leaves.is_empty()), "never a leave");
 }
 
 /// A loopback HTTP server that reads the request, then writes `head` and hands the socket
@@ -233,15 +192,7 @@ async fn tls_server(issuer: &Ca, names: &[&str], expired: bool) -> u16 {
         p.not_after = rcgen::date_time_ymd(2001, 1, 1);
     }
     let leaf = p.signed_by(&key, &issuer.cert, &issuer.key).unwrap();
-    let server = ServerConfig::builder_with_provider(Arc::new(ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_no_client_auth()
-        .with_single_cert(
-            vec![CertificateDer::from(leaf.der().to_vec())],
-            PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
-        )
-        .unwrap();
+    let server = tls_server_config(&leaf, &key);
     let acceptor = TlsAcceptor::from(Arc::new(server));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();

@@ -1,0 +1,247 @@
+//! One in-memory MDMA (`ControlPlane`) and merod (`Node`) for the tests that drive the real
+//! loop under tokio's paused clock (`paused`, `history`, `faults`): scripted answers, live
+//! answers a test edits between steps, and a record of every call with its tokio `Instant`.
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use fleet_sidecar::daemon::Deps;
+use fleet_sidecar::Config;
+use fleet_sidecar::Mrtd;
+use fleet_sidecar::ShouldJoin;
+use fleet_sidecar::{parse_should_join, ConfirmError, ControlPlane, PollError, RequestError};
+use fleet_sidecar::{Admission, MerodError, MerodOp, Node};
+use fleet_sidecar::{GroupId, PeerId};
+use tokio::time::Instant;
+
+use crate::common::{id, merod_err, spawn_loop, Running};
+
+/// One should-join answer.
+#[derive(Clone, Debug)]
+pub enum Poll {
+    /// Assignments and `retain`, as `id(n)` numbers.
+    Good(BTreeSet<u8>, BTreeSet<u8>),
+    /// A transport error (no answer).
+    Transport,
+    /// HTTP 503.
+    Status,
+    /// A body that is not a should-join answer.
+    Malformed,
+    /// No answer ever: the loop's own deadline ends the poll.
+    Hang,
+}
+
+/// One fleet-join answer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Join {
+    /// `admitted: true`; merod holds the namespace from then on.
+    Admitted,
+    /// `admitted: false`, answered at once.
+    NotAdmitted,
+    /// The call failed.
+    Error,
+    /// No answer ever.
+    Hang,
+}
+
+/// The should-join answer for `Poll::Good(a, r)`.
+pub fn desired(a: &BTreeSet<u8>, r: &BTreeSet<u8>) -> ShouldJoin {
+    ShouldJoin {
+        assignments: a.iter().map(|n| id(*n)).collect(),
+        retain: r.iter().map(|n| id(*n)).collect(),
+    }
+}
+
+/// What the fake answers and what it saw.
+#[derive(Default)]
+pub struct World {
+    /// The live should-join answer (used once `poll_script` is spent).
+    pub assignments: BTreeSet<GroupId>,
+    pub retain: BTreeSet<GroupId>,
+    /// Every live poll fails with HTTP 503.
+    pub mdma_down: bool,
+    /// The first polls' answers, in order; later polls get the live answer.
+    pub poll_script: Vec<Poll>,
+    /// Fleet-join answers, cycled; empty: admitted.
+    pub join_script: Vec<Join>,
+    /// Confirm outcomes (true: accepted), cycled; empty: accepted.
+    pub confirm_script: Vec<bool>,
+    /// Leave outcomes (true: left), cycled; empty: left.
+    pub leave_script: Vec<bool>,
+    /// From now on every poll gets the live answer and every join, confirm and leave succeeds.
+    pub settled: bool,
+    /// merod refuses connections: every probe fails.
+    pub merod_down: bool,
+    /// The namespaces merod holds.
+    pub held: BTreeSet<GroupId>,
+    /// Every poll: when, and the MRTD (hex) it carried.
+    pub polls: Vec<(Instant, Option<String>)>,
+    /// Every fleet-join call, with when it started.
+    pub joins: Vec<(GroupId, Instant)>,
+    /// Every leave call (failed ones too), with when it started.
+    pub leaves: Vec<(GroupId, Instant)>,
+    /// Leaves that broke a safety rule: after a failed poll, before any poll, or of a
+    /// namespace the latest poll wants.
+    pub violations: Vec<String>,
+    /// The latest answered poll: Some(desired) if it was good, None if it failed.
+    last_poll: Option<Option<ShouldJoin>>,
+    confirms_answered: usize,
+    join_answered: usize,
+    leaves_answered: usize,
+}
+
+/// Answer `i` of `script`, cycled; `default` when the script is empty.
+fn cycled<T: Copy>(script: &[T], i: &mut usize, default: T) -> T {
+    let n = *i;
+    *i += 1;
+    script
+        .get(n % script.len().max(1))
+        .copied()
+        .unwrap_or(default)
+}
+
+/// MDMA and merod in one, shared by clones.
+#[derive(Clone, Default)]
+pub struct Fake(Arc<Mutex<World>>);
+
+impl Fake {
+    pub fn with<R>(&self, f: impl FnOnce(&mut World) -> R) -> R {
+        f(&mut self.0.lock().unwrap())
+    }
+
+    /// Runs the daemon's loop on this fake with `cfg`.
+    pub fn run(&self, cfg: Config) -> Running {
+        spawn_loop(
+            cfg,
+            Deps::new(Arc::new(self.clone()), Arc::new(self.clone())),
+        )
+    }
+}
+
+#[async_trait]
+impl ControlPlane for Fake {
+    async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<ShouldJoin, PollError> {
+        let next = self.with(|w| {
+            w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
+            let scripted = w.poll_script.get(w.polls.len() - 1);
+            match scripted {
+                Some(p) if !w.settled => Some(p.clone()),
+                _ if w.mdma_down && !w.settled => Some(Poll::Status),
+                _ => None,
+            }
+        });
+        let url = url::Url::parse("https://mdma.test/api/fleet/should-join").unwrap();
+        let result = match next {
+            None => Ok(self.with(|w| ShouldJoin {
+                assignments: w.assignments.clone(),
+                retain: w.retain.clone(),
+            })),
+            Some(Poll::Good(a, r)) => Ok(desired(&a, &r)),
+            Some(Poll::Transport) => Err(RequestError::Transport {
+                url,
+                // A real transport error, made without the network: a URL with no host.
+                source: reqwest::Client::new()
+                    .get("http://")
+                    .send()
+                    .await
+                    .expect_err("no host, no request"),
+            }
+            .into()),
+            Some(Poll::Status) => Err(RequestError::Status { url, status: 503 }.into()),
+            Some(Poll::Malformed) => Err(PollError::Malformed {
+                url,
+                source: parse_should_join(b"{\"assignments\":7}").expect_err("not an array"),
+            }),
+            Some(Poll::Hang) => {
+                // The loop's own deadline ends it; record the failure when it does.
+                self.with(|w| w.last_poll = Some(None));
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+        };
+        self.with(|w| w.last_poll = Some(result.as_ref().ok().cloned()));
+        result
+    }
+
+    async fn confirm(&self, _: &PeerId, _: GroupId) -> Result<(), ConfirmError> {
+        let ok =
+            self.with(|w| w.settled || cycled(&w.confirm_script, &mut w.confirms_answered, true));
+        if ok {
+            Ok(())
+        } else {
+            Err(RequestError::Status {
+                url: url::Url::parse("https://mdma.test/api/fleet/confirm").unwrap(),
+                status: 500,
+            })
+        }
+    }
+}
+
+#[async_trait]
+impl Node for Fake {
+    async fn probe(&self) -> Result<(), MerodError> {
+        if self.with(|w| w.merod_down) {
+            return Err(merod_err(MerodOp::Peers, "connection refused"));
+        }
+        Ok(())
+    }
+
+    async fn fleet_join(&self, g: GroupId) -> Result<Admission, MerodError> {
+        let answer = self.with(|w| {
+            w.joins.push((g, Instant::now()));
+            if w.settled {
+                return Join::Admitted;
+            }
+            cycled(&w.join_script, &mut w.join_answered, Join::Admitted)
+        });
+        match answer {
+            Join::Admitted => {
+                self.with(|w| w.held.insert(g));
+                Ok(Admission {
+                    admitted: true,
+                    status: "joined".to_owned(),
+                    reasons: Vec::new(),
+                })
+            }
+            Join::NotAdmitted => Ok(Admission {
+                admitted: false,
+                status: "announced".to_owned(),
+                reasons: vec!["no verifier answered".to_owned()],
+            }),
+            Join::Error => Err(merod_err(MerodOp::FleetJoin, "Internal server error")),
+            Join::Hang => {
+                std::future::pending::<()>().await;
+                unreachable!()
+            }
+        }
+    }
+
+    async fn leave_namespace(&self, g: GroupId) -> Result<(), MerodError> {
+        self.with(|w| {
+            w.leaves.push((g, Instant::now()));
+            match &w.last_poll {
+                Some(Some(d)) => {
+                    if d.assignments.contains(&g) || d.retain.contains(&g) {
+                        w.violations
+                            .push(format!("left {g} which the latest poll wants"));
+                    }
+                }
+                Some(None) => w
+                    .violations
+                    .push(format!("left {g} right after a failed poll")),
+                None => w.violations.push(format!("left {g} before any poll")),
+            }
+            if w.settled || cycled(&w.leave_script, &mut w.leaves_answered, true) {
+                w.held.remove(&g);
+                Ok(())
+            } else {
+                Err(merod_err(MerodOp::Leave, "emulated"))
+            }
+        })
+    }
+
+    async fn holds_namespace(&self, g: GroupId) -> Result<bool, MerodError> {
+        Ok(self.with(|w| w.held.contains(&g)))
+    }
+}
