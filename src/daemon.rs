@@ -27,13 +27,14 @@ use tracing::{debug, error, info, info_span, warn, Instrument};
 use crate::config::Config;
 use crate::identity::{read_peer_id, IdentityError};
 use crate::ids::{GroupId, PeerId};
-use crate::mdma::{ConfirmError, ControlPlane, PollError, MDMA_TIMEOUT};
+use crate::mdma::{ConfirmError, ControlPlane, PollError, RequestError, MDMA_TIMEOUT};
 use crate::merod::{Node, CHECK_TIMEOUT, PROBE_TIMEOUT};
 use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable};
 use crate::reconcile::{
     self, Desired, Guard, LeaveWait, MassDrop, MassDropEvent, Outcome, PlanInput,
 };
 use crate::state::{State, StateError, StateStore};
+use crate::telemetry::Outcome as Metric;
 
 /// Time between readiness probes.
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(1);
@@ -142,16 +143,38 @@ enum JoinEnd {
         status: String,
         reasons: Vec<String>,
     },
-    Failed(String),
+    /// A merod call (fleet-join or the membership check) failed; `timed_out` when it ran
+    /// out of time rather than being refused.
+    Failed {
+        reason: String,
+        timed_out: bool,
+    },
     NotHeld,
     NotPersisted,
     ConfirmFailed(ConfirmError),
+    ConfirmTimedOut(Duration),
 }
 
 #[derive(Debug)]
 enum LeaveEnd {
     Left,
-    StillHeld(String),
+    /// merod still lists it, or cannot tell; `timed_out` when the leave call ran out of time.
+    StillHeld {
+        reason: String,
+        timed_out: bool,
+    },
+}
+
+/// The `outcome` label of a failed poll.
+fn poll_outcome(e: &PollError) -> Metric {
+    match e {
+        PollError::Request(RequestError::Transport { .. }) => Metric::Transport,
+        PollError::Request(RequestError::Timeout { .. }) | PollError::Deadline { .. } => {
+            Metric::Timeout
+        }
+        PollError::Request(RequestError::Status { .. }) => Metric::Status,
+        PollError::Malformed { .. } => Metric::Malformed,
+    }
 }
 
 #[derive(Debug)]
@@ -576,7 +599,7 @@ impl Sidecar {
         match polled {
             Err(e) => {
                 self.failures.fail(&e);
-                Telemetry::count(&telemetry.polls, e.kind());
+                Telemetry::count(&telemetry.polls, poll_outcome(&e));
                 let failures = self.failures.count;
                 telemetry.update(|st| {
                     st.heartbeats += 1;
@@ -588,7 +611,7 @@ impl Sidecar {
             }
             Ok(answer) => {
                 self.failures.succeed();
-                Telemetry::count(&telemetry.polls, "ok");
+                Telemetry::count(&telemetry.polls, Metric::Ok);
                 telemetry.last_ok_poll.set(now);
                 telemetry.update(|st| {
                     st.heartbeats += 1;
@@ -887,7 +910,7 @@ impl Sidecar {
     fn on_event(&mut self, event: Event) {
         match event {
             Event::Admitted { id, ack } => {
-                Telemetry::count(&self.deps.telemetry.joins, "admitted");
+                Telemetry::count(&self.deps.telemetry.joins, Metric::Admitted);
                 reconcile::apply(&mut self.state, Outcome::Admitted(id));
                 info!(namespace_id = %id, "admitted by merod and listed by it");
                 if self.persist() {
@@ -900,11 +923,18 @@ impl Sidecar {
                 self.joining.remove(&id);
                 let t = &self.deps.telemetry;
                 match &end {
-                    JoinEnd::Confirmed => Telemetry::count(&t.confirms, "ok"),
-                    JoinEnd::ConfirmFailed(_) => Telemetry::count(&t.confirms, "error"),
-                    JoinEnd::NotAdmitted { .. } => Telemetry::count(&t.joins, "not_admitted"),
-                    JoinEnd::Failed(_) => Telemetry::count(&t.joins, "error"),
-                    JoinEnd::NotHeld => Telemetry::count(&t.joins, "not_held"),
+                    JoinEnd::Confirmed => Telemetry::count(&t.confirms, Metric::Ok),
+                    JoinEnd::ConfirmFailed(e) if e.is_timeout() => {
+                        Telemetry::count(&t.confirms, Metric::Timeout)
+                    }
+                    JoinEnd::ConfirmFailed(_) => Telemetry::count(&t.confirms, Metric::Error),
+                    JoinEnd::ConfirmTimedOut(_) => Telemetry::count(&t.confirms, Metric::Timeout),
+                    JoinEnd::NotAdmitted { .. } => Telemetry::count(&t.joins, Metric::NotAdmitted),
+                    JoinEnd::Failed {
+                        timed_out: true, ..
+                    } => Telemetry::count(&t.joins, Metric::Timeout),
+                    JoinEnd::Failed { .. } => Telemetry::count(&t.joins, Metric::Error),
+                    JoinEnd::NotHeld => Telemetry::count(&t.joins, Metric::NotHeld),
                     JoinEnd::NotPersisted => {}
                 }
                 match end {
@@ -928,9 +958,10 @@ impl Sidecar {
                             info!(namespace_id = %id, outcome = "not_admitted", duration, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
                         }
                     }
-                    JoinEnd::Failed(reason) => {
+                    JoinEnd::Failed { reason, timed_out } => {
                         self.back_off_join(id);
-                        warn!(namespace_id = %id, outcome = "error", error_kind = "join", duration, "join failed: {reason}; retrying later");
+                        let outcome = if timed_out { "timeout" } else { "error" };
+                        warn!(namespace_id = %id, outcome, error_kind = "join", duration, "join failed: {reason}; retrying later");
                     }
                     JoinEnd::NotHeld => {
                         self.back_off_join(id);
@@ -944,6 +975,10 @@ impl Sidecar {
                         self.back_off_join(id);
                         warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm failed: {e}; stays unconfirmed, retrying later");
                     }
+                    JoinEnd::ConfirmTimedOut(limit) => {
+                        self.back_off_join(id);
+                        warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm gave no answer within {limit:?}; stays unconfirmed, retrying later");
+                    }
                 }
             }
             Event::LeaveEnded { id, end, took } => {
@@ -951,13 +986,18 @@ impl Sidecar {
                 self.leaving.remove(&id);
                 match end {
                     LeaveEnd::Left => {
-                        Telemetry::count(&self.deps.telemetry.leaves, "left");
+                        Telemetry::count(&self.deps.telemetry.leaves, Metric::Left);
                         reconcile::apply(&mut self.state, Outcome::Left(id));
                         self.persist();
                         info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
                     }
-                    LeaveEnd::StillHeld(reason) => {
-                        Telemetry::count(&self.deps.telemetry.leaves, "failed");
+                    LeaveEnd::StillHeld { reason, timed_out } => {
+                        let outcome = if timed_out {
+                            Metric::Timeout
+                        } else {
+                            Metric::Failed
+                        };
+                        Telemetry::count(&self.deps.telemetry.leaves, outcome);
                         warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, "leave not done ({reason}); stays a leave candidate");
                     }
                 }
@@ -996,12 +1036,25 @@ async fn join_task(
     events: &mpsc::UnboundedSender<Event>,
 ) -> JoinEnd {
     let Ok(_permit) = permits.acquire_owned().await else {
-        return JoinEnd::Failed("join slots closed".to_owned());
+        return JoinEnd::Failed {
+            reason: "join slots closed".to_owned(),
+            timed_out: false,
+        };
     };
     let t = &calls.telemetry;
     let admission = match timed(t, "fleet_join", join_timeout, calls.merod.fleet_join(id)).await {
-        None => return JoinEnd::Failed(format!("no answer within {join_timeout:?} (abandoned)")),
-        Some(Err(e)) => return JoinEnd::Failed(e.to_string()),
+        None => {
+            return JoinEnd::Failed {
+                reason: format!("no answer within {join_timeout:?} (abandoned)"),
+                timed_out: true,
+            }
+        }
+        Some(Err(e)) => {
+            return JoinEnd::Failed {
+                timed_out: e.is_timeout(),
+                reason: e.to_string(),
+            }
+        }
         Some(Ok(a)) => a,
     };
     if !admission.admitted {
@@ -1021,12 +1074,18 @@ async fn join_task(
         Some(Ok(true)) => {}
         Some(Ok(false)) => return JoinEnd::NotHeld,
         Some(Err(e)) => {
-            return JoinEnd::Failed(format!("admitted, but the membership check failed: {e}"))
+            return JoinEnd::Failed {
+                timed_out: e.is_timeout(),
+                reason: format!("admitted, but the membership check failed: {e}"),
+            }
         }
         None => {
-            return JoinEnd::Failed(format!(
-                "admitted, but the membership check gave no answer within {CHECK_TIMEOUT:?}"
-            ))
+            return JoinEnd::Failed {
+                reason: format!(
+                    "admitted, but the membership check gave no answer within {CHECK_TIMEOUT:?}"
+                ),
+                timed_out: true,
+            }
         }
     }
     let (ack, acked) = oneshot::channel();
@@ -1037,7 +1096,7 @@ async fn join_task(
     match timed(t, "confirm", limit, calls.mdma.confirm(&peer_id, id)).await {
         Some(Ok(())) => JoinEnd::Confirmed,
         Some(Err(e)) => JoinEnd::ConfirmFailed(e),
-        None => JoinEnd::Failed(format!("confirm gave no answer within {limit:?}")),
+        None => JoinEnd::ConfirmTimedOut(limit),
     }
 }
 
@@ -1047,11 +1106,16 @@ async fn leave_task(
     telemetry: &Telemetry,
     leave_timeout: Duration,
 ) -> LeaveEnd {
-    let leave = match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
-        Some(Ok(())) => "left".to_owned(),
-        Some(Err(e)) => e.to_string(),
-        None => format!("no answer within {leave_timeout:?}: outcome unknown"),
-    };
+    let (leave, timed_out) =
+        match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
+            Some(Ok(())) => ("left".to_owned(), false),
+            Some(Err(e)) => (e.to_string(), e.is_timeout()),
+            None => (
+                format!("no answer within {leave_timeout:?}: outcome unknown"),
+                true,
+            ),
+        };
+    let still_held = |reason: String| LeaveEnd::StillHeld { reason, timed_out };
     match timed(
         telemetry,
         "namespace_get",
@@ -1061,11 +1125,9 @@ async fn leave_task(
     .await
     {
         Some(Ok(false)) => LeaveEnd::Left,
-        Some(Ok(true)) => LeaveEnd::StillHeld(format!("leave: {leave}; merod still lists it")),
-        Some(Err(e)) => {
-            LeaveEnd::StillHeld(format!("leave: {leave}; membership check failed: {e}"))
-        }
-        None => LeaveEnd::StillHeld(format!(
+        Some(Ok(true)) => still_held(format!("leave: {leave}; merod still lists it")),
+        Some(Err(e)) => still_held(format!("leave: {leave}; membership check failed: {e}")),
+        None => still_held(format!(
             "leave: {leave}; membership check gave no answer within {CHECK_TIMEOUT:?}"
         )),
     }
@@ -1116,5 +1178,21 @@ mod tests {
             next_poll_delay(Duration::from_secs(5), S, 3, 0.5),
             Duration::from_secs(5)
         );
+    }
+
+    #[test]
+    fn a_poll_that_timed_out_is_counted_as_timeout_not_error() {
+        let url: url::Url = "https://mdma.test/api/fleet/should-join".parse().unwrap();
+        let timeout = PollError::Request(RequestError::Timeout {
+            url: url.clone(),
+            timeout: Duration::from_secs(10),
+        });
+        assert_eq!(poll_outcome(&timeout), Metric::Timeout);
+        let deadline = PollError::Deadline {
+            timeout: Duration::from_secs(11),
+        };
+        assert_eq!(poll_outcome(&deadline), Metric::Timeout);
+        let status = PollError::Request(RequestError::Status { url, status: 503 });
+        assert_eq!(poll_outcome(&status), Metric::Status);
     }
 }

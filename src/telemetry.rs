@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -18,11 +18,65 @@ use tokio::sync::watch;
 
 use crate::ids::GroupId;
 
+/// How an outside call or a task ended: the value of the `outcome` label. A timeout is its
+/// own outcome everywhere (`timeout`), never counted as an `error`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Outcome {
+    /// `ok`: a successful poll or confirm.
+    Ok,
+    /// `transport`: a poll with no answer (refused, reset, TLS).
+    Transport,
+    /// `timeout`: no answer within the call's deadline.
+    Timeout,
+    /// `status`: a poll answered with a status other than 200.
+    Status,
+    /// `malformed`: a 200 poll whose body is not a valid assignment document.
+    Malformed,
+    /// `admitted`: a join admitted, recorded and confirmed.
+    Admitted,
+    /// `not_admitted`: merod answered `admitted: false`.
+    NotAdmitted,
+    /// `error`: the call failed with an answer or transport error (not a timeout).
+    Error,
+    /// `not_held`: `admitted: true` but merod does not list the namespace.
+    NotHeld,
+    /// `left`: a leave confirmed by merod no longer listing the namespace.
+    Left,
+    /// `failed`: a leave after which merod still lists the namespace, or cannot tell.
+    Failed,
+}
+
+impl Outcome {
+    /// The label value, e.g. `not_admitted`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Ok => "ok",
+            Outcome::Transport => "transport",
+            Outcome::Timeout => "timeout",
+            Outcome::Status => "status",
+            Outcome::Malformed => "malformed",
+            Outcome::Admitted => "admitted",
+            Outcome::NotAdmitted => "not_admitted",
+            Outcome::Error => "error",
+            Outcome::NotHeld => "not_held",
+            Outcome::Left => "left",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
+        use std::fmt::Write;
+        encoder.write_str(self.as_str())
+    }
+}
+
 /// Label set `{outcome="..."}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabel {
-    /// e.g. `ok`, `timeout`, `admitted`.
-    pub outcome: &'static str,
+    /// How it ended.
+    pub outcome: Outcome,
 }
 
 /// Label set `{set="desired|confirmed|admitted|pending_leave"}`.
@@ -330,19 +384,17 @@ impl Telemetry {
         );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
+        use Outcome::*;
         for (family, outcomes) in [
-            (
-                &polls,
-                &["ok", "transport", "timeout", "status", "malformed"][..],
-            ),
+            (&polls, &[Ok, Transport, Timeout, Status, Malformed][..]),
             (
                 &joins,
-                &["admitted", "not_admitted", "error", "not_held"][..],
+                &[Admitted, NotAdmitted, Error, Timeout, NotHeld][..],
             ),
-            (&confirms, &["ok", "error"][..]),
-            (&leaves, &["left", "failed"][..]),
+            (&confirms, &[Ok, Error, Timeout][..]),
+            (&leaves, &[Left, Failed, Timeout][..]),
         ] {
-            for outcome in outcomes {
+            for &outcome in outcomes {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
             }
         }
@@ -372,7 +424,7 @@ impl Telemetry {
     }
 
     /// Counts one outcome of `family`.
-    pub fn count(family: &Family<OutcomeLabel, Counter>, outcome: &'static str) {
+    pub fn count(family: &Family<OutcomeLabel, Counter>, outcome: Outcome) {
         family.get_or_create(&OutcomeLabel { outcome }).inc();
     }
 
@@ -499,8 +551,8 @@ mod tests {
     #[test]
     fn metrics_encode_with_the_prefix() {
         let t = Telemetry::new();
-        Telemetry::count(&t.polls, "ok");
-        Telemetry::count(&t.polls, "ok");
+        Telemetry::count(&t.polls, Outcome::Ok);
+        Telemetry::count(&t.polls, Outcome::Ok);
         t.observe("should_join", Duration::from_millis(3));
         t.set_mrtd_source(Some("sysfs"));
         t.last_ok_poll.set(1234.5);
@@ -522,5 +574,24 @@ mod tests {
             "{text}"
         );
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    #[test]
+    fn a_timeout_is_its_own_outcome_label_for_every_call() {
+        let t = Telemetry::new();
+        Telemetry::count(&t.joins, Outcome::Timeout);
+        Telemetry::count(&t.joins, Outcome::Error);
+        Telemetry::count(&t.joins, Outcome::Error);
+        let text = t.encode_metrics();
+        for line in [
+            "fleet_sidecar_joins_total{outcome=\"timeout\"} 1",
+            "fleet_sidecar_joins_total{outcome=\"error\"} 2",
+            "fleet_sidecar_confirms_total{outcome=\"timeout\"} 0",
+            "fleet_sidecar_leaves_total{outcome=\"timeout\"} 0",
+            "fleet_sidecar_polls_total{outcome=\"timeout\"} 0",
+            "fleet_sidecar_joins_total{outcome=\"not_admitted\"} 0",
+        ] {
+            assert!(text.contains(line), "{line} missing from:\n{text}");
+        }
     }
 }
