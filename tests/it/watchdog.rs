@@ -78,10 +78,10 @@ async fn pings_follow_watchdog_usec_not_the_poll_interval_on_an_abstract_socket(
     assert!(p.len() >= 5, "about one ping a second: {got:?}");
     let worst = p.windows(2).map(|w| w[1] - w[0]).max().unwrap();
     assert!(worst < Duration::from_millis(1900), "worst gap {worst:?}");
-    assert_eq!(
-        sb.mdma.polls().len(),
-        1,
-        "one poll in 7 s at a 10 min interval"
+    // The first poll waits a random part of the interval (up to 10 min here).
+    assert!(
+        sb.mdma.polls().len() <= 1,
+        "at most one poll in 7 s at a 10 min interval"
     );
 }
 
