@@ -75,6 +75,19 @@ impl Deps {
     }
 }
 
+/// The longest wait before the first poll: a node on a long `poll_interval` still sends its
+/// first heartbeat within seconds of a (re)start.
+pub(crate) const FIRST_POLL_SPREAD_MAX: Duration = Duration::from_secs(5);
+
+/// The wait before the first poll after start: `min(interval, 5 s) · jitter` for `jitter`
+/// in `[0, 1)`, so a fleet started at the same instant (a rollout, a power cut) spreads its
+/// polls over one interval instead of hitting MDMA in lock-step, and keeps them spread.
+pub(crate) fn first_poll_delay(interval: Duration, jitter: f64) -> Duration {
+    interval
+        .min(FIRST_POLL_SPREAD_MAX)
+        .mul_f64(jitter.clamp(0.0, 1.0))
+}
+
 /// The wait before the next poll. After a successful poll: `interval`. After `failures`
 /// failed polls in a row: a jittered exponential backoff, so a fleet recovering from an
 /// MDMA outage does not poll in lockstep: `base = min(max_backoff, interval · 2^failures)`,
@@ -513,7 +526,8 @@ impl Sidecar {
     /// `SHUTDOWN_GRACE` (10 s) and persists.
     pub async fn run_loop(&mut self) {
         let shutdown = self.shutdown.clone();
-        let mut next_poll = Instant::now();
+        let mut next_poll =
+            Instant::now() + first_poll_delay(self.cfg.poll_interval, fastrand::f64());
         // A turn at least every second, so the watchdog sees the loop alive between polls.
         let mut alive = tokio::time::interval(Duration::from_secs(1));
         alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -1152,6 +1166,22 @@ mod tests {
     fn the_cadence_is_the_interval_while_polls_succeed() {
         assert_eq!(next_poll_delay(S, MAX, 0, 0.0), S);
         assert_eq!(next_poll_delay(S, MAX, 0, 0.99), S);
+    }
+
+    #[test]
+    fn the_first_poll_waits_a_random_part_of_one_interval() {
+        assert_eq!(first_poll_delay(S, 0.0), Duration::ZERO);
+        assert_eq!(first_poll_delay(S, 0.25), Duration::from_millis(250));
+        for jitter in [-1.0, 0.0, 0.5, 0.999, 1.0, 7.0] {
+            assert!(first_poll_delay(S, jitter) <= S, "{jitter}");
+        }
+        // A long interval still polls within seconds of a start.
+        let ten_minutes = Duration::from_secs(600);
+        assert_eq!(
+            first_poll_delay(ten_minutes, 0.5),
+            Duration::from_millis(2500)
+        );
+        assert!(first_poll_delay(ten_minutes, 0.999) < FIRST_POLL_SPREAD_MAX);
     }
 
     #[test]

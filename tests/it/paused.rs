@@ -11,6 +11,43 @@ use tokio_util::sync::CancellationToken;
 use crate::common::*;
 use crate::fakes::{Fake, Join};
 
+/// Sleeps until `fake` has been polled `n` times in all, then 10 ms more: that cycle ends
+/// without the clock moving (every fake answers at once), so it is persisted by then.
+async fn until_polls(fake: &Fake, n: usize) {
+    while fake.with(|w| w.polls.len()) < n {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(10)).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fleet_started_at_the_same_instant_does_not_poll_in_lock_step() {
+    // Twenty nodes start together; each first poll waits a random part of one interval.
+    let nodes: Vec<(NodeDir, Fake)> = (0..20).map(|_| (NodeDir::new(), Fake::default())).collect();
+    let start = Instant::now();
+    let running: Vec<_> = nodes
+        .iter()
+        .map(|(node, fake)| fake.run(node.config("")))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for r in running {
+        r.stop().await;
+    }
+    let first: BTreeSet<Duration> = nodes
+        .iter()
+        .map(|(_, fake)| fake.with(|w| w.polls.first().expect("each node polled").0 - start))
+        .collect();
+    assert!(
+        first.iter().all(|t| *t <= Duration::from_secs(1)),
+        "every first poll within one interval of the start: {first:?}"
+    );
+    let windows: BTreeSet<u128> = first.iter().map(|t| t.as_millis() / 100).collect();
+    assert!(
+        windows.len() >= 4,
+        "first polls spread over the interval, not at one instant: {first:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
     let node = NodeDir::new();
@@ -96,12 +133,12 @@ async fn absence_counts_survive_a_restart() {
         w.assignments = [a].into();
     });
     let running = fake.run(node.config("leave_after_polls = 3"));
-    tokio::time::sleep(Duration::from_millis(1500)).await; // polls at 0 s and 1 s
+    until_polls(&fake, 2).await;
     running.stop().await;
     assert_eq!(node.state().absent_polls.get(&b), Some(&2));
     assert!(fake.with(|w| w.leaves.is_empty()));
     let running = fake.run(node.config("leave_after_polls = 3"));
-    tokio::time::sleep(Duration::from_millis(500)).await; // the third poll
+    until_polls(&fake, 3).await; // the third poll overall
     running.stop().await;
     assert_eq!(
         fake.with(|w| w.leaves.len()),

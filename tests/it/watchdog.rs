@@ -78,6 +78,7 @@ async fn pings_follow_watchdog_usec_not_the_poll_interval_on_an_abstract_socket(
     assert!(p.len() >= 5, "about one ping a second: {got:?}");
     let worst = p.windows(2).map(|w| w[1] - w[0]).max().unwrap();
     assert!(worst < Duration::from_millis(1900), "worst gap {worst:?}");
+    // The first poll waits a random part of at most 5 s; then nothing for 10 min.
     assert_eq!(
         sb.mdma.polls().len(),
         1,
