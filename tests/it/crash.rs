@@ -32,7 +32,7 @@ const IDS: [&str; 4] = [A, B, C, D];
 /// outage (error status or a hung poll).
 pub(crate) type Phases = Arc<Mutex<Vec<(Instant, Option<BTreeSet<String>>)>>>;
 
-fn env_num(key: &str) -> Option<u64> {
+pub(crate) fn env_num(key: &str) -> Option<u64> {
     std::env::var(key).ok().and_then(|v| v.parse().ok())
 }
 
@@ -90,15 +90,20 @@ fn step(sb: &Sandbox, rng: &mut fastrand::Rng, phases: &Phases) {
         }
     };
     if let Some(reply) = reply {
-        let assigned = match &reply {
-            PollReply::Assign { assignments, .. } => Some(assignments.iter().cloned().collect()),
-            _ => None,
-        };
-        // Logged before the switch: a poll arriving in between is judged by the new phase,
-        // which only makes the leave check stricter for that instant.
-        phases.lock().unwrap().push((Instant::now(), assigned));
-        sb.mdma.set_reply(reply);
+        switch_reply(sb, phases, reply);
     }
+}
+
+/// Makes MDMA answer `reply` from now on, logging what it assigns (`None`: a failing answer)
+/// for [`check_leaves`]. Logged before the switch: a poll arriving in between is judged by
+/// the new phase, which only makes the leave check stricter for that instant.
+pub(crate) fn switch_reply(sb: &Sandbox, phases: &Phases, reply: PollReply) {
+    let assigned = match &reply {
+        PollReply::Assign { assignments, .. } => Some(assignments.iter().cloned().collect()),
+        _ => None,
+    };
+    phases.lock().unwrap().push((Instant::now(), assigned));
+    sb.mdma.set_reply(reply);
 }
 
 /// The assignment MDMA answered with at `at` (`None` during an outage).

@@ -35,14 +35,10 @@ use fleet_sidecar::MerodClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
-use crate::crash::{check_leaves, check_state_file, Phases};
+use crate::crash::{check_leaves, check_state_file, env_num, switch_reply, Phases};
 
 const IDS: [&str; 4] = [A, B, C, D];
 const SAMPLE_EVERY: usize = 1_000;
-
-fn env_num(key: &str) -> Option<u64> {
-    std::env::var(key).ok().and_then(|v| v.parse().ok())
-}
 
 /// VmRSS of `pid` in KiB.
 fn rss_kib(pid: u32) -> u64 {
@@ -122,12 +118,7 @@ fn inject(sb: &Sandbox, rng: &mut fastrand::Rng, phases: &Phases) {
         }
     }
     if let Some(reply) = reply {
-        let assigned = match &reply {
-            PollReply::Assign { assignments, .. } => Some(assignments.iter().cloned().collect()),
-            _ => None,
-        };
-        phases.lock().unwrap().push((Instant::now(), assigned));
-        sb.mdma.set_reply(reply);
+        switch_reply(sb, phases, reply);
     }
 }
 
