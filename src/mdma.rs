@@ -230,7 +230,7 @@ pub trait ControlPlane: Send + Sync + 'static {
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use fleet_sidecar::{FleetToken, MdmaClient};
+/// use fleet_sidecar::{ControlPlane, FleetToken, MdmaClient};
 ///
 /// let mdma = MdmaClient::builder("https://mdma.example/".parse()?)
 ///     .token(FleetToken::new("…"))

@@ -309,7 +309,8 @@ impl MerodClientBuilder {
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), fleet_sidecar::MerodError> {
-/// use fleet_sidecar::MerodClient;
+/// // `Node` holds the calls the daemon makes (probe, fleet-join, leave, membership).
+/// use fleet_sidecar::{MerodClient, Node};
 ///
 /// let merod = MerodClient::new(&"http://127.0.0.1:2528/".parse().unwrap())?;
 /// merod.probe().await?;
