@@ -1,7 +1,7 @@
 #!/bin/sh
 # Builds the Debian package: target/debian/fleet-sidecar_<version>-1_<arch>.deb.
 #
-#   scripts/build-deb.sh            (needs cargo-deb: cargo install cargo-deb --locked)
+#   scripts/build-deb.sh            (installs cargo-deb from crates.io first if it is missing)
 #
 # Steps: the release binary; from it, the man page and the shell completions (generated from
 # the clap definition: `fleet-sidecar man`, `fleet-sidecar completions SHELL`) and the systemd
@@ -11,8 +11,8 @@ set -eu
 cd "$(dirname "$0")/.."
 
 if ! cargo deb --version >/dev/null 2>&1; then
-    echo "build-deb: cargo-deb is not installed (cargo install cargo-deb --locked)" >&2
-    exit 1
+    echo "build-deb: cargo-deb is not installed; installing it (cargo install cargo-deb --locked, a few minutes)" >&2
+    cargo install cargo-deb --locked
 fi
 target=${CARGO_TARGET_DIR:-target}
 cargo build --release --locked --bin fleet-sidecar
