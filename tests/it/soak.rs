@@ -122,6 +122,12 @@ fn inject(sb: &Sandbox, rng: &mut fastrand::Rng, phases: &Phases) {
     }
 }
 
+// Not in the default run: at the 2,000 cycles CI could afford, the RSS window is allocator
+// warm-up rather than a leak signal (+1.8 MiB between cycles 1,000 and 2,000 in one run), and
+// at a 1 ms cadence a leave in flight can reach merod after a newer poll re-assigned the
+// namespace, which the leave check counts against it. `scripts/soak.sh` runs it at 100,000
+// cycles (RELIABILITY.md).
+#[ignore = "long soak: run by scripts/soak.sh (RELIABILITY.md)"]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn soak_the_loop_with_random_faults() {
     let cycles = env_num("FLEET_SOAK_CYCLES").unwrap_or(2_000) as usize;
