@@ -94,6 +94,15 @@ fn step(sb: &Sandbox, rng: &mut fastrand::Rng, phases: &Phases) {
     }
 }
 
+/// Clears every merod fault and makes MDMA assign exactly `ids` from now on.
+pub(crate) fn calm(sb: &Sandbox, phases: &Phases, ids: &[&str]) {
+    for id in IDS {
+        sb.merod.set_join(id, JoinBehaviour::default());
+    }
+    sb.merod.set_default_leave(LeaveBehaviour::default());
+    switch_reply(sb, phases, PollReply::assign(ids.iter().copied()));
+}
+
 /// Makes MDMA answer `reply` from now on, logging what it assigns (`None`: a failing answer)
 /// for [`check_leaves`]. Logged before the switch: a poll arriving in between is judged by
 /// the new phase, which only makes the leave check stricter for that instant.
@@ -244,15 +253,7 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     script.abort();
 
     // Calm: every fault cleared, MDMA settles on {A, C}; the node must converge to it.
-    for id in IDS {
-        sb.merod.set_join(id, JoinBehaviour::default());
-    }
-    sb.merod.set_default_leave(LeaveBehaviour::default());
-    phases
-        .lock()
-        .unwrap()
-        .push((Instant::now(), Some(strings(&[A, C]))));
-    sb.mdma.set_reply(PollReply::assign([A, C]));
+    calm(&sb, &phases, &[A, C]);
     let mut child = spawn_daemon(&cfg, false, &[]);
     eventually(
         "the node holds, admits and confirms exactly {A, C}",

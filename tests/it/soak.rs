@@ -35,7 +35,7 @@ use fleet_sidecar::MerodClient;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
-use crate::crash::{check_leaves, check_state_file, env_num, switch_reply, Phases};
+use crate::crash::{calm, check_leaves, check_state_file, env_num, switch_reply, Phases};
 
 const IDS: [&str; 4] = [A, B, C, D];
 const SAMPLE_EVERY: usize = 1_000;
@@ -186,15 +186,7 @@ async fn soak_the_loop_with_random_faults() {
 
     // Calm: faults cleared, MDMA settles on {B, D}; the node must converge to it (a
     // namespace whose joins kept failing may first wait out a join backoff of up to 60 s).
-    for id in IDS {
-        sb.merod.set_join(id, JoinBehaviour::default());
-    }
-    sb.merod.set_default_leave(LeaveBehaviour::default());
-    phases
-        .lock()
-        .unwrap()
-        .push((Instant::now(), Some(strings(&[B, D]))));
-    sb.mdma.set_reply(PollReply::assign([B, D]));
+    calm(&sb, &phases, &[B, D]);
     eventually(
         "the node holds, admits and confirms exactly {B, D}",
         Duration::from_secs(180),
