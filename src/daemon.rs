@@ -953,10 +953,12 @@ impl Sidecar {
                 }
                 match end {
                     JoinEnd::Confirmed => {
+                        // Logged before it is recorded: whoever sees the state file
+                        // change also finds the line (a log-rotating test relies on it).
+                        info!(namespace_id = %id, outcome = "confirmed", duration, "confirmed to MDMA");
                         reconcile::apply(&mut self.state, Outcome::Confirmed(id));
                         self.join_retry.succeed(id);
                         self.persist();
-                        info!(namespace_id = %id, outcome = "confirmed", duration, "confirmed to MDMA");
                     }
                     JoinEnd::NotAdmitted { status, reasons } => {
                         let (failures, wait) = self.back_off_join(id);
@@ -1001,9 +1003,9 @@ impl Sidecar {
                 match end {
                     LeaveEnd::Left => {
                         Telemetry::count(&self.deps.telemetry.leaves, Metric::Left);
+                        info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
                         reconcile::apply(&mut self.state, Outcome::Left(id));
                         self.persist();
-                        info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
                     }
                     LeaveEnd::StillHeld { reason, timed_out } => {
                         let outcome = if timed_out {
