@@ -58,6 +58,23 @@ impl LogFile {
     }
 }
 
+/// Why [`init`] could not set logging up as configured.
+#[derive(Debug, thiserror::Error)]
+pub enum LogInitError {
+    /// The log file could not be opened; logging goes to the journal or stderr only.
+    #[error("cannot open log file {}: {source}; logging to the journal or stderr only", path.display())]
+    LogFile {
+        /// The configured `log_file`.
+        path: PathBuf,
+        /// The open's I/O error.
+        #[source]
+        source: io::Error,
+    },
+    /// A global `tracing` subscriber was already installed.
+    #[error("cannot install the log subscriber: {0}")]
+    Subscriber(#[from] tracing_subscriber::util::TryInitError),
+}
+
 /// One event's writer into a [`LogFile`].
 #[derive(Debug)]
 pub struct LogFileWriter<'a>(&'a LogFile);
@@ -113,13 +130,16 @@ where
 /// line in `format`. Verbosity comes from `RUST_LOG` (default `info`). When the journal
 /// cannot be reached, stderr is used and a warning says why.
 ///
-/// Returns the open log file (to reopen on SIGHUP), or the reason it could not be opened
-/// — logging then goes to the journal or stderr only.
+/// Returns the open log file (to reopen on SIGHUP).
+///
+/// Errors: [`LogInitError::Subscriber`] when a global subscriber is already set (nothing is
+/// logged through this one); [`LogInitError::LogFile`] when `log_file` cannot be opened —
+/// logging is set up all the same and goes to the journal or stderr only.
 pub fn init(
     log_file: Option<&Path>,
     format: LogFormat,
     target: LogTarget,
-) -> Result<Option<Arc<LogFile>>, String> {
+) -> Result<Option<Arc<LogFile>>, LogInitError> {
     let want_journal = match target {
         LogTarget::Journald => true,
         LogTarget::Stderr => false,
@@ -131,16 +151,14 @@ pub fn init(
         Some(Err(e)) => (None, Some(e)),
     };
     let stderr = journal.is_none().then(|| layer(io::stderr, format));
-    let (file, problem) = match log_file.map(LogFile::open) {
+    let (file, problem) = match log_file.map(|p| (p, LogFile::open(p))) {
         None => (None, None),
-        Some(Ok(f)) => (Some(f), None),
-        Some(Err(e)) => (
+        Some((_, Ok(f))) => (Some(f), None),
+        Some((path, Err(source))) => (
             None,
-            log_file.map(|p| {
-                format!(
-                    "cannot open log file {}: {e}; logging to stderr only",
-                    p.display()
-                )
+            Some(LogInitError::LogFile {
+                path: path.to_owned(),
+                source,
             }),
         ),
     };
@@ -151,8 +169,7 @@ pub fn init(
         .with(journal)
         .with(stderr)
         .with(file_layer)
-        .try_init()
-        .map_err(|e| e.to_string())?;
+        .try_init()?;
     if let Some(e) = journal_problem {
         tracing::warn!("cannot log to the journal ({e}): logging to stderr instead");
     }
