@@ -18,6 +18,9 @@ use tokio::sync::watch;
 
 use crate::ids::GroupId;
 
+mod projection;
+pub(crate) use projection::Projection;
+
 /// How an outside call or a task ended: the value of the `outcome` label. A timeout is its
 /// own outcome everywhere (`timeout`), never counted as an `error`.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]

@@ -1,4 +1,4 @@
-//! Property test of the real loop (daemon.rs + reconcile.rs) under tokio's paused clock:
+//! Property test of the real loop (src/daemon/ + reconcile.rs) under tokio's paused clock:
 //! random sequences of poll outcomes (good with random sets, failed of each kind, hung),
 //! join outcomes (admitted, not admitted, error, hang), confirm outcomes and leave outcomes.
 //!

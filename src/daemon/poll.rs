@@ -1,0 +1,166 @@
+//! The poll's cadence (first-poll spread, backoff while polls fail) and how failed polls
+//! are counted and logged.
+
+use std::time::Duration;
+
+use tracing::{info, warn};
+
+use crate::mdma::{PollError, RequestError};
+use crate::telemetry::Outcome as Metric;
+
+use super::REPEAT_LOG_EVERY;
+
+/// The longest wait before the first poll: a node on a long `poll_interval` still sends its
+/// first heartbeat within seconds of a (re)start.
+pub(crate) const FIRST_POLL_SPREAD_MAX: Duration = Duration::from_secs(5);
+
+/// The wait before the first poll after start: `min(interval, 5 s) · jitter` for `jitter`
+/// in `[0, 1)`, so a fleet started at the same instant (a rollout, a power cut) spreads its
+/// polls over one interval instead of hitting MDMA in lock-step, and keeps them spread.
+pub(crate) fn first_poll_delay(interval: Duration, jitter: f64) -> Duration {
+    interval
+        .min(FIRST_POLL_SPREAD_MAX)
+        .mul_f64(jitter.clamp(0.0, 1.0))
+}
+
+/// The wait before the next poll. After a successful poll: `interval`. After `failures`
+/// failed polls in a row: a jittered exponential backoff, so a fleet recovering from an
+/// MDMA outage does not poll in lockstep: `base = min(max_backoff, interval · 2^failures)`,
+/// wait `base · (1 + jitter) / 2` for `jitter` in `[0, 1)` — never below `interval`.
+pub(super) fn next_poll_delay(
+    interval: Duration,
+    max_backoff: Duration,
+    failures: u64,
+    jitter: f64,
+) -> Duration {
+    if failures == 0 {
+        return interval;
+    }
+    let factor = 2u32.saturating_pow(u32::try_from(failures).unwrap_or(u32::MAX));
+    let base = interval
+        .saturating_mul(factor)
+        .min(max_backoff.max(interval));
+    base.mul_f64((1.0 + jitter.clamp(0.0, 1.0)) / 2.0)
+        .max(interval)
+}
+
+/// The `outcome` label of a failed poll.
+pub(super) fn poll_outcome(e: &PollError) -> Metric {
+    match e {
+        PollError::Request(RequestError::Transport { .. }) => Metric::Transport,
+        PollError::Request(RequestError::Timeout { .. }) | PollError::Deadline { .. } => {
+            Metric::Timeout
+        }
+        PollError::Request(RequestError::Status { .. }) => Metric::Status,
+        PollError::Malformed { .. } => Metric::Malformed,
+    }
+}
+
+/// Counts failed polls so a failure repeated every second is logged once, then every
+/// [`REPEAT_LOG_EVERY`] times, and the recovery once.
+#[derive(Debug, Default)]
+pub(super) struct FailureStreak {
+    pub(super) count: u64,
+    last: Option<String>,
+}
+
+impl FailureStreak {
+    pub(super) fn fail(&mut self, e: &PollError) {
+        self.count += 1;
+        let reason = e.to_string();
+        if self.last.as_deref() != Some(reason.as_str()) {
+            warn!(
+                error_kind = e.kind(),
+                outcome = "failed",
+                "poll failed, cycle skipped (nothing joined or left): {reason}"
+            );
+            self.last = Some(reason);
+        } else if self.count % REPEAT_LOG_EVERY == 0 {
+            warn!(
+                error_kind = e.kind(),
+                outcome = "failed",
+                failures = self.count,
+                "poll still failing: {reason}"
+            );
+        }
+    }
+
+    pub(super) fn succeed(&mut self) {
+        if self.count > 0 {
+            info!(failures = self.count, "poll succeeded again");
+        }
+        *self = Self::default();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+    const MAX: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn the_cadence_is_the_interval_while_polls_succeed() {
+        assert_eq!(next_poll_delay(S, MAX, 0, 0.0), S);
+        assert_eq!(next_poll_delay(S, MAX, 0, 0.99), S);
+    }
+
+    #[test]
+    fn the_first_poll_waits_a_random_part_of_one_interval() {
+        assert_eq!(first_poll_delay(S, 0.0), Duration::ZERO);
+        assert_eq!(first_poll_delay(S, 0.25), Duration::from_millis(250));
+        for jitter in [-1.0, 0.0, 0.5, 0.999, 1.0, 7.0] {
+            assert!(first_poll_delay(S, jitter) <= S, "{jitter}");
+        }
+        // A long interval still polls within seconds of a start.
+        let ten_minutes = Duration::from_secs(600);
+        assert_eq!(
+            first_poll_delay(ten_minutes, 0.5),
+            Duration::from_millis(2500)
+        );
+        assert!(first_poll_delay(ten_minutes, 0.999) < FIRST_POLL_SPREAD_MAX);
+    }
+
+    #[test]
+    fn failed_polls_back_off_exponentially_with_jitter_up_to_the_cap() {
+        // base 2, 4, 8, 10, 10 s; the wait is between half the base and the base.
+        for (failures, base) in [(1, 2.0), (2, 4.0), (3, 8.0), (4, 10.0), (60, 10.0)] {
+            let lo = next_poll_delay(S, MAX, failures, 0.0).as_secs_f64();
+            let hi = next_poll_delay(S, MAX, failures, 0.999_999).as_secs_f64();
+            assert!(
+                (lo - (base / 2.0_f64).max(1.0)).abs() < 1e-6,
+                "{failures}: {lo}"
+            );
+            assert!((hi - base).abs() < 1e-3, "{failures}: {hi}");
+        }
+        // Never past the cap, never below the interval, whatever the jitter says.
+        for failures in 0..100 {
+            for jitter in [-1.0, 0.0, 0.5, 1.0, 7.0] {
+                let d = next_poll_delay(S, MAX, failures, jitter);
+                assert!(d >= S && d <= MAX, "{failures} {jitter}: {d:?}");
+            }
+        }
+        // A cap below the interval keeps the interval.
+        assert_eq!(
+            next_poll_delay(Duration::from_secs(5), S, 3, 0.5),
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn a_poll_that_timed_out_is_counted_as_timeout_not_error() {
+        let url: url::Url = "https://mdma.test/api/fleet/should-join".parse().unwrap();
+        let timeout = PollError::Request(RequestError::Timeout {
+            url: url.clone(),
+            timeout: Duration::from_secs(10),
+        });
+        assert_eq!(poll_outcome(&timeout), Metric::Timeout);
+        let deadline = PollError::Deadline {
+            timeout: Duration::from_secs(11),
+        };
+        assert_eq!(poll_outcome(&deadline), Metric::Timeout);
+        let status = PollError::Request(RequestError::Status { url, status: 503 });
+        assert_eq!(poll_outcome(&status), Metric::Status);
+    }
+}

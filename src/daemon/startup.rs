@@ -1,0 +1,257 @@
+//! Start-up: the state loaded, merod waited for, the PeerId and the MRTD read.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, Semaphore};
+use tokio::task::JoinSet;
+use tokio::time::{timeout, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::config::Config;
+use crate::identity::read_peer_id;
+use crate::merod::{Node, PROBE_TIMEOUT};
+use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable};
+use crate::reconcile::{Desired, Guard};
+use crate::state::{State, StateStore};
+use crate::telemetry::{Phase, Telemetry};
+
+use super::poll::FailureStreak;
+use super::{
+    DaemonError, Deps, Sidecar, MRTD_READ_TIMEOUT, MRTD_RETRY_INTERVAL, PEER_ID_RETRY_DELAY,
+    PROBE_INTERVAL,
+};
+
+pub(super) struct MrtdSlot {
+    pub(super) value: Option<Mrtd>,
+    pub(super) next_try: Option<Instant>,
+}
+
+/// How waiting for merod ended.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Readiness {
+    /// merod answered.
+    Ready,
+    /// Shut down first.
+    ShutDown,
+    /// `limit` passed; the last probe saw this.
+    GaveUp(String),
+}
+
+/// Probes merod every second (`PROBE_INTERVAL`) until it answers (or `limit`, if any, passes);
+/// logs one line per change of what it sees, and reports each probe as a heartbeat.
+pub async fn wait_for_merod(
+    merod: &dyn Node,
+    telemetry: &Telemetry,
+    shutdown: &CancellationToken,
+    limit: Option<Duration>,
+) -> Readiness {
+    let mut last: Option<String> = None;
+    let deadline = limit.map(|l| Instant::now() + l);
+    loop {
+        let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
+            Ok(Ok(())) => {
+                info!("merod admin API answers");
+                return Readiness::Ready;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
+        };
+        telemetry.mark_alive();
+        telemetry.update(|st| {
+            st.phase = Phase::WaitingForMerod;
+            st.heartbeats += 1;
+            st.waiting_for = Some(reason.clone());
+        });
+        if last.as_deref() != Some(reason.as_str()) {
+            info!("waiting for merod: {reason}");
+            last = Some(reason);
+        }
+        if deadline.is_some_and(|d| Instant::now() >= d) {
+            return Readiness::GaveUp(last.unwrap_or_default());
+        }
+        tokio::select! {
+            () = tokio::time::sleep(PROBE_INTERVAL) => {}
+            () = shutdown.cancelled() => return Readiness::ShutDown,
+        }
+    }
+}
+
+/// Why the MRTD could not be read in this attempt.
+#[derive(Debug, thiserror::Error)]
+enum MrtdReadError {
+    #[error(transparent)]
+    Unavailable(#[from] MrtdUnavailable),
+    #[error("the MRTD reader stopped: {0}")]
+    Stopped(#[source] tokio::task::JoinError),
+    #[error("no MRTD source answered within {0:?}")]
+    Timeout(Duration),
+}
+
+/// Reads the MRTD on the blocking pool (file reads, ioctl), bounded by
+/// [`MRTD_READ_TIMEOUT`]. Errors: [`MrtdReadError`], every source's failure.
+async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, MrtdReadError> {
+    let tdx = cfg.tdx.clone();
+    match timeout(
+        MRTD_READ_TIMEOUT,
+        tokio::task::spawn_blocking(move || read_mrtd(&tdx)),
+    )
+    .await
+    {
+        Ok(Ok(result)) => Ok(result?),
+        Ok(Err(e)) => Err(MrtdReadError::Stopped(e)),
+        Err(_) => Err(MrtdReadError::Timeout(MRTD_READ_TIMEOUT)),
+    }
+}
+
+impl Sidecar {
+    /// Loads the state and checks it can be written, waits for merod (for at most
+    /// `merod_wait`, if set), reads the PeerId (one retry) and the MRTD (logged once if
+    /// unreadable: polls then carry the PeerId only).
+    ///
+    /// Errors: [`DaemonError`]. `Ok(None)` when shut down while waiting for merod.
+    pub async fn start(
+        cfg: Config,
+        deps: Deps,
+        shutdown: CancellationToken,
+        merod_wait: Option<Duration>,
+    ) -> Result<Option<Self>, DaemonError> {
+        let mut store = StateStore::new(&cfg.state_file);
+        let state = match store.load()? {
+            Some(s) => {
+                info!(
+                    path = %store.path().display(),
+                    admitted = s.admitted.len(),
+                    confirmed = s.confirmed.len(),
+                    "state loaded"
+                );
+                s
+            }
+            None => {
+                info!(path = %store.path().display(), "no state file yet: starting with nothing confirmed");
+                State::default()
+            }
+        };
+
+        let telemetry = Arc::clone(&deps.telemetry);
+        telemetry.update(|st| st.dry_run = cfg.dry_run);
+        if cfg.dry_run {
+            warn!("dry run: polling and logging plans only; merod is not called, nothing is confirmed, the state file is not written");
+        } else {
+            let removed = store.remove_stale_temp_files();
+            if removed > 0 {
+                info!(
+                    removed,
+                    "removed temp files an interrupted state write left behind"
+                );
+            }
+            store.check_writable()?;
+            match wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown, merod_wait).await {
+                Readiness::Ready => {}
+                Readiness::ShutDown => return Ok(None),
+                Readiness::GaveUp(last) => {
+                    return Err(DaemonError::MerodNotReady {
+                        waited: merod_wait.unwrap_or_default(),
+                        last,
+                    })
+                }
+            }
+        }
+
+        let peer_config = cfg.merod.config_toml();
+        let peer_id = match read_peer_id(&peer_config) {
+            Ok(p) => p,
+            Err(first) => {
+                warn!("{first}; trying again in {PEER_ID_RETRY_DELAY:?}");
+                tokio::time::sleep(PEER_ID_RETRY_DELAY).await;
+                read_peer_id(&peer_config)?
+            }
+        };
+        info!(peer_id = %peer_id, "identity read");
+
+        let mut mrtd_source = None;
+        let mrtd = match read_mrtd_blocking(&cfg).await {
+            Ok(r) => {
+                info!(mrtd = %r.mrtd, source = %r.source, "MRTD read");
+                telemetry.set_mrtd_source(Some(r.source.as_str()));
+                mrtd_source = Some(r.source.to_string());
+                MrtdSlot {
+                    value: Some(r.mrtd),
+                    next_try: None,
+                }
+            }
+            Err(e) => {
+                error!(
+                    "cannot read the MRTD ({e}); polling with the PeerId only: MDMA assigns no MRTD-gated namespace; retrying every {MRTD_RETRY_INTERVAL:?}"
+                );
+                telemetry.set_mrtd_source(None);
+                MrtdSlot {
+                    value: None,
+                    next_try: Some(Instant::now() + MRTD_RETRY_INTERVAL),
+                }
+            }
+        };
+
+        telemetry.update(|st| {
+            st.phase = Phase::Running;
+            st.peer_id = Some(peer_id.to_string());
+            st.mrtd = mrtd.value.map(|m| m.to_hex());
+            st.mrtd_source = mrtd_source;
+            st.waiting_for = None;
+        });
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        let sidecar = Self {
+            join_permits: Arc::new(Semaphore::new(cfg.max_concurrent_joins)),
+            cfg,
+            deps,
+            shutdown,
+            peer_id,
+            mrtd,
+            store,
+            state,
+            guard: Guard::default(),
+            joining: BTreeSet::new(),
+            leaving: BTreeSet::new(),
+            desired: Desired::default(),
+            join_retry: crate::backoff::JoinRetries::default(),
+            tasks: JoinSet::new(),
+            task_ids: HashMap::new(),
+            events_tx,
+            events_rx,
+            failures: FailureStreak::default(),
+            waiting: BTreeMap::new(),
+            persist_error: None,
+        };
+        sidecar.publish();
+        Ok(Some(sidecar))
+    }
+
+    pub(super) async fn retry_mrtd_if_due(&mut self) {
+        let Some(due) = self.mrtd.next_try else {
+            return;
+        };
+        if Instant::now() < due {
+            return;
+        }
+        match read_mrtd_blocking(&self.cfg).await {
+            Ok(r) => {
+                info!(mrtd = %r.mrtd, source = %r.source, "MRTD readable now: polls carry it from here on");
+                self.deps.telemetry.set_mrtd_source(Some(r.source.as_str()));
+                self.deps.telemetry.update(|st| {
+                    st.mrtd = Some(r.mrtd.to_hex());
+                    st.mrtd_source = Some(r.source.to_string());
+                });
+                self.mrtd = MrtdSlot {
+                    value: Some(r.mrtd),
+                    next_try: None,
+                };
+            }
+            Err(e) => {
+                debug!("MRTD still unreadable: {e}");
+                self.mrtd.next_try = Some(Instant::now() + MRTD_RETRY_INTERVAL);
+            }
+        }
+    }
+}

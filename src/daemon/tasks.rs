@@ -1,0 +1,266 @@
+//! The join and leave tasks, and the events they send back to the loop.
+//!
+//! A task makes the merod and MDMA calls of one namespace, each under its deadline, and
+//! reports its end as an [`Event`]; only the loop changes the state.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::time::{timeout, Instant};
+use tracing::{error, info, info_span, warn, Instrument};
+
+use crate::ids::{GroupId, PeerId};
+use crate::mdma::{ConfirmError, ControlPlane, MDMA_TIMEOUT};
+use crate::merod::{Node, CHECK_TIMEOUT};
+use crate::telemetry::Telemetry;
+
+use super::Sidecar;
+
+/// How a join task ended.
+#[derive(Debug)]
+pub(super) enum JoinEnd {
+    Confirmed,
+    NotAdmitted {
+        status: String,
+        reasons: Vec<String>,
+    },
+    /// A merod call (fleet-join or the membership check) failed; `timed_out` when it ran
+    /// out of time rather than being refused.
+    Failed {
+        reason: String,
+        timed_out: bool,
+    },
+    NotHeld,
+    NotPersisted,
+    ConfirmFailed(ConfirmError),
+    ConfirmTimedOut(Duration),
+}
+
+#[derive(Debug)]
+pub(super) enum LeaveEnd {
+    Left,
+    /// merod still lists it, or cannot tell; `timed_out` when the leave call ran out of time.
+    StillHeld {
+        reason: String,
+        timed_out: bool,
+    },
+}
+
+#[derive(Debug)]
+pub(super) enum Event {
+    Admitted {
+        id: GroupId,
+        ack: oneshot::Sender<()>,
+    },
+    JoinEnded {
+        id: GroupId,
+        end: JoinEnd,
+        /// From the join task's start (waiting for a join slot included) to its end.
+        took: Duration,
+    },
+    LeaveEnded {
+        id: GroupId,
+        end: LeaveEnd,
+        took: Duration,
+    },
+}
+
+/// What a task needs to make its calls and time them.
+struct Calls {
+    merod: Arc<dyn Node>,
+    mdma: Arc<dyn ControlPlane>,
+    telemetry: Arc<Telemetry>,
+}
+
+/// Runs `fut` under `limit`, recording its duration as `call`. `None` on timeout.
+async fn timed<T>(
+    telemetry: &Telemetry,
+    call: &'static str,
+    limit: Duration,
+    fut: impl Future<Output = T>,
+) -> Option<T> {
+    let started = Instant::now();
+    let result = timeout(limit, fut).await.ok();
+    telemetry.observe(call, started.elapsed());
+    result
+}
+
+async fn join_task(
+    id: GroupId,
+    calls: &Calls,
+    peer_id: PeerId,
+    permits: Arc<Semaphore>,
+    join_timeout: Duration,
+    events: &mpsc::UnboundedSender<Event>,
+) -> JoinEnd {
+    let Ok(_permit) = permits.acquire_owned().await else {
+        return JoinEnd::Failed {
+            reason: "join slots closed".to_owned(),
+            timed_out: false,
+        };
+    };
+    let t = &calls.telemetry;
+    let admission = match timed(t, "fleet_join", join_timeout, calls.merod.fleet_join(id)).await {
+        None => {
+            return JoinEnd::Failed {
+                reason: format!("no answer within {join_timeout:?} (abandoned)"),
+                timed_out: true,
+            }
+        }
+        Some(Err(e)) => {
+            return JoinEnd::Failed {
+                timed_out: e.is_timeout(),
+                reason: e.to_string(),
+            }
+        }
+        Some(Ok(a)) => a,
+    };
+    if !admission.admitted {
+        return JoinEnd::NotAdmitted {
+            status: admission.status,
+            reasons: admission.reasons,
+        };
+    }
+    match timed(
+        t,
+        "namespace_get",
+        CHECK_TIMEOUT,
+        calls.merod.holds_namespace(id),
+    )
+    .await
+    {
+        Some(Ok(true)) => {}
+        Some(Ok(false)) => return JoinEnd::NotHeld,
+        Some(Err(e)) => {
+            return JoinEnd::Failed {
+                timed_out: e.is_timeout(),
+                reason: format!("admitted, but the membership check failed: {e}"),
+            }
+        }
+        None => {
+            return JoinEnd::Failed {
+                reason: format!(
+                    "admitted, but the membership check gave no answer within {CHECK_TIMEOUT:?}"
+                ),
+                timed_out: true,
+            }
+        }
+    }
+    let (ack, acked) = oneshot::channel();
+    if events.send(Event::Admitted { id, ack }).is_err() || acked.await.is_err() {
+        return JoinEnd::NotPersisted;
+    }
+    let limit = MDMA_TIMEOUT + Duration::from_secs(1);
+    match timed(t, "confirm", limit, calls.mdma.confirm(&peer_id, id)).await {
+        Some(Ok(())) => JoinEnd::Confirmed,
+        Some(Err(e)) => JoinEnd::ConfirmFailed(e),
+        None => JoinEnd::ConfirmTimedOut(limit),
+    }
+}
+
+async fn leave_task(
+    id: GroupId,
+    merod: &Arc<dyn Node>,
+    telemetry: &Telemetry,
+    leave_timeout: Duration,
+) -> LeaveEnd {
+    let (leave, timed_out) =
+        match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
+            Some(Ok(())) => ("left".to_owned(), false),
+            Some(Err(e)) => (e.to_string(), e.is_timeout()),
+            None => (
+                format!("no answer within {leave_timeout:?}: outcome unknown"),
+                true,
+            ),
+        };
+    let still_held = |reason: String| LeaveEnd::StillHeld { reason, timed_out };
+    match timed(
+        telemetry,
+        "namespace_get",
+        CHECK_TIMEOUT,
+        merod.holds_namespace(id),
+    )
+    .await
+    {
+        Some(Ok(false)) => LeaveEnd::Left,
+        Some(Ok(true)) => still_held(format!("leave: {leave}; merod still lists it")),
+        Some(Err(e)) => still_held(format!("leave: {leave}; membership check failed: {e}")),
+        None => still_held(format!(
+            "leave: {leave}; membership check gave no answer within {CHECK_TIMEOUT:?}"
+        )),
+    }
+}
+
+impl Sidecar {
+    fn spawn<F>(&mut self, id: GroupId, fut: F)
+    where
+        F: Future<Output = ()> + Send + 'static,
+    {
+        let handle = self.tasks.spawn(fut);
+        self.task_ids.insert(handle.id(), id);
+    }
+
+    pub(super) fn spawn_join(&mut self, id: GroupId) {
+        info!(namespace_id = %id, "joining (fleet-join)");
+        let merod = Arc::clone(&self.deps.merod);
+        let mdma = Arc::clone(&self.deps.mdma);
+        let peer_id = self.peer_id.clone();
+        let permits = Arc::clone(&self.join_permits);
+        let events = self.events_tx.clone();
+        let join_timeout = self.cfg.join_timeout;
+        let telemetry = Arc::clone(&self.deps.telemetry);
+        self.joining.insert(id);
+        let task = async move {
+            let calls = Calls {
+                merod,
+                mdma,
+                telemetry,
+            };
+            let started = Instant::now();
+            let end = join_task(id, &calls, peer_id, permits, join_timeout, &events).await;
+            let took = started.elapsed();
+            // The loop owns the receiver for the life of every task.
+            let _ = events.send(Event::JoinEnded { id, end, took });
+        };
+        self.spawn(id, task.instrument(info_span!("join", namespace_id = %id)));
+    }
+
+    pub(super) fn spawn_leave(&mut self, id: GroupId) {
+        warn!(namespace_id = %id, "leaving: withdrawn by MDMA (irreversible: merod purges this namespace's keys)");
+        let merod = Arc::clone(&self.deps.merod);
+        let events = self.events_tx.clone();
+        let leave_timeout = self.cfg.leave_timeout;
+        let telemetry = Arc::clone(&self.deps.telemetry);
+        self.leaving.insert(id);
+        let task = async move {
+            let started = Instant::now();
+            let end = leave_task(id, &merod, &telemetry, leave_timeout).await;
+            let took = started.elapsed();
+            let _ = events.send(Event::LeaveEnded { id, end, took });
+        };
+        self.spawn(id, task.instrument(info_span!("leave", namespace_id = %id)));
+    }
+
+    pub(super) fn on_task_done(
+        &mut self,
+        done: Result<(tokio::task::Id, ()), tokio::task::JoinError>,
+    ) {
+        let task_id = match &done {
+            Ok((id, ())) => *id,
+            Err(e) => e.id(),
+        };
+        let Some(group) = self.task_ids.remove(&task_id) else {
+            return;
+        };
+        if let Err(e) = done {
+            if e.is_panic() {
+                error!(namespace_id = %group, "join/leave task panicked; retried next cycle");
+            }
+            self.joining.remove(&group);
+            self.leaving.remove(&group);
+            self.publish();
+        }
+    }
+}
