@@ -254,13 +254,17 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
 
     // Calm: every fault cleared, MDMA settles on {A, C}; the node must converge to it.
     calm(&sb, &phases, &[A, C]);
+    // Converged only counts once this daemon has polled: the killed ones may already have
+    // reached {A, C}, and a SIGTERM before start-up ends would skip its clean-up.
+    let polls_before = sb.mdma.polls().len();
     let mut child = spawn_daemon(&cfg, false, &[]);
     eventually(
         "the node holds, admits and confirms exactly {A, C}",
         Duration::from_secs(60),
         || {
             let state = load(&sb);
-            sb.merod.held() == strings(&[A, C])
+            sb.mdma.polls().len() > polls_before
+                && sb.merod.held() == strings(&[A, C])
                 && state.admitted == set(&[A, C])
                 && state.confirmed == set(&[A, C])
                 && sb.mdma.confirmed().is_superset(&strings(&[A, C]))
@@ -268,7 +272,8 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     )
     .await;
     kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    wait_exit(&mut child, Duration::from_secs(15)).await;
+    let status = wait_exit(&mut child, Duration::from_secs(15)).await;
+    assert_eq!(status.code(), Some(0), "a clean stop: {status:?}");
     check_state_file(&sb);
     check_leaves(&sb, &phases);
     // The last start removed what the killed writes left; a clean stop leaves none.
