@@ -50,21 +50,13 @@ pub fn sidecar_config(data: &[u8]) {
     }
 }
 
-/// merod's `config.toml`, through the two public readers
-/// ([`crate::identity::read_peer_id`], `identity::admin_url_from_merod_config`):
-/// they take a path, so the bytes are written to a file in a per-process temp directory.
+/// merod's `config.toml`, through what the two public readers
+/// ([`crate::identity::read_peer_id`], `identity::admin_url_from_merod_config`) do once
+/// the file is read; bytes that are not UTF-8 end there as a read error, as from a file.
 pub fn merod_config(data: &[u8]) {
-    thread_local! {
-        static DIR: Option<tempfile::TempDir> = tempfile::tempdir().ok();
+    if let Ok(text) = std::str::from_utf8(data) {
+        let _ = crate::identity::parse_text(text);
     }
-    DIR.with(|dir| {
-        let Some(dir) = dir else { return };
-        let path = dir.path().join("config.toml");
-        if std::fs::write(&path, data).is_ok() {
-            let _ = crate::identity::read_peer_id(&path);
-            let _ = crate::identity::admin_url_from_merod_config(&path);
-        }
-    });
 }
 
 /// The sysfs MRTD attribute ([`crate::mrtd::parse_sysfs`]).

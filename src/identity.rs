@@ -105,19 +105,19 @@ fn load(path: &Path) -> Result<MerodToml, IdentityError> {
         path: path.to_owned(),
         source,
     })?;
-    toml::from_str(&text).map_err(|e| IdentityError::Parse {
+    parse(path, &text)
+}
+
+/// `text` as merod's config.toml; `path` only names it in errors.
+fn parse(path: &Path, text: &str) -> Result<MerodToml, IdentityError> {
+    toml::from_str(text).map_err(|e| IdentityError::Parse {
         path: path.to_owned(),
         message: e.message().to_owned(),
     })
 }
 
-/// Reads the node's PeerId from `[identity].peer_id` of merod's config.toml at `path`
-/// (on a fleet node `/mnt/data/calimero/default/config.toml`).
-///
-/// Errors: [`IdentityError::Read`], [`IdentityError::Parse`],
-/// [`IdentityError::MissingPeerId`], [`IdentityError::InvalidPeerId`].
-pub fn read_peer_id(path: &Path) -> Result<PeerId, IdentityError> {
-    let doc = load(path)?;
+/// `[identity].peer_id` of a parsed config.toml (`path` names it in errors).
+fn peer_id_of(path: &Path, doc: MerodToml) -> Result<PeerId, IdentityError> {
     let raw = doc
         .identity
         .and_then(|i| i.peer_id)
@@ -128,6 +128,46 @@ pub fn read_peer_id(path: &Path) -> Result<PeerId, IdentityError> {
         path: path.to_owned(),
         source,
     })
+}
+
+/// The admin URL of `[server].listen[0]` of a parsed config.toml, `None` without one.
+fn admin_url_of(path: &Path, doc: MerodToml) -> Result<Option<Url>, IdentityError> {
+    let Some(first) = doc.server.and_then(|s| s.listen.into_iter().next()) else {
+        return Ok(None);
+    };
+    multiaddr_to_url(&first)
+        .map(Some)
+        .map_err(|source| IdentityError::InvalidListen {
+            path: path.to_owned(),
+            value: first,
+            source,
+        })
+}
+
+/// Both readers over config.toml text already in memory, as [`read_peer_id`] and
+/// [`admin_url_from_merod_config`] do after reading the file (the fuzz target's entry:
+/// no file per input).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn parse_text(
+    text: &str,
+) -> (
+    Result<PeerId, IdentityError>,
+    Result<Option<Url>, IdentityError>,
+) {
+    let path = Path::new("config.toml");
+    (
+        parse(path, text).and_then(|doc| peer_id_of(path, doc)),
+        parse(path, text).and_then(|doc| admin_url_of(path, doc)),
+    )
+}
+
+/// Reads the node's PeerId from `[identity].peer_id` of merod's config.toml at `path`
+/// (on a fleet node `/mnt/data/calimero/default/config.toml`).
+///
+/// Errors: [`IdentityError::Read`], [`IdentityError::Parse`],
+/// [`IdentityError::MissingPeerId`], [`IdentityError::InvalidPeerId`].
+pub fn read_peer_id(path: &Path) -> Result<PeerId, IdentityError> {
+    peer_id_of(path, load(path)?)
 }
 
 /// The admin API base URL merod serves, from `[server].listen[0]` of its config.toml at
@@ -145,16 +185,7 @@ pub fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, IdentityE
         }
         other => other?,
     };
-    let Some(first) = doc.server.and_then(|s| s.listen.into_iter().next()) else {
-        return Ok(None);
-    };
-    multiaddr_to_url(&first)
-        .map(Some)
-        .map_err(|source| IdentityError::InvalidListen {
-            path: path.to_owned(),
-            value: first,
-            source,
-        })
+    admin_url_of(path, doc)
 }
 
 /// Where [`resolve_admin_url`] found merod's admin URL.
