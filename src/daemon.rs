@@ -50,6 +50,8 @@ pub(crate) const JOIN_RETRY_MIN: Duration = Duration::from_secs(2);
 pub(crate) const JOIN_RETRY_MAX: Duration = Duration::from_secs(60);
 /// On shutdown, how long running joins and leaves may take to finish before they are cut.
 pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// The longest time between two turns of the loop (the systemd watchdog's sign of life).
+pub(crate) const ALIVE_TURN: Duration = Duration::from_secs(1);
 /// A poll failing the same way is logged again after this many repeats.
 pub(crate) const REPEAT_LOG_EVERY: u64 = 60;
 
@@ -528,21 +530,24 @@ impl Sidecar {
         let shutdown = self.shutdown.clone();
         let mut next_poll =
             Instant::now() + first_poll_delay(self.cfg.poll_interval, fastrand::f64());
-        // A turn at least every second, so the watchdog sees the loop alive between polls.
-        let mut alive = tokio::time::interval(Duration::from_secs(1));
-        alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A turn at least every second, so the watchdog sees the loop alive between polls;
+        // one timer for both, so polls a second apart are those turns (no wake-up of its own).
+        let mut alive_at = Instant::now() + ALIVE_TURN;
         loop {
             self.deps.telemetry.mark_alive();
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
-                _ = alive.tick() => {}
                 Some(event) = self.events_rx.recv() => self.on_event(event),
                 Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
                     self.on_task_done(done);
                 }
-                () = tokio::time::sleep_until(next_poll) => {
+                () = tokio::time::sleep_until(next_poll.min(alive_at)) => {
                     let started = Instant::now();
+                    alive_at = started + ALIVE_TURN;
+                    if started < next_poll {
+                        continue;
+                    }
                     tokio::select! {
                         _ = self.cycle() => {}
                         () = shutdown.cancelled() => break,

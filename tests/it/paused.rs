@@ -257,3 +257,38 @@ async fn the_wait_for_merod_can_be_bounded() {
         "nothing but probes while merod is down"
     );
 }
+
+/// The loop turns at least once a second (the watchdog's sign of life) but, at a 1 s
+/// `poll_interval`, the polls are those turns: no second timer wakes an idle daemon between
+/// them (issue 10, the idle cycle's CPU is mostly wake-ups).
+#[tokio::test(start_paused = true)]
+async fn an_idle_loop_turns_once_a_second_and_its_polls_are_those_turns() {
+    use std::sync::atomic::Ordering;
+    for (interval, secs) in [("1s", 30u64), ("10s", 30)] {
+        let node = NodeDir::new();
+        let fake = Fake::default();
+        let running = fake.run(node.config(&format!("poll_interval = \"{interval}\"")));
+        // Past the start-up (first poll within min(interval, 5 s)).
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let (turns0, polls0) = (
+            running.telemetry.loop_turns.load(Ordering::Relaxed),
+            fake.with(|w| w.polls.len()),
+        );
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        let turns = running.telemetry.loop_turns.load(Ordering::Relaxed) - turns0;
+        let polls = (fake.with(|w| w.polls.len()) - polls0) as u64;
+        running.stop().await;
+        assert!(
+            turns >= secs - 1,
+            "{interval}: at least one turn a second: {turns} in {secs} s"
+        );
+        if interval == "1s" {
+            assert!(
+                turns <= polls + 1,
+                "{interval}: a turn per poll, no wake-up of its own: {turns} turns, {polls} polls"
+            );
+        } else {
+            assert!(turns <= secs + 1, "{interval}: {turns} turns in {secs} s");
+        }
+    }
+}
