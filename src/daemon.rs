@@ -605,7 +605,7 @@ impl Sidecar {
                 .mdma
                 .should_join(&self.peer_id, self.mrtd.value.as_ref()),
         )
-        .instrument(info_span!("poll"))
+        .instrument(tracing::debug_span!("poll"))
         .await
         {
             Ok(r) => r,
