@@ -60,6 +60,8 @@ pub(crate) const JOIN_RETRY_MIN: Duration = Duration::from_secs(2);
 pub(crate) const JOIN_RETRY_MAX: Duration = Duration::from_secs(60);
 /// On shutdown, how long running joins and leaves may take to finish before they are cut.
 pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// The longest time between two turns of the loop (the systemd watchdog's sign of life).
+pub(crate) const ALIVE_TURN: Duration = Duration::from_secs(1);
 /// A poll failing the same way is logged again after this many repeats.
 pub(crate) const REPEAT_LOG_EVERY: u64 = 60;
 

@@ -129,8 +129,13 @@ pub fn main() -> ExitCode {
                 }
             };
             cfg.dry_run = cli.dry_run;
-            let runtime = match tokio::runtime::Builder::new_multi_thread()
-                .worker_threads(2)
+            // One thread: the loop, its joins/leaves and the HTTP connections share it, so
+            // an idle poll wakes one thread (a timer, then the answer) instead of handing
+            // work between worker threads (issue 10: ~14 wake-ups a poll with 2 workers,
+            // ~3 with one). Nothing on it blocks for long: every outside call is async and
+            // bounded, the MRTD read runs on the blocking pool; a hanging join cannot delay
+            // a poll (tests/it/heartbeat.rs pins it for this binary).
+            let runtime = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
             {

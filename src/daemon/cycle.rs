@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::{timeout, Instant};
-use tracing::{debug, error, info, info_span, warn, Instrument};
+use tracing::{debug, debug_span, error, info, warn, Instrument};
 
 use crate::ids::GroupId;
 use crate::mdma::{PollError, MDMA_TIMEOUT};
@@ -16,7 +16,7 @@ use crate::telemetry::{unix_now, Outcome as Metric, Phase, Telemetry};
 
 use super::poll::{first_poll_delay, next_poll_delay, poll_outcome};
 use super::tasks::{Event, JoinEnd, LeaveEnd};
-use super::{CycleOutcome, Sidecar, JOIN_RETRY_MAX, SHUTDOWN_GRACE};
+use super::{CycleOutcome, Sidecar, ALIVE_TURN, JOIN_RETRY_MAX, SHUTDOWN_GRACE};
 
 impl Sidecar {
     /// Reconciles every `poll_interval` (backing off while polls fail, see
@@ -26,21 +26,24 @@ impl Sidecar {
         let shutdown = self.shutdown.clone();
         let mut next_poll =
             Instant::now() + first_poll_delay(self.cfg.poll_interval, fastrand::f64());
-        // A turn at least every second, so the watchdog sees the loop alive between polls.
-        let mut alive = tokio::time::interval(Duration::from_secs(1));
-        alive.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // A turn at least every second, so the watchdog sees the loop alive between polls;
+        // one timer for both, so polls a second apart are those turns (no wake-up of its own).
+        let mut alive_at = Instant::now() + ALIVE_TURN;
         loop {
             self.deps.telemetry.mark_alive();
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
-                _ = alive.tick() => {}
                 Some(event) = self.events_rx.recv() => self.on_event(event),
                 Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
                     self.on_task_done(done);
                 }
-                () = tokio::time::sleep_until(next_poll) => {
+                () = tokio::time::sleep_until(next_poll.min(alive_at)) => {
                     let started = Instant::now();
+                    alive_at = started + ALIVE_TURN;
+                    if started < next_poll {
+                        continue;
+                    }
                     tokio::select! {
                         _ = self.cycle() => {}
                         () = shutdown.cancelled() => break,
@@ -98,7 +101,7 @@ impl Sidecar {
                 .mdma
                 .should_join(&self.peer_id, self.mrtd.value.as_ref()),
         )
-        .instrument(info_span!("poll"))
+        .instrument(debug_span!("poll"))
         .await
         {
             Ok(r) => r,

@@ -11,6 +11,7 @@ mod fakes;
 mod faults;
 mod heartbeat;
 mod history;
+mod idle;
 mod inspect;
 mod journald;
 mod monitoring;

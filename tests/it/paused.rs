@@ -257,3 +257,111 @@ async fn the_wait_for_merod_can_be_bounded() {
         "nothing but probes while merod is down"
     );
 }
+
+/// The loop turns at least once a second (the watchdog's sign of life) but, at a 1 s
+/// `poll_interval`, the polls are those turns: no second timer wakes an idle daemon between
+/// them (issue 10, the idle cycle's CPU is mostly wake-ups).
+#[tokio::test(start_paused = true)]
+async fn an_idle_loop_turns_once_a_second_and_its_polls_are_those_turns() {
+    use std::sync::atomic::Ordering;
+    for (interval, secs) in [("1s", 30u64), ("10s", 30)] {
+        let node = NodeDir::new();
+        let fake = Fake::default();
+        let running = fake.run(node.config(&format!("poll_interval = \"{interval}\"")));
+        // Past the start-up (first poll within min(interval, 5 s)).
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        let (turns0, polls0) = (
+            running.telemetry.loop_turns.load(Ordering::Relaxed),
+            fake.with(|w| w.polls.len()),
+        );
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        let turns = running.telemetry.loop_turns.load(Ordering::Relaxed) - turns0;
+        let polls = (fake.with(|w| w.polls.len()) - polls0) as u64;
+        running.stop().await;
+        assert!(
+            turns >= secs - 1,
+            "{interval}: at least one turn a second: {turns} in {secs} s"
+        );
+        if interval == "1s" {
+            assert!(
+                turns <= polls + 1,
+                "{interval}: a turn per poll, no wake-up of its own: {turns} turns, {polls} polls"
+            );
+        } else {
+            assert!(turns <= secs + 1, "{interval}: {turns} turns in {secs} s");
+        }
+    }
+}
+
+/// Counts the spans created and events recorded at `info` and above.
+#[derive(Clone, Default)]
+struct InfoCount {
+    spans: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    events: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for InfoCount {
+    fn on_new_span(
+        &self,
+        _: &tracing::span::Attributes<'_>,
+        _: &tracing::span::Id,
+        _: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        self.spans
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn on_event(&self, _: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        self.events
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// An idle poll (nothing changed) logs nothing and opens no span at the default level, so
+/// the log subscriber does no work for it (issue 10: no log line when nothing changed).
+#[tokio::test(start_paused = true)]
+async fn an_idle_poll_logs_nothing_and_opens_no_span_at_info() {
+    use std::sync::atomic::Ordering;
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+    let count = InfoCount::default();
+    let _scope = tracing::subscriber::set_default(
+        tracing_subscriber::registry().with(
+            count
+                .clone()
+                .with_filter(tracing::level_filters::LevelFilter::INFO),
+        ),
+    );
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    let a = gid(A);
+    node.seed(&[a].into(), &[a].into());
+    fake.with(|w| {
+        w.assignments.insert(a);
+        w.held.insert(a);
+    });
+    let running = fake.run(node.config(""));
+    until_polls(&fake, 2).await;
+    let (spans, events) = (
+        count.spans.load(Ordering::Relaxed),
+        count.events.load(Ordering::Relaxed),
+    );
+    assert!(
+        events > 0,
+        "start-up is logged (the counter sees the loop's events)"
+    );
+    let polls = fake.with(|w| w.polls.len());
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(fake.with(|w| w.polls.len()) >= polls + 19);
+    assert_eq!(
+        count.spans.load(Ordering::Relaxed),
+        spans,
+        "spans opened by idle polls"
+    );
+    assert_eq!(
+        count.events.load(Ordering::Relaxed),
+        events,
+        "lines logged by idle polls"
+    );
+    running.stop().await;
+}
