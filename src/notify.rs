@@ -4,9 +4,12 @@
 //! `STOPPING=1` on shutdown.
 //!
 //! `WATCHDOG=1` follows the unit's watchdog, not the poll cadence: only when `WATCHDOG_USEC`
-//! is set (and `WATCHDOG_PID`, if set, is this process), every half of it, and only while
-//! the loop is alive ([`Telemetry::loop_turns`] moved since the last ping) — a stalled loop
-//! is killed and restarted by systemd, whatever `poll_interval` is.
+//! is set (and `WATCHDOG_PID`, if set, is this process), and only while the loop is alive
+//! ([`Telemetry::loop_turns`] moved since the last ping) — a stalled loop is killed and
+//! restarted by systemd, whatever `poll_interval` is. The loop turns at least every second
+//! on a clock of its own; the pinger looks every quarter of `WATCHDOG_USEC`, so a live loop
+//! is pinged for at least once per half of it (second included) whatever the two clocks'
+//! phase, and a stalled one is not.
 //!
 //! `NOTIFY_SOCKET` may be an absolute path or `@name` (an abstract socket), the forms
 //! `sd_notify(3)` documents for `AF_UNIX`. Does nothing when it is unset (not started by
@@ -177,10 +180,13 @@ pub fn install(telemetry: &Arc<Telemetry>) -> bool {
         env("WATCHDOG_PID").as_deref(),
         std::process::id(),
     ) {
-        info!("systemd watchdog on: a ping every {every:?} while the loop is alive");
+        info!("systemd watchdog on: a ping at least every {every:?} while the loop is alive");
         let telemetry = Arc::clone(telemetry);
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
+            // Looking twice per ping interval: a turn just after one look is seen at the
+            // next, half an interval later, not a whole one (the loop's 1 s and this
+            // clock drift against each other).
+            let mut tick = tokio::time::interval(every / 2);
             let mut seen = None;
             loop {
                 tick.tick().await;
