@@ -23,7 +23,7 @@ mod startup;
 mod tasks;
 
 pub use crate::status::serve as serve_status;
-pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, Telemetry};
+pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, StatusMark, Telemetry};
 pub use startup::{wait_for_merod, Readiness};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;

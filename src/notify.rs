@@ -26,7 +26,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
-use crate::telemetry::{unix_now, LiveStatus, Phase, Telemetry};
+use crate::telemetry::{unix_now, LiveStatus, Phase, StatusMark, Telemetry};
 
 /// One notification, as [`messages`] decides it.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -54,7 +54,7 @@ impl Message {
 
 /// What to tell systemd about the change `before` → `after` at `now` (Unix s). Pure.
 /// (Watchdog pings are not status changes: see [`watchdog_interval`].)
-pub fn messages(before: &LiveStatus, after: &LiveStatus, now: f64) -> Vec<Message> {
+pub fn messages(before: StatusMark, after: &LiveStatus, now: f64) -> Vec<Message> {
     let mut out = Vec::new();
     let entered = |p: Phase| after.phase == p && before.phase != p;
     if entered(Phase::Running) {
@@ -252,7 +252,7 @@ mod tests {
             ..LiveStatus::default()
         };
         assert_eq!(
-            messages(&start, &waiting, 0.0),
+            messages(start.mark(), &waiting, 0.0),
             vec![Message::Status(
                 "waiting for merod: connection refused".into()
             )]
@@ -262,7 +262,7 @@ mod tests {
             peer_id: Some("p".into()),
             ..waiting.clone()
         };
-        let m = messages(&waiting, &running, 0.0);
+        let m = messages(waiting.mark(), &running, 0.0);
         assert_eq!(m[0], Message::Ready);
         let polled = LiveStatus {
             heartbeats: 2,
@@ -271,7 +271,7 @@ mod tests {
             ..running.clone()
         };
         assert_eq!(
-            messages(&running, &polled, 10.4),
+            messages(running.mark(), &polled, 10.4),
             vec![Message::Status(
                 "0 confirmed, last poll ok 0.4 s ago".into()
             )]
@@ -281,13 +281,13 @@ mod tests {
             confirmed: vec![crate::ids::GroupId::from_bytes([1; 32])],
             ..polled.clone()
         };
-        assert!(messages(&polled, &joined, 11.0).is_empty());
+        assert!(messages(polled.mark(), &joined, 11.0).is_empty());
         let stopping = LiveStatus {
             phase: Phase::Stopping,
             ..joined.clone()
         };
         assert_eq!(
-            messages(&joined, &stopping, 12.0),
+            messages(joined.mark(), &stopping, 12.0),
             vec![Message::Status("stopping".into()), Message::Stopping]
         );
     }

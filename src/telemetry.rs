@@ -290,8 +290,28 @@ pub fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Called on every status change with the status before and after it.
-pub type Observer = Box<dyn Fn(&LiveStatus, &LiveStatus) + Send + Sync>;
+/// What an observer is told of the status before a change: the fields a change is judged
+/// by. The whole status (every namespace list) is not copied on each update for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StatusMark {
+    /// The lifecycle phase.
+    pub phase: Phase,
+    /// Polls attempted (readiness probes before that).
+    pub heartbeats: u64,
+}
+
+impl LiveStatus {
+    /// This status's [`StatusMark`].
+    pub fn mark(&self) -> StatusMark {
+        StatusMark {
+            phase: self.phase,
+            heartbeats: self.heartbeats,
+        }
+    }
+}
+
+/// Called on every status change with the [`StatusMark`] before it and the status after.
+pub type Observer = Box<dyn Fn(StatusMark, &LiveStatus) + Send + Sync>;
 
 /// Metrics and live status of one daemon.
 pub struct Telemetry {
@@ -449,20 +469,18 @@ impl Telemetry {
     }
 
     /// Changes the live status; watchers are woken and observers called, synchronously,
-    /// from the caller (the loop itself: a stalled loop calls nobody). The status is copied
-    /// (for the observers' `before`) only when there are observers; an observer must not
-    /// call `update` itself.
+    /// from the caller (the loop itself: a stalled loop calls nobody). Observers get the
+    /// [`StatusMark`] before the change, so nothing is copied; an observer must not call
+    /// `update` itself.
     pub fn update(&self, f: impl FnOnce(&mut LiveStatus)) {
         {
             let observers = self.observers.lock().unwrap_or_else(|p| p.into_inner());
-            if observers.is_empty() {
-                self.status.send_modify(f);
-            } else {
-                let before = self.status.borrow().clone();
-                self.status.send_modify(f);
+            let before = self.status.borrow().mark();
+            self.status.send_modify(f);
+            if !observers.is_empty() {
                 let after = self.status.borrow();
                 for observe in observers.iter() {
-                    observe(&before, &after);
+                    observe(before, &after);
                 }
             }
         }
