@@ -24,13 +24,20 @@ pub(super) fn read(
     body: &[u8],
 ) -> Result<(BTreeSet<GroupId>, BTreeSet<GroupId>), serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(body);
-    let sets = de.deserialize_map(Answer)?;
+    // Room for as many entries as the body can hold (the shortest one,
+    // `{"group_id":"<64 hex>"},`, is 80 bytes): the list is not regrown and copied.
+    let sets = de.deserialize_map(Answer {
+        entries: body.len() / 80,
+    })?;
     de.end()?;
     Ok(sets)
 }
 
 /// The top-level object: `assignments` (required), `retain` (optional), anything else.
-struct Answer;
+struct Answer {
+    /// The most `assignments` entries the body can hold.
+    entries: usize,
+}
 
 impl<'de> Visitor<'de> for Answer {
     type Value = (BTreeSet<GroupId>, BTreeSet<GroupId>);
@@ -49,8 +56,10 @@ impl<'de> Visitor<'de> for Answer {
             };
             seen.insert(key)?;
             match field {
-                Field::Assignments => assignments = Some(map.next_value_seed(Ids(Entries))?),
-                Field::Retain => retain = Some(map.next_value_seed(Ids(Bare))?),
+                Field::Assignments => {
+                    assignments = Some(map.next_value_seed(Ids(Entries, self.entries))?)
+                }
+                Field::Retain => retain = Some(map.next_value_seed(Ids(Bare, 0))?),
                 Field::Other => map.next_value_seed(NoDuplicates)?,
             }
         }
@@ -113,8 +122,8 @@ impl Element for Entries {
     }
 }
 
-/// An array of ids, collected into a set.
-struct Ids<E>(E);
+/// An array of ids, collected into a set; the number is the room to make at first.
+struct Ids<E>(E, usize);
 
 impl<'de, E: Element> DeserializeSeed<'de> for Ids<E> {
     type Value = BTreeSet<GroupId>;
@@ -130,7 +139,7 @@ impl<'de, E: Element> Visitor<'de> for Ids<E> {
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut keys = SeenKeys::default();
-        let mut ids = Vec::new();
+        let mut ids = Vec::with_capacity(self.1);
         while self.0.read(&mut seq, &mut keys, &mut ids)? {}
         // Sorted and built in bulk (an answer in id order is already sorted).
         Ok(ids.into_iter().collect())
