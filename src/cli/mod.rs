@@ -23,6 +23,7 @@ use crate::{notify, status};
 
 mod check_config;
 mod generate;
+mod malloc;
 
 /// Exit code: the daemon or the cycle failed.
 const EXIT_FAILURE: u8 = 1;
@@ -129,6 +130,7 @@ pub fn main() -> ExitCode {
                 }
             };
             cfg.dry_run = cli.dry_run;
+            malloc::one_arena();
             let runtime = match tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(2)
                 .enable_all()
