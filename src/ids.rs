@@ -71,9 +71,21 @@ impl Serialize for GroupId {
 }
 
 impl<'de> Deserialize<'de> for GroupId {
+    /// A string of 64 hex chars, either case, read in place (no intermediate `String`).
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = <std::borrow::Cow<'de, str>>::deserialize(d)?;
-        s.parse().map_err(serde::de::Error::custom)
+        d.deserialize_str(GroupIdVisitor)
+    }
+}
+
+struct GroupIdVisitor;
+
+impl serde::de::Visitor<'_> for GroupIdVisitor {
+    type Value = GroupId;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<GroupId, E> {
+        v.parse().map_err(E::custom)
     }
 }
 

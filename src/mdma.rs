@@ -21,6 +21,8 @@ use url::Url;
 use crate::ids::{GroupId, PeerId};
 use crate::mrtd::Mrtd;
 
+mod answer;
+
 /// Bound of one MDMA request, connect to last byte (docs/mdma.md).
 pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
 /// Largest poll answer read; a longer one fails the poll (a sane answer is a few KiB).
@@ -466,13 +468,14 @@ impl ControlPlane for MdmaClient {
             },
         };
         // Streamed under the cap: a body announced or found larger is refused unread.
-        if resp
-            .content_length()
-            .is_some_and(|n| n > MAX_POLL_BODY as u64)
-        {
+        let announced = resp.content_length();
+        if announced.is_some_and(|n| n > MAX_POLL_BODY as u64) {
             return Err(too_large());
         }
-        let mut bytes = Vec::new();
+        // Room for the announced length (≤ the cap) at once: no doubling and copying as
+        // the chunks arrive (a 1 MB answer at 10,000 namespaces).
+        let mut bytes =
+            Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
         while let Some(chunk) = resp.chunk().await.map_err(fail)? {
             if bytes.len() + chunk.len() > MAX_POLL_BODY {
                 return Err(too_large());
@@ -529,7 +532,27 @@ struct PollEntry {
 /// fails the poll. [`MalformedAnswer::Shape`] for the wrong shape (not an object, no
 /// `assignments` array, an entry without a 64-hex `group_id`, a `retain` that is not an
 /// array of 64-hex ids). Both name the line and column of the first fault.
+///
+/// One pass over the body in the common case, allocating only the two sets (see
+/// `mdma/answer.rs`); a body it refuses is read again the strict two-step way only to name
+/// the fault as before.
 pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
+    match answer::read(body) {
+        Ok((assignments, retain)) => Ok(ShouldJoin {
+            assignments,
+            retain,
+        }),
+        Err(fast) => Err(match parse_two_step(body) {
+            Err(e) => e,
+            // The one-pass reader also refuses arrays standing for objects.
+            Ok(_) => MalformedAnswer::Shape(fast),
+        }),
+    }
+}
+
+/// The strict reading in two steps: no repeated key anywhere, then the typed shape. Names
+/// the fault of a refused body ([`parse_should_join`] uses it only for that).
+fn parse_two_step(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
     crate::strict_json::reject_duplicate_keys(body).map_err(MalformedAnswer::Ambiguous)?;
     let answer: PollAnswer = serde_json::from_slice(body).map_err(MalformedAnswer::Shape)?;
     Ok(ShouldJoin {
@@ -578,6 +601,90 @@ mod tests {
         );
     }
 
+    /// The one-pass reader against the strict two-step reading it replaces, on `body`:
+    /// both accept with the same sets, or both refuse (the one-pass reader may only also
+    /// refuse an array standing for an object), and a refusal names the same fault.
+    fn agrees_with_two_step(body: &[u8]) {
+        let one = parse_should_join(body);
+        let two = parse_two_step(body);
+        let text = String::from_utf8_lossy(body);
+        match (&one, &two) {
+            (Ok(a), Ok(b)) => assert_eq!(a, b, "{text}"),
+            (Err(a), Err(b)) => assert_eq!(a.to_string(), b.to_string(), "{text}"),
+            (Err(MalformedAnswer::Shape(_)), Ok(_)) => {
+                assert!(text.contains('['), "refused only for an array: {text}")
+            }
+            _ => panic!("one pass {one:?}, two steps {two:?}: {text}"),
+        }
+    }
+
+    #[test]
+    fn the_one_pass_reader_agrees_with_the_two_step_reading_on_the_fuzz_corpus() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/should_join");
+        let mut n = 0;
+        for entry in std::fs::read_dir(dir).unwrap() {
+            agrees_with_two_step(&std::fs::read(entry.unwrap().path()).unwrap());
+            n += 1;
+        }
+        assert!(n > 100, "the corpus holds {n} inputs");
+    }
+
+    #[test]
+    fn the_one_pass_reader_refuses_arrays_standing_for_objects() {
+        let good = format!(r#"{{"group_id":"{A}"}}"#);
+        for body in [
+            format!(r#"[[{good}]]"#),
+            format!(r#"[[{good}],["{B}"]]"#),
+            format!(r#"{{"assignments":[["{A}"]]}}"#),
+            "[[]]".to_owned(),
+        ] {
+            assert!(parse_should_join(body.as_bytes()).is_err(), "{body}");
+            agrees_with_two_step(body.as_bytes());
+        }
+    }
+
+    #[test]
+    fn repeated_keys_are_found_in_objects_of_any_size_and_after_escapes() {
+        // Past the short list of keys, the hash set takes over: a repeat is still found,
+        // first or last.
+        let many = |repeat: &str| {
+            let keys: String = (0..40).map(|i| format!(r#","k{i}":{i}"#)).collect();
+            format!(r#"{{"assignments":[{{"group_id":"{A}"{keys}{repeat}}}]{keys}{repeat}}}"#)
+        };
+        parse_should_join(many("").as_bytes()).unwrap();
+        for repeat in [r#","k0":0"#, r#","k39":0"#, r#","k\u0030":0"#] {
+            let body = many(repeat);
+            assert!(matches!(
+                parse_should_join(body.as_bytes()),
+                Err(MalformedAnswer::Ambiguous(_))
+            ));
+        }
+        // Escaped spellings of the fields the reader uses are the same keys.
+        for body in [
+            format!(r#"{{"assignments":[{{"group_id":"{A}","group\u005fid":"{B}"}}]}}"#),
+            r#"{"assignments":[],"\u0061ssignments":[]}"#.to_owned(),
+            r#"{"assignments":[],"retain":[],"r\u0065tain":[]}"#.to_owned(),
+        ] {
+            assert!(
+                matches!(
+                    parse_should_join(body.as_bytes()),
+                    Err(MalformedAnswer::Ambiguous(_))
+                ),
+                "{body}"
+            );
+        }
+        // An escaped spelling alone is the field itself, and an escaped id is the id.
+        let body = format!(
+            r#"{{"\u0061ssignments":[{{"group\u005fid":"\u0033{}"}}]}}"#,
+            &A[1..]
+        );
+        assert_eq!(
+            parse_should_join(body.as_bytes()).unwrap().assignments,
+            [id(A)].into()
+        );
+        agrees_with_two_step(body.as_bytes());
+    }
+
     #[test]
     fn every_wrong_shape_fails_the_whole_poll() {
         let good = format!(r#"{{"group_id":"{A}"}}"#);
@@ -613,6 +720,7 @@ mod tests {
             format!(r#"{{"assignments":[{good}],"future":{{"x":1,"x":2}}}}"#),
         ] {
             assert!(parse_should_join(body.as_bytes()).is_err(), "{body}");
+            agrees_with_two_step(body.as_bytes());
         }
     }
 }

@@ -203,6 +203,56 @@ pub struct PlanInput<'a> {
 
 /// Plans one cycle from a successful poll.
 pub fn plan(input: PlanInput<'_>) -> Plan {
+    let change = plan_change(input);
+    let mut state = input.state.clone();
+    change.state.apply_to(&mut state);
+    Plan {
+        joins: change.joins,
+        leaves: change.leaves,
+        waiting: change.waiting,
+        state,
+        guard: change.guard,
+        mass_drop_event: change.mass_drop_event,
+    }
+}
+
+/// What [`plan`] decides, with the state given as the change to make to `input.state`
+/// rather than a copy of it (the daemon's path: an idle cycle at 10,000 namespaces then
+/// copies no set).
+pub(crate) struct PlanChange {
+    pub(crate) joins: Vec<GroupId>,
+    pub(crate) leaves: Vec<GroupId>,
+    pub(crate) waiting: BTreeMap<GroupId, LeaveWait>,
+    pub(crate) state: StateChange,
+    pub(crate) guard: Guard,
+    pub(crate) mass_drop_event: Option<MassDropEvent>,
+}
+
+/// How this poll changes the persisted state: new absence counts, and the confirmed
+/// namespaces pruned (neither assigned nor retained).
+pub(crate) struct StateChange {
+    absent_polls: BTreeMap<GroupId, u32>,
+    unconfirmed: Vec<GroupId>,
+}
+
+impl StateChange {
+    /// Makes the change to `state`, the state the plan was made from.
+    pub(crate) fn apply_to(self, state: &mut State) {
+        state.absent_polls = self.absent_polls;
+        for id in &self.unconfirmed {
+            state.confirmed.remove(id);
+        }
+    }
+
+    /// Whether applying it leaves the state as it is.
+    #[cfg(test)]
+    pub(crate) fn is_none(&self, state: &State) -> bool {
+        self.unconfirmed.is_empty() && self.absent_polls == state.absent_polls
+    }
+}
+
+/// [`plan`] without copying the state: see [`PlanChange`].
+pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
     let PlanInput {
         policy,
         desired,
@@ -212,14 +262,14 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
         guard,
         now,
     } = input;
+    // The large sets are compared with `difference` (one merged walk over two sorted sets
+    // of similar size) rather than a lookup per id; the small ones (`retain`, in flight,
+    // backing off) are looked up.
     let joins = desired
         .assigned
-        .iter()
+        .difference(&state.confirmed)
         .filter(|id| {
-            !state.confirmed.contains(id)
-                && !desired.retain.contains(id)
-                && !in_flight.contains(id)
-                && !join_backoff.contains(id)
+            !desired.retain.contains(id) && !in_flight.contains(id) && !join_backoff.contains(id)
         })
         .copied()
         .collect();
@@ -227,8 +277,8 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
     // Withdrawn: held but neither assigned nor retained. Counted before the prune.
     let withdrawn: BTreeSet<GroupId> = state
         .admitted
-        .iter()
-        .filter(|id| !desired.assigned.contains(id) && !desired.retain.contains(id))
+        .difference(&desired.assigned)
+        .filter(|id| !desired.retain.contains(id))
         .copied()
         .collect();
     let absent_polls: BTreeMap<GroupId, u32> = withdrawn
@@ -316,23 +366,22 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
         }
     }
 
-    let keep = |id: &GroupId| desired.assigned.contains(id) || desired.retain.contains(id);
-    let next_state = State {
-        admitted: state.admitted.clone(),
-        confirmed: state
-            .confirmed
-            .iter()
-            .filter(|id| keep(id))
-            .copied()
-            .collect(),
-        absent_polls,
-    };
+    // Pruned: confirmed but neither assigned nor retained (none in an idle cycle).
+    let unconfirmed = state
+        .confirmed
+        .difference(&desired.assigned)
+        .filter(|id| !desired.retain.contains(id))
+        .copied()
+        .collect();
 
-    Plan {
+    PlanChange {
         joins,
         leaves,
         waiting,
-        state: next_state,
+        state: StateChange {
+            absent_polls,
+            unconfirmed,
+        },
         guard: next_guard,
         mass_drop_event,
     }

@@ -249,6 +249,9 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
             return Err(corrupt(format!("ambiguous: {e}")));
         }
     }
+    if let Some(state) = parse_current(bytes) {
+        return Ok((StateFormat::V2, state));
+    }
     let doc: DocumentIn = match serde_json::from_slice(bytes) {
         Ok(doc) => doc,
         Err(e) => {
@@ -300,6 +303,61 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
             version,
         }),
     }
+}
+
+/// A document of the current version, read straight into the sets (no JSON tree; the form
+/// the daemon writes, so what every start reads). `None` for anything else: older forms
+/// and faults take the general path, which names what is wrong. Repeated keys are refused
+/// before this.
+fn parse_current(bytes: &[u8]) -> Option<State> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Current {
+        version: u64,
+        admitted: BTreeSet<GroupId>,
+        confirmed: BTreeSet<GroupId>,
+        #[serde(default)]
+        absent_polls: BTreeMap<GroupId, u32>,
+    }
+    // An object only: a derived reader would also take an array, in field order.
+    if bytes.iter().find(|b| !b" \t\r\n".contains(b)) != Some(&b'{') {
+        return None;
+    }
+    let doc: Current = serde_json::from_slice(bytes).ok()?;
+    (doc.version == u64::from(STATE_VERSION)).then_some(State {
+        admitted: doc.admitted,
+        confirmed: doc.confirmed,
+        absent_polls: doc.absent_polls,
+    })
+}
+
+/// Whether [`render_state`] of `state` is exactly `bytes`, compared as it is rendered
+/// (nothing allocated; stops at the first difference).
+fn renders_as(state: &State, bytes: &[u8]) -> bool {
+    /// Compares what is written with the rest of `expected`.
+    struct Compare<'a> {
+        expected: &'a [u8],
+    }
+    impl Write for Compare<'_> {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            match self.expected.strip_prefix(buf) {
+                Some(rest) => {
+                    self.expected = rest;
+                    Ok(buf.len())
+                }
+                None => Err(std::io::ErrorKind::InvalidData.into()),
+            }
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let doc = DocumentOut {
+        version: STATE_VERSION,
+        state,
+    };
+    let mut rest = Compare { expected: bytes };
+    serde_json::to_writer_pretty(&mut rest, &doc).is_ok() && rest.expected == b"\n"
 }
 
 fn json_kind(v: &serde_json::Value) -> &'static str {
@@ -368,7 +426,7 @@ impl StateStore {
             tracing::warn!(path = %self.path.display(), "state file repaired on load: {repair}");
         }
         // A file in an older form (or not normalized) is rewritten at the first save.
-        self.last_written = (render_state(&report.state) == bytes).then(|| report.state.clone());
+        self.last_written = renders_as(&report.state, &bytes).then(|| report.state.clone());
         Ok(Some(report.state))
     }
 
@@ -502,6 +560,68 @@ mod tests {
 
     fn id(n: u8) -> GroupId {
         GroupId::from_bytes([n; 32])
+    }
+
+    fn sample() -> State {
+        State {
+            admitted: [id(1), id(2), id(3)].into(),
+            confirmed: [id(1), id(2)].into(),
+            absent_polls: [(id(3), 2)].into(),
+        }
+    }
+
+    #[test]
+    fn the_current_version_is_read_straight_and_nothing_else_is() {
+        let state = sample();
+        let text = String::from_utf8(render_state(&state)).unwrap();
+        assert_eq!(parse_current(text.as_bytes()), Some(state.clone()));
+        assert_eq!(parse_state(text.as_bytes(), Path::new("s")).unwrap(), state);
+        let ids = |s: &BTreeSet<GroupId>| serde_json::to_string(s).unwrap();
+        let (a, c) = (ids(&state.admitted), ids(&state.confirmed));
+        // Other forms take the general path, which reads them as before or names the fault.
+        for (doc, loads) in [
+            (format!(r#"{{"version":1,"confirmed":{c}}}"#), true),
+            (c.clone(), true),
+            (
+                format!(r#"{{"version":3,"admitted":{a},"confirmed":{c}}}"#),
+                false,
+            ),
+            (
+                format!(r#"{{"version":2.0,"admitted":{a},"confirmed":{c}}}"#),
+                false,
+            ),
+            (
+                format!(r#"{{"version":2,"admitted":{a},"confirmed":{c},"x":1}}"#),
+                false,
+            ),
+            (format!(r#"{{"version":2,"admitted":{a}}}"#), false),
+            // A derived reader would take this array in field order: it is no state file.
+            (format!(r#"[2,{a},{c}]"#), false),
+        ] {
+            assert_eq!(parse_current(doc.as_bytes()), None, "{doc}");
+            assert_eq!(
+                parse_state(doc.as_bytes(), Path::new("s")).is_ok(),
+                loads,
+                "{doc}"
+            );
+        }
+        // Whitespace before the object is still the current version.
+        let spaced = format!(" \n\t{text}");
+        assert_eq!(parse_current(spaced.as_bytes()), Some(state));
+    }
+
+    #[test]
+    fn renders_as_compares_with_the_rendered_document_without_building_it() {
+        let state = sample();
+        let file = render_state(&state);
+        assert!(renders_as(&state, &file));
+        assert!(!renders_as(&state, &file[..file.len() - 1]), "shorter");
+        assert!(!renders_as(&state, &[&file[..], b"\n"].concat()), "longer");
+        let mut changed = file.clone();
+        let at = changed.len() / 2;
+        changed[at] ^= 1;
+        assert!(!renders_as(&state, &changed), "one byte differs");
+        assert!(!renders_as(&State::default(), &file));
     }
 
     #[test]

@@ -4,6 +4,7 @@
 //! `#[derive(Deserialize)]` does for unknown fields). Keys are compared after unescaping, so
 //! `"group_id"` and `"group\u005fid"` are the same key.
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::fmt;
 
@@ -20,9 +21,10 @@ pub(crate) fn reject_duplicate_keys(bytes: &[u8]) -> Result<(), serde_json::Erro
     de.end()
 }
 
-/// Walks any JSON value, failing on a repeated key.
+/// Walks any JSON value without building it, failing on a repeated key (also used by the
+/// typed readers for the fields they ignore).
 #[derive(Clone, Copy)]
-struct NoDuplicates;
+pub(crate) struct NoDuplicates;
 
 impl<'de> DeserializeSeed<'de> for NoDuplicates {
     type Value = ();
@@ -59,13 +61,79 @@ impl<'de> Visitor<'de> for NoDuplicates {
         Ok(())
     }
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        let mut seen = HashSet::new();
-        while let Some(key) = map.next_key::<String>()? {
-            if seen.contains(&key) {
-                return Err(de::Error::custom(format!("duplicate key {key:?}")));
-            }
+        let mut seen = SeenKeys::default();
+        while let Some(key) = map.next_key_seed(Key)? {
+            seen.insert(key)?;
             map.next_value_seed(self)?;
-            seen.insert(key);
+        }
+        Ok(())
+    }
+}
+
+/// An object key after unescaping: borrowed from the document when it holds no escape,
+/// so reading a key allocates nothing in the common case.
+#[derive(Clone, Copy)]
+pub(crate) struct Key;
+
+impl<'de> DeserializeSeed<'de> for Key {
+    type Value = Cow<'de, str>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Cow<'de, str>, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Key {
+    type Value = Cow<'de, str>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object key")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Borrowed(v))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Owned(v.to_owned()))
+    }
+    fn visit_string<E>(self, v: String) -> Result<Cow<'de, str>, E> {
+        Ok(Cow::Owned(v))
+    }
+}
+
+/// The keys of one object seen so far, compared after unescaping. A few keys are kept in a
+/// list (no hashing, and no allocation until the first key); past [`SeenKeys::LINEAR`] they
+/// move to a hash set, so an object with very many keys stays linear in time.
+#[derive(Default)]
+pub(crate) struct SeenKeys<'de> {
+    few: Vec<Cow<'de, str>>,
+    many: HashSet<Cow<'de, str>>,
+}
+
+impl<'de> SeenKeys<'de> {
+    /// Keys kept in the list before the hash set takes over.
+    const LINEAR: usize = 16;
+
+    /// Forgets every key (the next object starts empty), keeping the memory for reuse.
+    pub(crate) fn clear(&mut self) {
+        self.few.clear();
+        self.many.clear();
+    }
+
+    /// Records `key`. Errors: `duplicate key "…"` when this object named it before.
+    pub(crate) fn insert<E: de::Error>(&mut self, key: Cow<'de, str>) -> Result<(), E> {
+        let repeated = if self.many.is_empty() && self.few.len() < Self::LINEAR {
+            self.few.contains(&key)
+        } else {
+            if self.many.is_empty() {
+                self.many.extend(self.few.drain(..));
+            }
+            self.many.contains(&key)
+        };
+        if repeated {
+            return Err(E::custom(format!("duplicate key {key:?}")));
+        }
+        if self.many.is_empty() {
+            self.few.push(key);
+        } else {
+            self.many.insert(key);
         }
         Ok(())
     }

@@ -149,7 +149,7 @@ impl Sidecar {
         self.join_retry.keep_only(&desired.assigned);
         let backoff = self.join_retry.waiting(now);
         let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
-        let plan = reconcile::plan(PlanInput {
+        let plan = reconcile::plan_change(PlanInput {
             policy: &self.cfg.leave_policy,
             desired,
             state: &self.state,
@@ -193,10 +193,10 @@ impl Sidecar {
             for id in &plan.leaves {
                 warn!(namespace_id = %id, "dry run: would leave (withdrawn by MDMA)");
             }
-            self.state = plan.state;
+            plan.state.apply_to(&mut self.state);
             self.guard = plan.guard;
         } else {
-            self.state = plan.state;
+            plan.state.apply_to(&mut self.state);
             let started_before = std::mem::replace(&mut self.guard, plan.guard).recent_leaves;
             // The plan (absence counts included) is recorded before anything starts, and a
             // leave — irreversible — starts only while its outcome can be recorded too.

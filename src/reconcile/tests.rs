@@ -51,6 +51,34 @@ fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Plan {
 }
 
 #[test]
+fn the_daemons_change_leaves_an_idle_state_untouched_and_prunes_like_plan() {
+    let (empty, guard) = (none(), Guard::default());
+    let input = |d, s| PlanInput {
+        policy: &POLICY,
+        desired: d,
+        state: s,
+        in_flight: &empty,
+        join_backoff: &empty,
+        guard: &guard,
+        now: Instant::now(),
+    };
+    // Idle: everything assigned is admitted and confirmed: nothing to change.
+    let (d, s) = (desired(&[1, 2, 3], &[]), state(&[1, 2, 3], &[1, 2, 3]));
+    let change = plan_change(input(&d, &s));
+    assert!(change.joins.is_empty() && change.leaves.is_empty());
+    assert!(change.state.is_none(&s));
+    // Withdrawn, retained and re-assigned ones: the change applied gives plan's state.
+    let (d, s) = (desired(&[1, 4], &[2]), state(&[1, 2, 3], &[1, 2, 3]));
+    let change = plan_change(input(&d, &s));
+    assert!(!change.state.is_none(&s));
+    let mut changed = s.clone();
+    change.state.apply_to(&mut changed);
+    assert_eq!(changed, plan(input(&d, &s)).state);
+    assert_eq!(changed.confirmed, ids(&[1, 2]));
+    assert_eq!(changed.absent_polls, [(id(3), 1)].into());
+}
+
+#[test]
 fn first_poll_joins_every_assignment() {
     let p = simple(&POLICY, &desired(&[1, 2], &[]), &State::default());
     assert_eq!(p.joins, vec![id(1), id(2)]);

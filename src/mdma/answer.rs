@@ -1,0 +1,180 @@
+//! The `should-join` body read in one pass, straight into the id sets: every key is
+//! checked for repeats as it is read (borrowed from the body, so no `String` per key), each
+//! `group_id` is decoded from the body into a [`GroupId`] (no `String` per id), and the
+//! fields the sidecar ignores are walked for repeated keys without being built.
+//!
+//! It accepts exactly what the strict two-step reading accepts (no repeated key at any
+//! depth, then the typed shape), except that it also insists on JSON objects where the
+//! contract (docs/mdma.md) names objects: serde's derived readers would take an array in
+//! field order for the answer or an entry; this reader refuses it.
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+
+use crate::ids::GroupId;
+use crate::strict_json::{Key, NoDuplicates, SeenKeys};
+
+/// Reads one `should-join` document from `body` into `(assignments, retain)`.
+///
+/// Errors: serde_json's error for the first fault (syntax, a repeated key, the wrong
+/// shape, trailing data); the caller tells these kinds apart.
+pub(super) fn read(
+    body: &[u8],
+) -> Result<(BTreeSet<GroupId>, BTreeSet<GroupId>), serde_json::Error> {
+    let mut de = serde_json::Deserializer::from_slice(body);
+    // Room for as many entries as the body can hold (the shortest one,
+    // `{"group_id":"<64 hex>"},`, is 80 bytes): the list is not regrown and copied.
+    let sets = de.deserialize_map(Answer {
+        entries: body.len() / 80,
+    })?;
+    de.end()?;
+    Ok(sets)
+}
+
+/// The top-level object: `assignments` (required), `retain` (optional), anything else.
+struct Answer {
+    /// The most `assignments` entries the body can hold.
+    entries: usize,
+}
+
+impl<'de> Visitor<'de> for Answer {
+    type Value = (BTreeSet<GroupId>, BTreeSet<GroupId>);
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an object with an `assignments` array")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut seen = SeenKeys::default();
+        let mut assignments = None;
+        let mut retain = None;
+        while let Some(key) = map.next_key_seed(Key)? {
+            let field = match &*key {
+                "assignments" => Field::Assignments,
+                "retain" => Field::Retain,
+                _ => Field::Other,
+            };
+            seen.insert(key)?;
+            match field {
+                Field::Assignments => {
+                    assignments = Some(map.next_value_seed(Ids(Entries, self.entries))?)
+                }
+                Field::Retain => retain = Some(map.next_value_seed(Ids(Bare, 0))?),
+                Field::Other => map.next_value_seed(NoDuplicates)?,
+            }
+        }
+        let assignments = assignments.ok_or_else(|| de::Error::missing_field("assignments"))?;
+        Ok((assignments, retain.unwrap_or_default()))
+    }
+}
+
+/// The fields of the answer the sidecar reads.
+enum Field {
+    Assignments,
+    Retain,
+    Other,
+}
+
+/// How one element of an id array is written.
+trait Element: Copy {
+    /// Reads one element into `out`; `keys` is scratch space reused across elements.
+    fn read<'de, A: SeqAccess<'de>>(
+        self,
+        seq: &mut A,
+        keys: &mut SeenKeys<'de>,
+        out: &mut Vec<GroupId>,
+    ) -> Result<bool, A::Error>;
+}
+
+/// `retain`: an array of 64-hex strings.
+#[derive(Clone, Copy)]
+struct Bare;
+
+impl Element for Bare {
+    fn read<'de, A: SeqAccess<'de>>(
+        self,
+        seq: &mut A,
+        _: &mut SeenKeys<'de>,
+        out: &mut Vec<GroupId>,
+    ) -> Result<bool, A::Error> {
+        Ok(seq
+            .next_element::<GroupId>()?
+            .map(|id| out.push(id))
+            .is_some())
+    }
+}
+
+/// `assignments`: an array of objects, each with a 64-hex `group_id`.
+#[derive(Clone, Copy)]
+struct Entries;
+
+impl Element for Entries {
+    fn read<'de, A: SeqAccess<'de>>(
+        self,
+        seq: &mut A,
+        keys: &mut SeenKeys<'de>,
+        out: &mut Vec<GroupId>,
+    ) -> Result<bool, A::Error> {
+        Ok(seq
+            .next_element_seed(Entry { keys })?
+            .map(|id| out.push(id))
+            .is_some())
+    }
+}
+
+/// An array of ids, collected into a set; the number is the room to make at first.
+struct Ids<E>(E, usize);
+
+impl<'de, E: Element> DeserializeSeed<'de> for Ids<E> {
+    type Value = BTreeSet<GroupId>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de, E: Element> Visitor<'de> for Ids<E> {
+    type Value = BTreeSet<GroupId>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an array of namespace ids")
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut keys = SeenKeys::default();
+        let mut ids = Vec::with_capacity(self.1);
+        while self.0.read(&mut seq, &mut keys, &mut ids)? {}
+        // Sorted and built in bulk (an answer in id order is already sorted).
+        Ok(ids.into_iter().collect())
+    }
+}
+
+/// One `assignments` entry: its `group_id`; other keys are checked and ignored.
+struct Entry<'k, 'de> {
+    keys: &'k mut SeenKeys<'de>,
+}
+
+impl<'de> DeserializeSeed<'de> for Entry<'_, 'de> {
+    type Value = GroupId;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<GroupId, D::Error> {
+        d.deserialize_map(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Entry<'_, 'de> {
+    type Value = GroupId;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("an assignment object with a `group_id`")
+    }
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<GroupId, A::Error> {
+        self.keys.clear();
+        let mut group_id = None;
+        while let Some(key) = map.next_key_seed(Key)? {
+            let is_group_id = key == "group_id";
+            self.keys.insert(key)?;
+            if is_group_id {
+                group_id = Some(map.next_value::<GroupId>()?);
+            } else {
+                map.next_value_seed(NoDuplicates)?;
+            }
+        }
+        group_id.ok_or_else(|| de::Error::missing_field("group_id"))
+    }
+}
