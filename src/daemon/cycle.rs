@@ -248,7 +248,11 @@ impl Sidecar {
             .update(|st| st.state_write_error = Some(text));
     }
 
+    /// Writes the state if it changed (atomically; `false` when it could not be written or
+    /// in a dry run). The live status is brought up to date first, so it never lags the
+    /// file: whoever sees the file change and then asks `/status` finds the change there.
     pub(super) fn persist(&mut self) -> bool {
+        self.publish();
         if self.cfg.dry_run {
             return false;
         }
