@@ -497,12 +497,19 @@ impl StateStore {
         self.last_written = None;
     }
 
+    /// Whether the file holds `state` as far as this store knows (it loaded or last wrote
+    /// it, and [`StateStore::forget_written`] was not called since): [`StateStore::save`]
+    /// would then write nothing.
+    pub fn is_saved(&self, state: &State) -> bool {
+        self.last_written.as_ref() == Some(state)
+    }
+
     /// Writes `state` if its document differs from what the file holds; returns whether it
     /// wrote. Atomic: a crash at any point leaves either the old or the new document.
     ///
     /// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
     pub fn save(&mut self, state: &State) -> Result<bool, StateError> {
-        if self.last_written.as_ref() == Some(state) {
+        if self.is_saved(state) {
             return Ok(false);
         }
         write_atomically(&self.path, &render_state(state))?;
@@ -674,11 +681,16 @@ mod tests {
             confirmed: [id(1)].into(),
             absent_polls: [(id(2), 1)].into(),
         };
+        assert!(!store.is_saved(&state));
         assert!(store.save(&state).unwrap());
+        assert!(store.is_saved(&state));
         assert!(
             !store.save(&state).unwrap(),
             "unchanged state is not rewritten"
         );
+        store.forget_written();
+        assert!(!store.is_saved(&state), "forgotten: written again");
+        assert!(store.save(&state).unwrap());
         let mut again = StateStore::new(&path);
         assert_eq!(again.load().unwrap(), Some(state.clone()));
         assert!(

@@ -135,23 +135,24 @@ impl Sidecar {
                     st.last_poll_error = None;
                     st.consecutive_failures = 0;
                 });
-                let desired = Desired::from(answer);
-                let outcome = self.reconcile(&desired);
-                self.desired = desired;
+                // Stored before the plan, so a status published while it is recorded is
+                // the status of this poll.
+                self.desired = Desired::from(answer);
+                let outcome = self.reconcile();
                 self.publish();
                 outcome
             }
         }
     }
 
-    fn reconcile(&mut self, desired: &Desired) -> CycleOutcome {
+    fn reconcile(&mut self) -> CycleOutcome {
         let now = Instant::now();
-        self.join_retry.keep_only(&desired.assigned);
+        self.join_retry.keep_only(&self.desired.assigned);
         let backoff = self.join_retry.waiting(now);
         let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
         let plan = reconcile::plan_change(PlanInput {
             policy: &self.cfg.leave_policy,
-            desired,
+            desired: &self.desired,
             state: &self.state,
             in_flight: &in_flight,
             join_backoff: &backoff,
@@ -249,10 +250,10 @@ impl Sidecar {
     }
 
     /// Writes the state if it changed (atomically; `false` when it could not be written or
-    /// in a dry run). The live status is brought up to date first, so it never lags the
-    /// file: whoever sees the file change and then asks `/status` finds the change there.
+    /// in a dry run). Before a write the live status is brought up to date, so it never
+    /// lags the file: whoever sees the file change and then asks `/status` finds the change
+    /// there. Nothing to write (an idle cycle): neither is done.
     pub(super) fn persist(&mut self) -> bool {
-        self.publish();
         if self.cfg.dry_run {
             return false;
         }
@@ -261,6 +262,10 @@ impl Sidecar {
         if self.persist_error.is_some() {
             self.store.forget_written();
         }
+        if self.store.is_saved(&self.state) {
+            return true;
+        }
+        self.publish();
         match self.store.save(&self.state) {
             Ok(_) => {
                 if self.persist_error.take().is_some() {
