@@ -81,6 +81,7 @@ fn planning(c: &mut Criterion) {
                     state: &state,
                     in_flight: &empty,
                     join_backoff: &empty,
+                    leave_backoff: &empty,
                     guard: &guard,
                     now: tokio::time::Instant::now(),
                 }))

@@ -128,6 +128,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                 state: &state,
                 in_flight: &empty,
                 join_backoff: &empty,
+                leave_backoff: &empty,
                 guard: &Guard::default(),
                 now,
             }));

@@ -1,27 +1,29 @@
-//! Per-namespace join retry state: every failed join (an error, `admitted: false`, an
-//! admission merod does not list, an admission or confirm that could not be recorded) waits
-//! before the next attempt, the wait doubling from [`JOIN_RETRY_MIN`] to [`JOIN_RETRY_MAX`]
-//! and jittered so a fleet does not retry in lockstep.
+//! Per-namespace retry state, one for joins and one for leaves: every failed join (an error,
+//! `admitted: false`, an admission merod does not list, an admission or confirm that could
+//! not be recorded) and every failed leave (an error, a timeout, merod still listing it)
+//! waits before the next attempt, the wait doubling from [`RETRY_MIN`] to [`RETRY_MAX`] and
+//! jittered so a fleet does not retry in lockstep.
 //!
 //! The state of a namespace survives across failures (its wait having ended does not forget
-//! it), and is dropped only when a join of it succeeds or MDMA no longer assigns it.
+//! it), and is dropped only when the action succeeds or the namespace stops being a
+//! candidate for it (no longer assigned, for a join; assigned or retained again, for a leave).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use crate::daemon::{JOIN_RETRY_MAX, JOIN_RETRY_MIN};
+pub(crate) use crate::daemon::{RETRY_MAX, RETRY_MIN};
 use crate::ids::GroupId;
 
 /// The wait after the `failures`-th failure in a row (1-based), for `jitter` in `[0, 1)`:
-/// `base = min(JOIN_RETRY_MAX, JOIN_RETRY_MIN · 2^(failures-1))`, wait
-/// `base · (1 + jitter) / 2`, never below [`JOIN_RETRY_MIN`].
-pub fn join_retry_delay(failures: u32, jitter: f64) -> Duration {
+/// `base = min(RETRY_MAX, RETRY_MIN · 2^(failures-1))`, wait
+/// `base · (1 + jitter) / 2`, never below [`RETRY_MIN`].
+pub fn retry_delay(failures: u32, jitter: f64) -> Duration {
     let factor = 2u32.saturating_pow(failures.saturating_sub(1));
-    let base = JOIN_RETRY_MIN.saturating_mul(factor).min(JOIN_RETRY_MAX);
+    let base = RETRY_MIN.saturating_mul(factor).min(RETRY_MAX);
     base.mul_f64((1.0 + jitter.clamp(0.0, 1.0)) / 2.0)
-        .max(JOIN_RETRY_MIN)
+        .max(RETRY_MIN)
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -30,21 +32,21 @@ struct Entry {
     until: Instant,
 }
 
-/// The retry state of every namespace whose last join attempt failed.
+/// The retry state of every namespace whose last attempt (of one kind: join or leave) failed.
 #[derive(Debug, Default)]
-pub struct JoinRetries {
+pub struct Retries {
     entries: BTreeMap<GroupId, Entry>,
 }
 
-impl JoinRetries {
-    /// Records a failed join of `id` at `now`; returns the failures in a row (1 for the
+impl Retries {
+    /// Records a failed attempt on `id` at `now`; returns the failures in a row (1 for the
     /// first) and the wait before the next attempt.
     pub fn fail(&mut self, id: GroupId, now: Instant, jitter: f64) -> (u32, Duration) {
         let failures = self
             .entries
             .get(&id)
             .map_or(1, |e| e.failures.saturating_add(1));
-        let wait = join_retry_delay(failures, jitter);
+        let wait = retry_delay(failures, jitter);
         self.entries.insert(
             id,
             Entry {
@@ -55,14 +57,15 @@ impl JoinRetries {
         (failures, wait)
     }
 
-    /// A join of `id` succeeded: its next failure starts again at [`JOIN_RETRY_MIN`].
+    /// The attempt on `id` succeeded: its next failure starts again at [`RETRY_MIN`].
     pub fn succeed(&mut self, id: GroupId) {
         self.entries.remove(&id);
     }
 
-    /// Forgets every namespace not in `assigned` (a later assignment starts afresh).
-    pub fn keep_only(&mut self, assigned: &BTreeSet<GroupId>) {
-        self.entries.retain(|id, _| assigned.contains(id));
+    /// Forgets every namespace for which `candidate` is false (it becoming a candidate
+    /// again later starts afresh).
+    pub fn keep_only(&mut self, mut candidate: impl FnMut(&GroupId) -> bool) {
+        self.entries.retain(|id, _| candidate(id));
     }
 
     /// The namespaces still waiting at `now` (not to be joined this cycle).
@@ -89,21 +92,21 @@ mod tests {
             (6, 60.0),
             (60, 60.0),
         ] {
-            let lo = join_retry_delay(failures, 0.0).as_secs_f64();
-            let hi = join_retry_delay(failures, 0.999_999).as_secs_f64();
+            let lo = retry_delay(failures, 0.0).as_secs_f64();
+            let hi = retry_delay(failures, 0.999_999).as_secs_f64();
             assert!(
                 (lo - (base / 2.0_f64).max(2.0)).abs() < 1e-6,
                 "{failures}: {lo}"
             );
             assert!((hi - base).abs() < 1e-3, "{failures}: {hi}");
         }
-        assert_eq!(join_retry_delay(u32::MAX, 7.0), JOIN_RETRY_MAX);
+        assert_eq!(retry_delay(u32::MAX, 7.0), RETRY_MAX);
     }
 
     #[tokio::test(start_paused = true)]
     async fn state_survives_the_wait_and_resets_on_success_or_withdrawal() {
         let a = GroupId::from_bytes([1; 32]);
-        let mut r = JoinRetries::default();
+        let mut r = Retries::default();
         let t0 = Instant::now();
         assert_eq!(r.fail(a, t0, 0.999_999).0, 1);
         assert!(r.waiting(t0).contains(&a));
@@ -113,7 +116,7 @@ mod tests {
         assert_eq!(r.fail(a, later, 0.999_999).0, 2);
         r.succeed(a);
         assert_eq!(r.fail(a, later, 0.0).0, 1);
-        r.keep_only(&BTreeSet::new());
+        r.keep_only(|_| false);
         assert_eq!(r.fail(a, later, 0.0).0, 1);
     }
 }

@@ -54,10 +54,10 @@ pub(crate) const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 pub(crate) const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
 /// Bound of one MRTD read (sysfs, ioctl with its short retries, configfs-tsm quote).
 pub(crate) const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// First wait before retrying a join that failed with an error (doubles, up to the cap).
-pub(crate) const JOIN_RETRY_MIN: Duration = Duration::from_secs(2);
-/// Longest wait before retrying a failing join.
-pub(crate) const JOIN_RETRY_MAX: Duration = Duration::from_secs(60);
+/// First wait before retrying a failed join or leave of a namespace (doubles, up to the cap).
+pub(crate) const RETRY_MIN: Duration = Duration::from_secs(2);
+/// Longest wait before retrying a failing join or leave.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(60);
 /// On shutdown, how long running joins and leaves may take to finish before they are cut.
 pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// The longest time between two turns of the loop (the systemd watchdog's sign of life).
@@ -139,7 +139,8 @@ pub struct Sidecar {
     joining: BTreeSet<GroupId>,
     leaving: BTreeSet<GroupId>,
     desired: Desired,
-    join_retry: crate::backoff::JoinRetries,
+    join_retry: crate::backoff::Retries,
+    leave_retry: crate::backoff::Retries,
     tasks: JoinSet<()>,
     task_ids: HashMap<tokio::task::Id, GroupId>,
     join_permits: Arc<Semaphore>,

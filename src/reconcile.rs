@@ -16,7 +16,9 @@
 //! * Mass-withdrawal guard: when one poll withdraws at least `mass_drop_min` namespaces and
 //!   more than half of those held, every leave is held until the withdrawal has persisted
 //!   for `mass_drop_hold`; then leaves go ahead, at most `max_leaves_per_minute`.
-//! * Nothing with a join or leave in flight is planned again.
+//! * Nothing with a join or leave in flight is planned again, and nothing whose last join
+//!   (or leave) failed is joined (or left) again before its retry wait ends; a leave
+//!   backing off does not take from the rate limit.
 //! * Prune: `confirmed ← confirmed ∩ (assigned ∪ retain)`, so a re-added namespace is
 //!   confirmed anew. `admitted` shrinks only when merod no longer holds a namespace.
 
@@ -120,6 +122,9 @@ pub enum LeaveWait {
         /// Time left of the hold.
         remaining: Duration,
     },
+    /// The last leave of it failed and its retry wait has not ended (the wait doubles from
+    /// 2 s to 60 s per failure in a row); does not take from the rate limit.
+    BackingOff,
     /// `max_leaves_per_minute` reached; goes in a later cycle.
     RateLimited,
     /// A join or leave of it is still running.
@@ -140,6 +145,9 @@ impl fmt::Display for LeaveWait {
                 "held by the mass-withdrawal guard for {} s more",
                 remaining.as_secs()
             ),
+            LeaveWait::BackingOff => {
+                f.write_str("its last leave failed; retried when the back-off ends")
+            }
             LeaveWait::RateLimited => f.write_str("waiting for the leave rate limit"),
             LeaveWait::InFlight => f.write_str("a join or leave of it is running"),
         }
@@ -195,6 +203,9 @@ pub struct PlanInput<'a> {
     pub in_flight: &'a BTreeSet<GroupId>,
     /// Namespaces whose last join failed recently (not joined yet again).
     pub join_backoff: &'a BTreeSet<GroupId>,
+    /// Namespaces whose last leave failed recently (not left yet again:
+    /// [`LeaveWait::BackingOff`]).
+    pub leave_backoff: &'a BTreeSet<GroupId>,
     /// The guard state after the previous successful poll.
     pub guard: &'a Guard,
     /// The time of this poll.
@@ -259,6 +270,7 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         state,
         in_flight,
         join_backoff,
+        leave_backoff,
         guard,
         now,
     } = input;
@@ -349,6 +361,8 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
                     .mass_drop_hold
                     .saturating_sub(now.saturating_duration_since(since)),
             })
+        } else if leave_backoff.contains(id) {
+            Some(LeaveWait::BackingOff)
         } else if budget == 0 {
             Some(LeaveWait::RateLimited)
         } else {

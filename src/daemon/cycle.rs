@@ -16,7 +16,7 @@ use crate::telemetry::{unix_now, Outcome as Metric, Phase, Telemetry};
 
 use super::poll::{first_poll_delay, next_poll_delay, poll_outcome};
 use super::tasks::{Event, JoinEnd, LeaveEnd};
-use super::{CycleOutcome, Sidecar, ALIVE_TURN, JOIN_RETRY_MAX, SHUTDOWN_GRACE};
+use super::{CycleOutcome, Sidecar, ALIVE_TURN, RETRY_MAX, SHUTDOWN_GRACE};
 
 impl Sidecar {
     /// Reconciles every `poll_interval` (backing off while polls fail, see
@@ -147,15 +147,21 @@ impl Sidecar {
 
     fn reconcile(&mut self) -> CycleOutcome {
         let now = Instant::now();
-        self.join_retry.keep_only(&self.desired.assigned);
-        let backoff = self.join_retry.waiting(now);
+        let desired = &self.desired;
+        self.join_retry
+            .keep_only(|id| desired.assigned.contains(id));
+        self.leave_retry
+            .keep_only(|id| !desired.assigned.contains(id) && !desired.retain.contains(id));
+        let join_backoff = self.join_retry.waiting(now);
+        let leave_backoff = self.leave_retry.waiting(now);
         let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
         let plan = reconcile::plan_change(PlanInput {
             policy: &self.cfg.leave_policy,
             desired: &self.desired,
             state: &self.state,
             in_flight: &in_flight,
-            join_backoff: &backoff,
+            join_backoff: &join_backoff,
+            leave_backoff: &leave_backoff,
             guard: &self.guard,
             now,
         });
@@ -334,7 +340,7 @@ impl Sidecar {
                         };
                         // Warned at the first refusal of a streak; the retries are info.
                         if failures == 1 {
-                            warn!(namespace_id = %id, outcome = "not_admitted", duration, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {JOIN_RETRY_MAX:?}");
+                            warn!(namespace_id = %id, outcome = "not_admitted", duration, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {RETRY_MAX:?}");
                         } else {
                             info!(namespace_id = %id, outcome = "not_admitted", duration, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
                         }
@@ -370,6 +376,7 @@ impl Sidecar {
                         Telemetry::count(&self.deps.telemetry.leaves, Metric::Left);
                         info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
                         reconcile::apply(&mut self.state, Outcome::Left(id));
+                        self.leave_retry.succeed(id);
                         self.persist();
                     }
                     LeaveEnd::StillHeld { reason, timed_out } => {
@@ -379,7 +386,9 @@ impl Sidecar {
                             Metric::Failed
                         };
                         Telemetry::count(&self.deps.telemetry.leaves, outcome);
-                        warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, "leave not done ({reason}); stays a leave candidate");
+                        let (failures, wait) =
+                            self.leave_retry.fail(id, Instant::now(), fastrand::f64());
+                        warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, failures, "leave not done ({reason}); stays a leave candidate, retrying in {wait:?}, backing off to {RETRY_MAX:?}");
                     }
                 }
             }

@@ -45,6 +45,7 @@ fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Plan {
         state: s,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &Guard::default(),
         now: Instant::now(),
     })
@@ -59,6 +60,7 @@ fn the_daemons_change_leaves_an_idle_state_untouched_and_prunes_like_plan() {
         state: s,
         in_flight: &empty,
         join_backoff: &empty,
+        leave_backoff: &empty,
         guard: &guard,
         now: Instant::now(),
     };
@@ -216,6 +218,7 @@ fn nothing_in_flight_is_planned_either_way() {
         state: &s,
         in_flight: &in_flight,
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &Guard::default(),
         now: Instant::now(),
     });
@@ -232,11 +235,47 @@ fn join_backoff_delays_only_joins() {
         state: &state(&[3], &[3]),
         in_flight: &none(),
         join_backoff: &ids(&[1, 3]),
+        leave_backoff: &none(),
         guard: &Guard::default(),
         now: Instant::now(),
     });
     assert_eq!(p.joins, vec![id(2)]);
     assert_eq!(p.leaves, vec![id(3)]);
+}
+
+/// A leave that failed is not retried before its backoff ends, and the ones backing off do
+/// not use the rate limit: a leave that keeps failing for the lowest id cannot starve the
+/// others (the CI counterexample of the random-history property, as a rule).
+#[test]
+fn leave_backoff_delays_only_that_leave_and_takes_none_of_the_rate_limit() {
+    let policy = LeavePolicy {
+        max_leaves_per_minute: 2,
+        mass_drop_hold: Duration::ZERO,
+        ..no_stability()
+    };
+    let p = plan(PlanInput {
+        policy: &policy,
+        desired: &desired(&[1, 9], &[]),
+        state: &state(&[1, 2, 3, 4, 5], &[1]),
+        in_flight: &none(),
+        join_backoff: &none(),
+        leave_backoff: &ids(&[1, 2, 3, 9]),
+        guard: &Guard::default(),
+        now: Instant::now(),
+    });
+    assert_eq!(p.joins, vec![id(9)], "a leave backoff never holds a join");
+    assert_eq!(p.leaves, vec![id(4), id(5)]);
+    assert_eq!(p.waiting.get(&id(2)), Some(&LeaveWait::BackingOff));
+    assert_eq!(p.waiting.get(&id(3)), Some(&LeaveWait::BackingOff));
+    assert!(
+        !p.waiting.contains_key(&id(1)),
+        "1 is assigned, not withdrawn"
+    );
+    assert_eq!(p.guard.recent_leaves.len(), 2);
+    assert_eq!(
+        LeaveWait::BackingOff.to_string(),
+        "its last leave failed; retried when the back-off ends"
+    );
 }
 
 fn no_stability() -> LeavePolicy {
@@ -258,6 +297,7 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
         state: &s,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &Guard::default(),
         now: t0,
     });
@@ -282,6 +322,7 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
         state: &p.state,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &p.guard,
         now: t1,
     });
@@ -294,6 +335,7 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
         state: &p.state,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &p.guard,
         now: t2,
     });
@@ -315,6 +357,7 @@ fn a_reverted_mass_withdrawal_clears_the_hold() {
         state: &s,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &Guard::default(),
         now: t0,
     });
@@ -324,6 +367,7 @@ fn a_reverted_mass_withdrawal_clears_the_hold() {
         state: &p.state,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &p.guard,
         now: t0 + Duration::from_secs(1),
     });
@@ -337,6 +381,7 @@ fn a_reverted_mass_withdrawal_clears_the_hold() {
         state: &p.state,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &p.guard,
         now: t2,
     });
@@ -393,6 +438,7 @@ fn leaves_are_rate_limited_per_minute() {
         state: &s,
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &Guard::default(),
         now: t0,
     });
@@ -406,6 +452,7 @@ fn leaves_are_rate_limited_per_minute() {
         state: &s,
         in_flight: &ids(&[1, 2]),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &p.guard,
         now: t1,
     });
@@ -417,6 +464,7 @@ fn leaves_are_rate_limited_per_minute() {
         state: &state(&[3, 4, 5], &[]),
         in_flight: &none(),
         join_backoff: &none(),
+        leave_backoff: &none(),
         guard: &p.guard,
         now: t2,
     });
@@ -493,8 +541,18 @@ fn leave_result() -> impl Strategy<Value = LeaveResult> {
     ]
 }
 
-/// Simulates the loop around `plan`: outcomes of started actions land before the next
-/// poll, except hung ones, which end (as failures) two polls later.
+/// What a hung task was doing.
+#[derive(Clone, Copy, Debug)]
+enum Task {
+    Join,
+    Leave,
+}
+
+/// Simulates the daemon's loop around `plan`: outcomes of started actions land before the
+/// next poll, except hung ones, which end (as failures) two polls later; failed joins and
+/// leaves back off per namespace as in the daemon (`backoff::Retries`, jitter fixed at ½).
+/// After `steps`, the last good poll repeats for up to `settle` cycles, ending early once
+/// nothing withdrawn is held and nothing runs.
 fn simulate(
     policy: &LeavePolicy,
     steps: &[Step],
@@ -502,10 +560,13 @@ fn simulate(
     leaves: &[LeaveResult],
     settle: usize,
 ) -> Result<(), TestCaseError> {
+    use crate::backoff::Retries;
+    const JITTER: f64 = 0.5;
     let mut s = State::default();
     let mut held: BTreeSet<GroupId> = BTreeSet::new(); // what merod really holds
     let mut guard = Guard::default();
-    let mut hung: BTreeMap<GroupId, u32> = BTreeMap::new();
+    let mut hung: BTreeMap<GroupId, (u32, Task)> = BTreeMap::new();
+    let (mut join_retry, mut leave_retry) = (Retries::default(), Retries::default());
     let mut now = Instant::now();
     let (mut ji, mut li) = (0usize, 0usize);
     let mut last_good: Option<Desired> = None;
@@ -513,25 +574,50 @@ fn simulate(
     let all_steps = steps
         .iter()
         .cloned()
-        .chain(std::iter::repeat_n(final_step, settle));
-    for st in all_steps {
+        .map(|st| (st, false))
+        .chain(std::iter::repeat_n((final_step, true), settle));
+    for (st, settling) in all_steps {
+        if settling && hung.is_empty() {
+            if let Some(d) = &last_good {
+                if held
+                    .iter()
+                    .all(|h| d.assigned.contains(h) || d.retain.contains(h))
+                {
+                    break;
+                }
+            }
+        }
         now += Duration::from_secs(1);
-        hung.retain(|_, left| {
+        let mut ended = Vec::new();
+        hung.retain(|id, (left, task)| {
             *left -= 1;
+            if *left == 0 {
+                ended.push((*id, *task));
+            }
             *left > 0
         });
+        for (id, task) in ended {
+            match task {
+                Task::Join => join_retry.fail(id, now, JITTER),
+                Task::Leave => leave_retry.fail(id, now, JITTER),
+            };
+        }
         let Step::Good(a, r) = st else {
             // A failed poll: the loop does not call plan; nothing may change.
             continue;
         };
         let d = desired(&a, &r);
+        join_retry.keep_only(|id| d.assigned.contains(id));
+        leave_retry.keep_only(|id| !d.assigned.contains(id) && !d.retain.contains(id));
         let in_flight: BTreeSet<GroupId> = hung.keys().copied().collect();
+        let leave_backoff = leave_retry.waiting(now);
         let p = plan(PlanInput {
             policy,
             desired: &d,
             state: &s,
             in_flight: &in_flight,
-            join_backoff: &none(),
+            join_backoff: &join_retry.waiting(now),
+            leave_backoff: &leave_backoff,
             guard: &guard,
             now,
         });
@@ -541,6 +627,7 @@ fn simulate(
                 "left a desired/retained id"
             );
             prop_assert!(!in_flight.contains(l));
+            prop_assert!(!leave_backoff.contains(l), "left while backing off");
         }
         for j in &p.joins {
             prop_assert!(!in_flight.contains(j));
@@ -555,14 +642,18 @@ fn simulate(
                     held.insert(j);
                     apply(&mut s, Outcome::Admitted(j));
                     apply(&mut s, Outcome::Confirmed(j));
+                    join_retry.succeed(j);
                 }
                 JoinResult::AdmittedConfirmFailed => {
                     held.insert(j);
                     apply(&mut s, Outcome::Admitted(j));
+                    join_retry.fail(j, now, JITTER);
                 }
-                JoinResult::NotAdmitted | JoinResult::Error => {}
+                JoinResult::NotAdmitted | JoinResult::Error => {
+                    join_retry.fail(j, now, JITTER);
+                }
                 JoinResult::Hang => {
-                    hung.insert(j, 2);
+                    hung.insert(j, (2, Task::Join));
                 }
             }
         }
@@ -573,10 +664,13 @@ fn simulate(
                 LeaveResult::Left => {
                     held.remove(&l);
                     apply(&mut s, Outcome::Left(l));
+                    leave_retry.succeed(l);
                 }
-                LeaveResult::Failed => {}
+                LeaveResult::Failed => {
+                    leave_retry.fail(l, now, JITTER);
+                }
                 LeaveResult::Hang => {
-                    hung.insert(l, 2);
+                    hung.insert(l, (2, Task::Leave));
                 }
             }
         }
@@ -587,8 +681,9 @@ fn simulate(
         );
         last_good = Some(d);
     }
-    // Polls have been good and stable for `settle` cycles: every namespace merod holds
-    // that MDMA no longer assigns (nor retains) has been left.
+    // Polls have been good and stable long enough for every leave to have come round to a
+    // success: every namespace merod holds that MDMA no longer assigns (nor retains) has
+    // been left.
     if let Some(d) = last_good {
         let stray: Vec<_> = held
             .iter()
@@ -597,6 +692,18 @@ fn simulate(
         prop_assert!(stray.is_empty(), "still held after settling: {stray:?}");
     }
     Ok(())
+}
+
+/// Cycles (1 s each) after which every withdrawn namespace of the simulation must have been
+/// left, once polls are stable. The outcome cycle has `cycle` entries with one success, and
+/// leave attempts take turns in it, so of any `cycle` attempts in a row one succeeds: at most
+/// `6 × cycle` attempts for the 6 ids. Attempts come at least once per retry wait (≤ 60 s,
+/// plus 2 cycles for a hung one) and, while several are due, at `max_leaves_per_minute`.
+/// The counterexample that set this: 6 held ids, `[Failed ×5, Left]`, 2 leaves a minute,
+/// and a settle phase of a fixed 1,000 cycles that ran out before the last id's turn came.
+fn settle_bound(policy: &LeavePolicy, cycle: usize) -> usize {
+    let per_attempt = (60 / policy.max_leaves_per_minute.max(1) as usize).max(63);
+    6 * cycle * per_attempt + policy.leave_after_polls as usize + 60
 }
 
 fn last_good_step(steps: &[Step]) -> Step {
@@ -628,7 +735,7 @@ proptest! {
             mass_drop_hold: Duration::from_secs(5),
             max_leaves_per_minute: 2,
         };
-        simulate(&policy, &steps, &joins, &leaves, 1000)?;
+        simulate(&policy, &steps, &joins, &leaves, settle_bound(&policy, leaves.len()))?;
     }
 
     #[test]
@@ -644,7 +751,8 @@ proptest! {
         let d = desired(&assigned.iter().copied().collect::<Vec<_>>(), &retain.iter().copied().collect::<Vec<_>>());
         let s = state(&admitted, &confirmed);
         let fl = ids(&in_flight.iter().copied().collect::<Vec<_>>());
-        let p = plan(PlanInput { policy: &LeavePolicy::REFERENCE, desired: &d, state: &s, in_flight: &fl, join_backoff: &none(), guard: &Guard::default(), now: Instant::now() });
+        let p = plan(PlanInput { policy: &LeavePolicy::REFERENCE, desired: &d, state: &s, in_flight: &fl, join_backoff: &none(),
+ leave_backoff: &none(), guard: &Guard::default(), now: Instant::now() });
         for l in &p.leaves {
             prop_assert!(!d.assigned.contains(l) && !d.retain.contains(l) && !fl.contains(l));
             prop_assert!(s.admitted.contains(l));

@@ -147,3 +147,67 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     let state = StateStore::new(&state_file).load().unwrap().unwrap();
     assert!(state.admitted.is_empty(), "{state:?}");
 }
+
+/// A leave that keeps failing (merod errs and still lists the namespace) is retried 2 s,
+/// 4 s, 8 s … up to 60 s apart, not every poll; the status says it is backing off; MDMA
+/// assigning it again drops the retry state, and a leave that finally succeeds is recorded.
+#[tokio::test(start_paused = true)]
+async fn a_failing_leave_backs_off_to_60_s() {
+    let node = NodeDir::new();
+    let a = gid(A);
+    save_state(&node.state_file(), &[a].into(), &[a].into());
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.held.insert(a);
+        w.leave_script = vec![false];
+    });
+    let running = fake.run(node.config(REFERENCE));
+    let leave_times = || fake.with(|w| w.leaves.iter().map(|(_, t)| *t).collect::<Vec<_>>());
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let leaves = leave_times();
+    assert!(
+        (10..=24).contains(&leaves.len()),
+        "{} leaves in 600 s: {:?}",
+        leaves.len(),
+        gaps(&leaves)
+    );
+    let g = gaps(&leaves);
+    assert!(g[0] >= Duration::from_secs(2), "{g:?}");
+    assert!(
+        g[6..]
+            .iter()
+            .all(|d| *d >= Duration::from_secs(30) && *d <= Duration::from_secs(62)),
+        "capped at 60 s, jittered: {g:?}"
+    );
+    let status = running.telemetry.snapshot();
+    let why = status.pending_leaves.get(&a);
+    assert!(
+        why.is_some_and(|w| w.contains("back-off") || w.contains("running")),
+        "{:?}",
+        status.pending_leaves
+    );
+
+    // Assigned again, then withdrawn again: the retry state was dropped, so the first
+    // retry comes 2–3 s after the first failure again.
+    fake.with(|w| w.assignments.insert(a));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    fake.with(|w| {
+        w.assignments.clear();
+        w.leaves.clear();
+    });
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let again = leave_times();
+    assert!(again.len() >= 2, "restarted at 2 s: {:?}", gaps(&again));
+    assert!(
+        gaps(&again)[0] <= Duration::from_secs(3),
+        "{:?}",
+        gaps(&again)
+    );
+
+    fake.with(|w| w.leave_script = vec![true]);
+    tokio::time::sleep(Duration::from_secs(70)).await;
+    assert!(fake.with(|w| !w.held.contains(&a) && w.violations.is_empty()));
+    running.stop().await;
+    let state = StateStore::new(node.state_file()).load().unwrap().unwrap();
+    assert!(state.admitted.is_empty(), "{state:?}");
+}

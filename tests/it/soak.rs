@@ -185,7 +185,7 @@ async fn soak_the_loop_with_random_faults() {
     let elapsed = started.elapsed();
 
     // Calm: faults cleared, MDMA settles on {B, D}; the node must converge to it (a
-    // namespace whose joins kept failing may first wait out a join backoff of up to 60 s).
+    // namespace whose joins or leaves kept failing may first wait out a backoff of up to 60 s).
     calm(&sb, &phases, &[B, D]);
     eventually(
         "the node holds, admits and confirms exactly {B, D}",
