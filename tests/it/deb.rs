@@ -35,10 +35,16 @@ fn build(dir: &Path) -> Option<PathBuf> {
         return None;
     }
     let deb = dir.join("fleet-sidecar.deb");
+    // What this test checks is the package's files, modes and scripts, none of which the
+    // release profile's fat LTO changes; that LTO's long single-threaded link would only load
+    // the machine while the timing-sensitive tests run beside this one. So the binary packed
+    // here is built without it (cargo's documented profile overrides).
     stdout_of(
         Command::new(root().join("scripts/build-deb.sh"))
             .arg("--output")
             .arg(&deb)
+            .env("CARGO_PROFILE_RELEASE_LTO", "false")
+            .env("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16")
             .current_dir(root()),
     );
     Some(deb)
