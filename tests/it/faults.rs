@@ -21,6 +21,25 @@ fn gaps(joins: &[Instant]) -> Vec<Duration> {
     joins.windows(2).map(|p| p[1] - p[0]).collect()
 }
 
+/// `calls`, the start times of one action failing for 600 s, backed off: doubling from 2 s
+/// to 60 s, ≥ 2+2+4+8+16+30 s for the first 6 retries, then ≥ 30 s each (jittered down to
+/// half); ≤ 2+4+8+16+32 s (+1 s poll alignment each), then ≤ 61 s each.
+fn backed_off_over_600_s(what: &str, calls: &[Instant]) {
+    let g = gaps(calls);
+    assert!(
+        (10..=24).contains(&calls.len()),
+        "{} {what} in 600 s: {g:?}",
+        calls.len()
+    );
+    assert!(g[0] >= Duration::from_secs(2), "{what}: {g:?}");
+    assert!(
+        g[6..]
+            .iter()
+            .all(|d| *d >= Duration::from_secs(30) && *d <= Duration::from_secs(62)),
+        "{what} capped at 60 s, jittered: {g:?}"
+    );
+}
+
 /// A join that keeps failing (an error or an `admitted: false` answered at once) is retried
 /// 2 s, 4 s, 8 s … up to 60 s apart (jittered down to half), not every poll.
 async fn a_failing_join_backs_off(answer: Join) {
@@ -33,23 +52,7 @@ async fn a_failing_join_backs_off(answer: Join) {
     });
     let running = fake.run(node.config(""));
     tokio::time::sleep(Duration::from_secs(600)).await;
-    let joins = join_times(&fake);
-    // Doubling from 2 s to 60 s: ≥ 2+2+4+8+16+30 s for the first 6 retries, then ≥ 30 s each;
-    // ≤ 2+4+8+16+32 s (+1 s poll alignment each) then ≤ 61 s each.
-    assert!(
-        (10..=24).contains(&joins.len()),
-        "{} fleet-joins in 600 s: {:?}",
-        joins.len(),
-        gaps(&joins)
-    );
-    let g = gaps(&joins);
-    assert!(g[0] >= Duration::from_secs(2), "{g:?}");
-    assert!(
-        g[6..]
-            .iter()
-            .all(|d| *d >= Duration::from_secs(30) && *d <= Duration::from_secs(62)),
-        "capped at 60 s, jittered: {g:?}"
-    );
+    backed_off_over_600_s("fleet-joins", &join_times(&fake));
 
     // Once MDMA no longer assigns it the retry state is dropped: a new assignment starts at 2 s.
     fake.with(|w| w.assignments.clear());
@@ -164,21 +167,7 @@ async fn a_failing_leave_backs_off_to_60_s() {
     let running = fake.run(node.config(REFERENCE));
     let leave_times = || fake.with(|w| w.leaves.iter().map(|(_, t)| *t).collect::<Vec<_>>());
     tokio::time::sleep(Duration::from_secs(600)).await;
-    let leaves = leave_times();
-    assert!(
-        (10..=24).contains(&leaves.len()),
-        "{} leaves in 600 s: {:?}",
-        leaves.len(),
-        gaps(&leaves)
-    );
-    let g = gaps(&leaves);
-    assert!(g[0] >= Duration::from_secs(2), "{g:?}");
-    assert!(
-        g[6..]
-            .iter()
-            .all(|d| *d >= Duration::from_secs(30) && *d <= Duration::from_secs(62)),
-        "capped at 60 s, jittered: {g:?}"
-    );
+    backed_off_over_600_s("leaves", &leave_times());
     let status = running.telemetry.snapshot();
     let why = status.pending_leaves.get(&a);
     assert!(
