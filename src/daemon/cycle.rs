@@ -288,8 +288,13 @@ impl Sidecar {
     }
 
     /// Records a failed join; returns the failures in a row and the wait before the next.
-    fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
+    pub(super) fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
         self.join_retry.fail(id, Instant::now(), fastrand::f64())
+    }
+
+    /// Records a failed leave; returns the failures in a row and the wait before the next.
+    pub(super) fn back_off_leave(&mut self, id: GroupId) -> (u32, Duration) {
+        self.leave_retry.fail(id, Instant::now(), fastrand::f64())
     }
 
     pub(super) fn on_event(&mut self, event: Event) {
@@ -386,8 +391,7 @@ impl Sidecar {
                             Metric::Failed
                         };
                         Telemetry::count(&self.deps.telemetry.leaves, outcome);
-                        let (failures, wait) =
-                            self.leave_retry.fail(id, Instant::now(), fastrand::f64());
+                        let (failures, wait) = self.back_off_leave(id);
                         warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, failures, "leave not done ({reason}); stays a leave candidate, retrying in {wait:?}, backing off to {RETRY_MAX:?}");
                     }
                 }

@@ -255,11 +255,17 @@ impl Sidecar {
             return;
         };
         if let Err(e) = done {
-            if e.is_panic() {
-                error!(namespace_id = %group, "join/leave task panicked; retried next cycle");
+            // Ended without its outcome (a panic, or cut at shutdown): a failed attempt,
+            // backed off like any other.
+            if self.joining.remove(&group) {
+                self.back_off_join(group);
             }
-            self.joining.remove(&group);
-            self.leaving.remove(&group);
+            if self.leaving.remove(&group) {
+                self.back_off_leave(group);
+            }
+            if e.is_panic() {
+                error!(namespace_id = %group, "join/leave task panicked; retried after a back-off");
+            }
             self.publish();
         }
     }

@@ -43,6 +43,8 @@ pub enum Join {
     Error,
     /// No answer ever.
     Hang,
+    /// The call panics (a bug on the client's side): the task ends without an outcome.
+    Panic,
 }
 
 /// The should-join answer for `Poll::Good(a, r)`.
@@ -214,6 +216,7 @@ impl Node for Fake {
                 std::future::pending::<()>().await;
                 unreachable!()
             }
+            Join::Panic => panic!("emulated panic in fleet-join"),
         }
     }
 

@@ -1,6 +1,6 @@
 //! Issue 8's faults, each as a kind, under tokio's paused clock with in-memory MDMA and
-//! merod: join retries back off (errors and `admitted: false` alike) and no leave starts
-//! while the state cannot be written.
+//! merod: join and leave retries back off (errors, `admitted: false` and panicked tasks
+//! alike) and no leave starts while the state cannot be written.
 
 use std::time::Duration;
 
@@ -85,6 +85,12 @@ async fn a_join_failing_with_an_error_backs_off_to_60_s() {
 #[tokio::test(start_paused = true)]
 async fn admitted_false_answered_at_once_backs_off_the_same_way() {
     a_failing_join_backs_off(Join::NotAdmitted).await;
+}
+
+/// A join task that dies without an outcome (it panicked) is a failed attempt too.
+#[tokio::test(start_paused = true)]
+async fn a_join_task_that_panics_backs_off_the_same_way() {
+    a_failing_join_backs_off(Join::Panic).await;
 }
 
 /// Replaces the state file's directory by a regular file (root cannot create a file under a
