@@ -702,8 +702,11 @@ fn simulate(
 /// The counterexample that set this: 6 held ids, `[Failed ×5, Left]`, 2 leaves a minute,
 /// and a settle phase of a fixed 1,000 cycles that ran out before the last id's turn came.
 fn settle_bound(policy: &LeavePolicy, cycle: usize) -> usize {
-    let per_attempt = (60 / policy.max_leaves_per_minute.max(1) as usize).max(63);
-    6 * cycle * per_attempt + policy.leave_after_polls as usize + 60
+    // The longest gap between two attempts: the retry cap plus a hung attempt's 2 cycles
+    // and 1 of alignment, or the rate limit's spacing if that is longer.
+    let retry_gap = crate::backoff::RETRY_MAX.as_secs() as usize + 3;
+    let rate_gap = 60 / policy.max_leaves_per_minute.max(1) as usize;
+    6 * cycle * retry_gap.max(rate_gap) + policy.leave_after_polls as usize + 60
 }
 
 fn last_good_step(steps: &[Step]) -> Step {
