@@ -3,6 +3,9 @@
 //!
 //! - **held by merod, not in the state**: joined outside the sidecar (or by a sidecar whose
 //!   state was lost); the sidecar will never leave it on its own.
+//! - **joining**: a fleet-join was sent and its admission not recorded yet (under way, or
+//!   the sidecar stopped first); shown with whether merod holds it. Not drift: the sidecar
+//!   records it at its next join, or leaves it if MDMA withdraws it.
 //! - **admitted in the state, not held by merod**: left outside the sidecar; the sidecar
 //!   will re-join it while MDMA assigns it.
 //! - **confirmed but not admitted**: must be impossible (the sidecar confirms only what it
@@ -53,8 +56,12 @@ pub struct Drift {
     pub admin_url: String,
     /// Held by merod and in the state as admitted: in sync.
     pub in_sync: BTreeSet<GroupId>,
-    /// Held by merod, not admitted in the state.
+    /// Held by merod, neither admitted nor joining in the state.
     pub held_not_in_state: BTreeSet<GroupId>,
+    /// Joining in the state (fleet-join sent, admission not recorded) and held by merod.
+    pub joining_held: BTreeSet<GroupId>,
+    /// Joining in the state and not held by merod.
+    pub joining_not_held: BTreeSet<GroupId>,
     /// Admitted in the state, not held by merod.
     pub admitted_not_held: BTreeSet<GroupId>,
     /// Confirmed but not admitted in the file as written: must never happen.
@@ -79,20 +86,32 @@ impl Drift {
 pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>> {
     let cfg = ToolConfig::load(config)?;
     let admin_url = resolve_admin_url(&cfg.merod).url;
-    let (present, admitted, confirmed_not_admitted, repairs) =
+    let (present, admitted, joining, confirmed_not_admitted, repairs) =
         match StateStore::new(&cfg.state_file).inspect()? {
-            StateFile::Missing => (false, BTreeSet::new(), BTreeSet::new(), Vec::new()),
+            StateFile::Missing => (
+                false,
+                BTreeSet::new(),
+                BTreeSet::new(),
+                BTreeSet::new(),
+                Vec::new(),
+            ),
             StateFile::Present(report) => {
                 let flagged = report
                     .repairs
                     .iter()
                     .filter_map(|r| match r {
                         Repair::ConfirmedNotAdmitted(id) => Some(*id),
-                        Repair::AbsentNotAdmitted(_) => None,
+                        Repair::AbsentNotAdmitted(_) | Repair::JoiningAdmitted(_) => None,
                     })
                     .collect();
                 let words = report.repairs.iter().map(ToString::to_string).collect();
-                (true, report.state.admitted, flagged, words)
+                (
+                    true,
+                    report.state.admitted,
+                    report.state.joining,
+                    flagged,
+                    words,
+                )
             }
         };
     let held = MerodClient::new(&admin_url)?.list_namespaces().await?;
@@ -101,7 +120,13 @@ pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>>
         state_file_present: present,
         admin_url: admin_url.to_string(),
         in_sync: held.intersection(&admitted).copied().collect(),
-        held_not_in_state: held.difference(&admitted).copied().collect(),
+        held_not_in_state: held
+            .iter()
+            .filter(|id| !admitted.contains(id) && !joining.contains(id))
+            .copied()
+            .collect(),
+        joining_held: joining.intersection(&held).copied().collect(),
+        joining_not_held: joining.difference(&held).copied().collect(),
         admitted_not_held: admitted.difference(&held).copied().collect(),
         confirmed_not_admitted,
         repairs,
@@ -123,6 +148,8 @@ pub fn render_text(drift: &Drift) -> String {
     let rows = [
         ("in sync", &drift.in_sync),
         ("held by merod, not in state", &drift.held_not_in_state),
+        ("joining, held by merod", &drift.joining_held),
+        ("joining, not held by merod", &drift.joining_not_held),
         ("admitted in state, not held", &drift.admitted_not_held),
         (
             "IMPOSSIBLE: confirmed, not admitted",

@@ -148,8 +148,20 @@ pub struct Sidecar {
     events_rx: mpsc::UnboundedReceiver<Event>,
     failures: FailureStreak,
     waiting: BTreeMap<GroupId, LeaveWait>,
-    /// The failing state write, while writes fail: its stable key and its message.
-    persist_error: Option<(String, String)>,
+    /// The failing state write, while writes fail.
+    persist_error: Option<WriteFailure>,
+}
+
+/// A state write failing: which fault (to log it once), and when the loop tries again.
+struct WriteFailure {
+    /// [`StateError::stable_key`] of the last failure.
+    key: String,
+    /// Its message (also in the live status, so `/readyz` is not ready).
+    text: String,
+    /// Failed attempts in a row.
+    failures: u32,
+    /// Before this, a cycle does not try to write again (an outcome to record still does).
+    retry_at: Instant,
 }
 
 /// Runs the daemon until `shutdown` is cancelled: load the state, wait for merod, read
@@ -183,7 +195,7 @@ pub async fn once(
     let outcome = sidecar.cycle().await;
     sidecar.drain(None).await;
     match sidecar.persist_error.take() {
-        Some((_, e)) => Err(DaemonError::NotPersisted(e)),
+        Some(f) => Err(DaemonError::NotPersisted(f.text)),
         None => Ok(Some(outcome)),
     }
 }

@@ -9,8 +9,10 @@
 //!   one, so a failed poll joins nothing, leaves nothing, prunes nothing.
 //! * Join every assigned namespace not yet confirmed (and not in `retain`, not already
 //!   running). Joining again is idempotent in merod.
-//! * Leave candidates are `admitted − assigned − retain`, computed from the persisted sets
-//!   before the prune — so a namespace admitted but never confirmed is still left.
+//! * Leave candidates are `(admitted ∪ joining) − assigned − retain`, computed from the
+//!   persisted sets before the prune — so a namespace admitted but never confirmed is still
+//!   left, and so is one a fleet-join was sent for whose outcome was never recorded (merod
+//!   may hold it: the daemon crashed, or the join timed out here and went through there).
 //! * A candidate is left only after it has been absent from `leave_after_polls`
 //!   consecutive successful polls; reappearing resets the count.
 //! * Mass-withdrawal guard: when one poll withdraws at least `mass_drop_min` namespaces and
@@ -161,7 +163,7 @@ pub enum MassDropEvent {
     HoldStarted {
         /// Namespaces withdrawn.
         withdrawn: usize,
-        /// Namespaces held (admitted) before this poll.
+        /// Namespaces held (admitted or joining) before this poll.
         held: usize,
     },
     /// The withdrawal persisted for the whole hold: leaves go ahead.
@@ -286,13 +288,16 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         .copied()
         .collect();
 
-    // Withdrawn: held but neither assigned nor retained. Counted before the prune.
+    // Withdrawn: held (or maybe held: joining) but neither assigned nor retained. Counted
+    // before the prune.
     let withdrawn: BTreeSet<GroupId> = state
         .admitted
         .difference(&desired.assigned)
+        .chain(state.joining.difference(&desired.assigned))
         .filter(|id| !desired.retain.contains(id))
         .copied()
         .collect();
+    let held = state.admitted.len() + state.joining.difference(&state.admitted).count();
     let absent_polls: BTreeMap<GroupId, u32> = withdrawn
         .iter()
         .map(|id| {
@@ -302,8 +307,7 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         .collect();
 
     let mut next_guard = guard.clone();
-    let mass = withdrawn.len() >= policy.mass_drop_min
-        && withdrawn.len().saturating_mul(2) > state.admitted.len();
+    let mass = withdrawn.len() >= policy.mass_drop_min && withdrawn.len().saturating_mul(2) > held;
     let mut mass_drop_event = None;
     next_guard.mass_drop = match (mass, guard.mass_drop) {
         (false, MassDrop::Idle) => MassDrop::Idle,
@@ -315,7 +319,7 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         (true, MassDrop::Idle) => {
             mass_drop_event = Some(MassDropEvent::HoldStarted {
                 withdrawn: withdrawn.len(),
-                held: state.admitted.len(),
+                held,
             });
             if policy.mass_drop_hold.is_zero() {
                 MassDrop::Released
@@ -404,6 +408,9 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
 /// What an executed action established, to fold into the state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
+    /// A fleet-join is about to be sent: merod may hold the namespace from now on until its
+    /// admission is recorded or it is left. Recorded before the call.
+    JoinStarted(GroupId),
     /// merod admitted the namespace and lists it: it is held.
     Admitted(GroupId),
     /// MDMA acknowledged the admission.
@@ -412,11 +419,18 @@ pub enum Outcome {
     Left(GroupId),
 }
 
-/// Folds one outcome into the state. Keeps `confirmed ⊆ admitted`: a confirm of a
-/// namespace not (or no longer) admitted is not recorded.
+/// Folds one outcome into the state. Keeps `confirmed ⊆ admitted` (a confirm of a
+/// namespace not, or no longer, admitted is not recorded) and `joining` apart from
+/// `admitted`.
 pub fn apply(state: &mut State, outcome: Outcome) {
     match outcome {
+        Outcome::JoinStarted(id) => {
+            if !state.admitted.contains(&id) {
+                state.joining.insert(id);
+            }
+        }
         Outcome::Admitted(id) => {
+            state.joining.remove(&id);
             state.admitted.insert(id);
         }
         Outcome::Confirmed(id) => {
@@ -426,6 +440,7 @@ pub fn apply(state: &mut State, outcome: Outcome) {
         }
         Outcome::Left(id) => {
             state.admitted.remove(&id);
+            state.joining.remove(&id);
             state.confirmed.remove(&id);
             state.absent_polls.remove(&id);
         }

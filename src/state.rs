@@ -1,17 +1,20 @@
 //! The persisted state: which namespaces merod admitted, which of those MDMA acknowledged
-//! (confirmed), and how many successful polls each withdrawn one has been absent from.
+//! (confirmed), which a fleet-join was sent for without its admission recorded yet
+//! (joining), and how many successful polls each withdrawn one has been absent from.
 //!
 //! File: `/var/lib/calimero/fleet-confirmed.json` by default. A versioned JSON document:
 //!
 //! ```json
-//! {"version": 2,
+//! {"version": 3,
 //!  "admitted":  ["<64 hex>", ...],
 //!  "confirmed": ["<64 hex>", ...],
+//!  "joining":   ["<64 hex>", ...],
 //!  "absent_polls": {"<64 hex>": 1}}
 //! ```
 //!
-//! Also read (never written): version 1, `{"version": 1, "confirmed": [...]}`, and a bare JSON
-//! array of ids (the Bash sidecar's confirmed set); both load with `admitted = confirmed`.
+//! Also read (never written): version 2 (the same without `joining`), version 1,
+//! `{"version": 1, "confirmed": [...]}`, and a bare JSON array of ids (the Bash sidecar's
+//! confirmed set); the last two load with `admitted = confirmed`.
 //!
 //! Writes are atomic — temp file in the same directory, fsync, rename, fsync the directory —
 //! and happen only when the document changed. A missing file is a first start (empty
@@ -27,12 +30,12 @@ use serde::{Deserialize, Serialize};
 use crate::ids::GroupId;
 
 /// The version [`StateStore::save`] writes.
-pub const STATE_VERSION: u32 = 2;
+pub const STATE_VERSION: u32 = 3;
 
 /// The sets the reconciler keeps between cycles and across restarts.
 ///
-/// Invariants (restored on load): `confirmed ⊆ admitted`, and every key of `absent_polls`
-/// is in `admitted`.
+/// Invariants (restored on load): `confirmed ⊆ admitted`, `joining` and `admitted` are
+/// disjoint, and every key of `absent_polls` is in `admitted` or `joining`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct State {
@@ -40,8 +43,14 @@ pub struct State {
     pub admitted: BTreeSet<GroupId>,
     /// Admitted namespaces whose admission MDMA acknowledged (`/api/fleet/confirm` 2xx).
     pub confirmed: BTreeSet<GroupId>,
-    /// For admitted namespaces missing from the latest successful polls: how many
-    /// consecutive successful polls they have been absent from.
+    /// Namespaces a fleet-join was sent for (recorded before it is sent) whose admission is
+    /// not recorded: merod may hold them (a crash, or a join that timed out here but went
+    /// through there), so a withdrawn one is left like an admitted one. An admission moves
+    /// the id to `admitted`; a leave (merod holding nothing counts) drops it.
+    #[serde(default)]
+    pub joining: BTreeSet<GroupId>,
+    /// For admitted or joining namespaces missing from the latest successful polls: how
+    /// many consecutive successful polls they have been absent from.
     #[serde(default)]
     pub absent_polls: BTreeMap<GroupId, u32>,
 }
@@ -55,14 +64,21 @@ impl State {
             .map(|&id| Repair::ConfirmedNotAdmitted(id))
             .collect();
         self.admitted.extend(self.confirmed.iter().copied());
+        repairs.extend(
+            self.joining
+                .intersection(&self.admitted)
+                .map(|&id| Repair::JoiningAdmitted(id)),
+        );
         let admitted = &self.admitted;
+        self.joining.retain(|id| !admitted.contains(id));
+        let held = |id: &GroupId| admitted.contains(id) || self.joining.contains(id);
         repairs.extend(
             self.absent_polls
                 .keys()
-                .filter(|id| !admitted.contains(id))
+                .filter(|id| !held(id))
                 .map(|&id| Repair::AbsentNotAdmitted(id)),
         );
-        self.absent_polls.retain(|id, _| admitted.contains(id));
+        self.absent_polls.retain(|id, _| held(id));
         repairs
     }
 }
@@ -76,6 +92,8 @@ pub enum StateFormat {
     V1,
     /// `{"version": 2, "admitted": [...], "confirmed": [...], "absent_polls": {...}}`.
     V2,
+    /// Version 2 plus `"joining": [...]`: what [`StateStore::save`] writes.
+    V3,
 }
 
 /// Something loading had to change to restore the invariants of [`State`].
@@ -85,8 +103,12 @@ pub enum Repair {
     /// no admitted set). Must never happen; loading adds it to `admitted`, so the namespace
     /// stays protected from a leave that only `admitted` would allow.
     ConfirmedNotAdmitted(GroupId),
-    /// An `absent_polls` count for a namespace not admitted; loading drops the count.
+    /// An `absent_polls` count for a namespace neither admitted nor joining; loading drops
+    /// the count.
     AbsentNotAdmitted(GroupId),
+    /// Listed as both joining and admitted: the recorded admission wins, loading drops it
+    /// from `joining`.
+    JoiningAdmitted(GroupId),
 }
 
 impl std::fmt::Display for Repair {
@@ -101,8 +123,11 @@ impl std::fmt::Display for Repair {
             Repair::AbsentNotAdmitted(id) => {
                 write!(
                     f,
-                    "{id} has an absent_polls count but is not admitted: dropped"
+                    "{id} has an absent_polls count but is neither admitted nor joining: dropped"
                 )
+            }
+            Repair::JoiningAdmitted(id) => {
+                write!(f, "{id} is both joining and admitted: dropped from joining")
             }
         }
     }
@@ -125,6 +150,8 @@ pub struct StateReport {
 
 /// What a state file path holds: [`StateStore::inspect`] tells "no file" apart from a file.
 #[derive(Clone, Debug, PartialEq, Eq)]
+// Built once per read by a tool, never in a loop: not boxed, so a match takes it apart.
+#[allow(clippy::large_enum_variant)]
 pub enum StateFile {
     /// No file at the path: a node that never confirmed anything, or a mistyped path.
     Missing,
@@ -144,6 +171,16 @@ struct DocumentOut<'a> {
 enum DocumentIn {
     Bare(BTreeSet<GroupId>),
     Versioned(serde_json::Map<String, serde_json::Value>),
+}
+
+/// Version 2: no `joining` set.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct V2 {
+    admitted: BTreeSet<GroupId>,
+    confirmed: BTreeSet<GroupId>,
+    #[serde(default)]
+    absent_polls: BTreeMap<GroupId, u32>,
 }
 
 /// Version 1: the confirmed set only (the reference's semantics).
@@ -173,7 +210,7 @@ pub enum StateError {
         reason: String,
     },
     /// The file says a version this build does not know (written by a newer sidecar?).
-    #[error("state file {path} has version {version}, this sidecar reads versions 1 and 2")]
+    #[error("state file {path} has version {version}, this sidecar reads versions 1 to 3")]
     UnsupportedVersion {
         /// The state file.
         path: PathBuf,
@@ -225,7 +262,7 @@ pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
 pub fn inspect_state(bytes: &[u8], path: &Path) -> Result<StateReport, StateError> {
     let (format, on_disk) = parse_document(bytes, path)?;
     let mut state = on_disk.clone();
-    if format != StateFormat::V2 {
+    if matches!(format, StateFormat::BareArray | StateFormat::V1) {
         state.admitted = state.confirmed.clone();
     }
     let repairs = state.repair();
@@ -250,7 +287,7 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
         }
     }
     if let Some(state) = parse_current(bytes) {
-        return Ok((StateFormat::V2, state));
+        return Ok((StateFormat::V3, state));
     }
     let doc: DocumentIn = match serde_json::from_slice(bytes) {
         Ok(doc) => doc,
@@ -294,8 +331,20 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
                 },
             ))
         }
-        2 => Ok((
-            StateFormat::V2,
+        2 => {
+            let v2: V2 = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
+            Ok((
+                StateFormat::V2,
+                State {
+                    admitted: v2.admitted,
+                    confirmed: v2.confirmed,
+                    joining: BTreeSet::new(),
+                    absent_polls: v2.absent_polls,
+                },
+            ))
+        }
+        3 => Ok((
+            StateFormat::V3,
             serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?,
         )),
         version => Err(StateError::UnsupportedVersion {
@@ -317,6 +366,8 @@ fn parse_current(bytes: &[u8]) -> Option<State> {
         admitted: BTreeSet<GroupId>,
         confirmed: BTreeSet<GroupId>,
         #[serde(default)]
+        joining: BTreeSet<GroupId>,
+        #[serde(default)]
         absent_polls: BTreeMap<GroupId, u32>,
     }
     // An object only: a derived reader would also take an array, in field order.
@@ -327,6 +378,7 @@ fn parse_current(bytes: &[u8]) -> Option<State> {
     (doc.version == u64::from(STATE_VERSION)).then_some(State {
         admitted: doc.admitted,
         confirmed: doc.confirmed,
+        joining: doc.joining,
         absent_polls: doc.absent_polls,
     })
 }
@@ -573,7 +625,8 @@ mod tests {
         State {
             admitted: [id(1), id(2), id(3)].into(),
             confirmed: [id(1), id(2)].into(),
-            absent_polls: [(id(3), 2)].into(),
+            joining: [id(4)].into(),
+            absent_polls: [(id(3), 2), (id(4), 1)].into(),
         }
     }
 
@@ -590,7 +643,19 @@ mod tests {
             (format!(r#"{{"version":1,"confirmed":{c}}}"#), true),
             (c.clone(), true),
             (
-                format!(r#"{{"version":3,"admitted":{a},"confirmed":{c}}}"#),
+                format!(r#"{{"version":2,"admitted":{a},"confirmed":{c}}}"#),
+                true,
+            ),
+            (
+                format!(r#"{{"version":2,"admitted":{a},"confirmed":{c},"joining":[]}}"#),
+                false,
+            ),
+            (
+                format!(r#"{{"version":4,"admitted":{a},"confirmed":{c}}}"#),
+                false,
+            ),
+            (
+                format!(r#"{{"version":3,"admitted":{a},"confirmed":{c},"x":1}}"#),
                 false,
             ),
             (
@@ -679,6 +744,7 @@ mod tests {
         let state = State {
             admitted: [id(1), id(2)].into(),
             confirmed: [id(1)].into(),
+            joining: BTreeSet::new(),
             absent_polls: [(id(2), 1)].into(),
         };
         assert!(!store.is_saved(&state));
@@ -698,7 +764,7 @@ mod tests {
             "a loaded file counts as written"
         );
         let text = std::fs::read_to_string(&path).unwrap();
-        assert!(text.contains("\"version\": 2"), "{text}");
+        assert!(text.contains("\"version\": 3"), "{text}");
         let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()
             .map(|e| e.unwrap().file_name())
@@ -721,6 +787,7 @@ mod tests {
             .save(&State {
                 admitted: [id(3)].into(),
                 confirmed: [id(3)].into(),
+                joining: BTreeSet::new(),
                 absent_polls: BTreeMap::new(),
             })
             .unwrap();
@@ -744,6 +811,7 @@ mod tests {
         let old = State {
             admitted: [id(1)].into(),
             confirmed: [id(1)].into(),
+            joining: BTreeSet::new(),
             absent_polls: BTreeMap::new(),
         };
         store.save(&old).unwrap();
@@ -799,6 +867,18 @@ mod tests {
         assert!(report.repairs[0]
             .to_string()
             .contains("confirmed but was not admitted"));
+
+        // Joining and admitted at once: the admission wins. A count for a joining id stays.
+        let c = id(3).to_string();
+        let text = format!(
+            "{{\"version\":3,\"admitted\":[\"{a}\"],\"confirmed\":[],\"joining\":[\"{a}\",\"{c}\"],\"absent_polls\":{{\"{c}\":1}}}}"
+        );
+        let report = inspect_state(text.as_bytes(), Path::new("s")).unwrap();
+        assert_eq!(report.format, StateFormat::V3);
+        assert_eq!(report.on_disk.joining, [id(1), id(3)].into());
+        assert_eq!(report.state.joining, [id(3)].into());
+        assert_eq!(report.state.absent_polls.get(&id(3)), Some(&1));
+        assert_eq!(report.repairs, vec![Repair::JoiningAdmitted(id(1))]);
     }
 
     #[test]
@@ -826,15 +906,35 @@ mod tests {
         let sound = State {
             admitted: [id(1), id(2)].into(),
             confirmed: [id(1)].into(),
-            absent_polls: [(id(2), 1)].into(),
+            joining: [id(3)].into(),
+            absent_polls: [(id(2), 1), (id(3), 1)].into(),
         };
         writer.save(&sound).unwrap();
         let StateFile::Present(report) = store.inspect().unwrap() else {
             panic!("a present file")
         };
-        assert_eq!(report.format, StateFormat::V2);
+        assert_eq!(report.format, StateFormat::V3);
         assert_eq!(report.on_disk, sound);
         assert_eq!(report.state, sound);
+        assert!(report.repairs.is_empty());
+
+        // Version 2 (no joining set) reads as it was written.
+        let (one, two) = (id(1), id(2));
+        std::fs::write(
+            store.path(),
+            format!(r#"{{"version":2,"admitted":["{one}","{two}"],"confirmed":["{one}"],"absent_polls":{{"{two}":1}}}}"#),
+        )
+        .unwrap();
+        let StateFile::Present(report) = store.inspect().unwrap() else {
+            panic!("a present file")
+        };
+        assert_eq!(report.format, StateFormat::V2);
+        let v2 = State {
+            joining: BTreeSet::new(),
+            absent_polls: [(id(2), 1)].into(),
+            ..sound
+        };
+        assert_eq!(report.state, v2);
         assert!(report.repairs.is_empty());
     }
 

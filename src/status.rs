@@ -227,6 +227,11 @@ pub fn render_text(r: &Report, now: f64) -> String {
                 };
                 out.push_str(&format!("  {id}  {what}\n"));
             }
+            for id in &s.joining {
+                out.push_str(&format!(
+                    "  {id}  joining: fleet-join sent, admission not recorded (merod may hold it)\n"
+                ));
+            }
         }
     }
     let live_pending = r.live.as_ref().map(|l| &l.pending_leaves);
@@ -281,9 +286,11 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let state_file = dir.path().join("s.json");
         let (a, b) = (GroupId::from_bytes([1; 32]), GroupId::from_bytes([2; 32]));
+        let c = GroupId::from_bytes([3; 32]);
         let state = State {
             admitted: [a, b].into(),
             confirmed: [a, b].into(),
+            joining: [c].into(),
             absent_polls: [(a, 1), (b, 3)].into(),
         };
         StateStore::new(&state_file).save(&state).unwrap();
@@ -299,5 +306,8 @@ mod tests {
         );
         assert!(r.pending_leaves[&b.to_string()].contains("due to leave"));
         assert!(r.live.is_none() && r.live_error.is_some());
+        assert!(render_text(&r, 0.0).contains(&format!(
+            "  {c}  joining: fleet-join sent, admission not recorded"
+        )));
     }
 }

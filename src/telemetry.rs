@@ -326,6 +326,9 @@ pub struct Telemetry {
     pub confirms: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_leaves_total{outcome}`: left, failed.
     pub leaves: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_state_writes_total{outcome}`: ok, error (a failed write of the state
+    /// file, or a failed check that one can be written before a leave).
+    pub state_writes: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_namespaces{set}`.
     pub namespaces: Family<SetLabel, Gauge>,
     /// `fleet_sidecar_call_duration_seconds{call}`.
@@ -381,6 +384,12 @@ impl Telemetry {
         registry.register("confirms", "MDMA confirms by outcome", confirms.clone());
         let leaves = Family::<OutcomeLabel, Counter>::default();
         registry.register("leaves", "namespace leaves by outcome", leaves.clone());
+        let state_writes = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "state_writes",
+            "state file writes by outcome",
+            state_writes.clone(),
+        );
         let namespaces = Family::<SetLabel, Gauge>::default();
         registry.register(
             "namespaces",
@@ -416,6 +425,7 @@ impl Telemetry {
             ),
             (&confirms, &[Ok, Error, Timeout][..]),
             (&leaves, &[Left, Failed, Timeout][..]),
+            (&state_writes, &[Ok, Error][..]),
         ] {
             for &outcome in outcomes {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
@@ -428,6 +438,7 @@ impl Telemetry {
             joins,
             confirms,
             leaves,
+            state_writes,
             namespaces,
             call_seconds,
             mrtd_source,

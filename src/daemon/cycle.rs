@@ -16,7 +16,10 @@ use crate::telemetry::{unix_now, Outcome as Metric, Phase, Telemetry};
 
 use super::poll::{first_poll_delay, next_poll_delay, poll_outcome};
 use super::tasks::{Event, JoinEnd, LeaveEnd};
-use super::{CycleOutcome, Sidecar, ALIVE_TURN, RETRY_MAX, SHUTDOWN_GRACE};
+use super::{
+    CycleOutcome, Sidecar, WriteFailure, ALIVE_TURN, RETRY_MAX, RETRY_MIN, SHUTDOWN_GRACE,
+};
+use crate::backoff;
 
 impl Sidecar {
     /// Reconciles every `poll_interval` (backing off while polls fail, see
@@ -204,12 +207,25 @@ impl Sidecar {
             self.guard = plan.guard;
         } else {
             plan.state.apply_to(&mut self.state);
+            // A join is recorded (joining) before it is sent: merod may hold the namespace
+            // from then on, whatever happens to this process.
+            for id in &plan.joins {
+                reconcile::apply(&mut self.state, Outcome::JoinStarted(*id));
+            }
             let started_before = std::mem::replace(&mut self.guard, plan.guard).recent_leaves;
-            // The plan (absence counts included) is recorded before anything starts, and a
-            // leave — irreversible — starts only while its outcome can be recorded too.
-            let recorded = self.persist();
-            for id in plan.joins {
-                self.spawn_join(id);
+            // The plan (absence counts and joins included) is recorded before anything
+            // starts: no join or leave starts while it could not be recorded, and a leave
+            // (irreversible) only while its outcome can be recorded too.
+            let recorded = self.persist_when_due();
+            if recorded {
+                for id in plan.joins {
+                    self.spawn_join(id);
+                }
+            } else if !plan.joins.is_empty() {
+                debug!(
+                    held = plan.joins.len(),
+                    "joins held: the state file cannot be written, so the join could not be recorded first"
+                );
             }
             if !plan.leaves.is_empty() {
                 if recorded && self.check_writable() {
@@ -241,18 +257,41 @@ impl Sidecar {
         }
     }
 
-    /// Logs a state write error once per kind (step and OS error, not the message, which
-    /// names a random temp file) and shows it in the live status (`/readyz` not ready).
+    /// Counts a failed state write (or write check), logs it once per kind (step and OS
+    /// error, not the message, which names a random temp file), shows it in the live status
+    /// (`/readyz` not ready) and sets when the loop tries again: [`RETRY_MIN`] doubling to
+    /// [`RETRY_MAX`], jittered.
     pub(super) fn record_persist_error(&mut self, e: &StateError) {
+        Telemetry::count(&self.deps.telemetry.state_writes, Metric::Error);
         let key = e.stable_key();
         let text = e.to_string();
-        if self.persist_error.as_ref().map(|(k, _)| k) != Some(&key) {
-            error!("{text}; admissions are not confirmed and no leave starts until the state can be written (retried every cycle)");
+        let failures = self
+            .persist_error
+            .as_ref()
+            .map_or(1, |f| f.failures.saturating_add(1));
+        if self.persist_error.as_ref().map(|f| &f.key) != Some(&key) {
+            error!("{text}; admissions are not confirmed and no leave starts until the state can be written (retried {RETRY_MIN:?} later, backing off to {RETRY_MAX:?})");
         }
-        self.persist_error = Some((key, text.clone()));
+        self.persist_error = Some(WriteFailure {
+            key,
+            text: text.clone(),
+            failures,
+            retry_at: Instant::now() + backoff::retry_delay(failures, fastrand::f64()),
+        });
         self.deps
             .telemetry
             .update(|st| st.state_write_error = Some(text));
+    }
+
+    /// [`Sidecar::persist`] for the loop's own cycle: while writes fail, only once the
+    /// back-off set by the last failure has ended (`false` before that: not written). An
+    /// outcome to record (an admission, a confirm, a leave) calls `persist` and tries at once;
+    /// those are already paced by their own back-off.
+    fn persist_when_due(&mut self) -> bool {
+        match &self.persist_error {
+            Some(f) if Instant::now() < f.retry_at => false,
+            _ => self.persist(),
+        }
     }
 
     /// Writes the state if it changed (atomically; `false` when it could not be written or
@@ -263,7 +302,7 @@ impl Sidecar {
         if self.cfg.dry_run {
             return false;
         }
-        // While writes fail, the document is written again every cycle (not only on
+        // While writes fail, the document is written again at each try (not only on
         // change), so recovery is noticed.
         if self.persist_error.is_some() {
             self.store.forget_written();
@@ -274,6 +313,7 @@ impl Sidecar {
         self.publish();
         match self.store.save(&self.state) {
             Ok(_) => {
+                Telemetry::count(&self.deps.telemetry.state_writes, Metric::Ok);
                 if self.persist_error.take().is_some() {
                     info!(path = %self.store.path().display(), "state file written again");
                     self.deps.telemetry.update(|st| st.state_write_error = None);

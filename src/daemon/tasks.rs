@@ -160,12 +160,43 @@ async fn join_task(
     }
 }
 
+/// Leaves `id` and checks merod no longer lists it. `maybe_held`: only a fleet-join was
+/// recorded, not its admission; merod is asked first, and the leave is sent only if it does
+/// hold the namespace (nothing irreversible for a join that never went through).
 async fn leave_task(
     id: GroupId,
     merod: &Arc<dyn Node>,
     telemetry: &Telemetry,
     leave_timeout: Duration,
+    maybe_held: bool,
 ) -> LeaveEnd {
+    if maybe_held {
+        let held = timed(
+            telemetry,
+            "namespace_get",
+            CHECK_TIMEOUT,
+            merod.holds_namespace(id),
+        )
+        .await;
+        match held {
+            Some(Ok(false)) => return LeaveEnd::Left,
+            Some(Ok(true)) => {}
+            Some(Err(e)) => {
+                return LeaveEnd::StillHeld {
+                    reason: format!("membership check before the leave failed: {e}"),
+                    timed_out: e.is_timeout(),
+                }
+            }
+            None => {
+                return LeaveEnd::StillHeld {
+                    reason: format!(
+                        "membership check before the leave gave no answer within {CHECK_TIMEOUT:?}"
+                    ),
+                    timed_out: true,
+                }
+            }
+        }
+    }
     let (leave, timed_out) =
         match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
             Some(Ok(())) => ("left".to_owned(), false),
@@ -228,7 +259,12 @@ impl Sidecar {
     }
 
     pub(super) fn spawn_leave(&mut self, id: GroupId) {
-        warn!(namespace_id = %id, "leaving: withdrawn by MDMA (irreversible: merod purges this namespace's keys)");
+        let maybe_held = !self.state.admitted.contains(&id);
+        if maybe_held {
+            warn!(namespace_id = %id, "leaving if merod holds it: withdrawn by MDMA after a fleet-join whose admission was never recorded (irreversible: merod purges this namespace's keys)");
+        } else {
+            warn!(namespace_id = %id, "leaving: withdrawn by MDMA (irreversible: merod purges this namespace's keys)");
+        }
         let merod = Arc::clone(&self.deps.merod);
         let events = self.events_tx.clone();
         let leave_timeout = self.cfg.leave_timeout;
@@ -236,7 +272,7 @@ impl Sidecar {
         self.leaving.insert(id);
         let task = async move {
             let started = Instant::now();
-            let end = leave_task(id, &merod, &telemetry, leave_timeout).await;
+            let end = leave_task(id, &merod, &telemetry, leave_timeout, maybe_held).await;
             let took = started.elapsed();
             let _ = events.send(Event::LeaveEnded { id, end, took });
         };

@@ -23,6 +23,7 @@ fn state(admitted: &[u8], confirmed: &[u8]) -> State {
     State {
         admitted: ids(admitted),
         confirmed: ids(confirmed),
+        joining: BTreeSet::new(),
         absent_polls: BTreeMap::new(),
     }
 }
@@ -503,6 +504,9 @@ enum Step {
 enum JoinResult {
     AdmittedConfirmed,
     AdmittedConfirmFailed,
+    /// merod admitted it, the daemon never recorded that: it crashed first, or the join
+    /// timed out here and went through there.
+    AdmittedUnrecorded,
     NotAdmitted,
     Error,
     Hang,
@@ -527,6 +531,7 @@ fn join_result() -> impl Strategy<Value = JoinResult> {
     prop_oneof![
         Just(JoinResult::AdmittedConfirmed),
         Just(JoinResult::AdmittedConfirmFailed),
+        Just(JoinResult::AdmittedUnrecorded),
         Just(JoinResult::NotAdmitted),
         Just(JoinResult::Error),
         Just(JoinResult::Hang),
@@ -635,6 +640,8 @@ fn simulate(
         s = p.state;
         guard = p.guard;
         for j in p.joins {
+            // As the daemon does: recorded before the fleet-join is sent.
+            apply(&mut s, Outcome::JoinStarted(j));
             let r = joins[ji % joins.len()];
             ji += 1;
             match r {
@@ -647,6 +654,10 @@ fn simulate(
                 JoinResult::AdmittedConfirmFailed => {
                     held.insert(j);
                     apply(&mut s, Outcome::Admitted(j));
+                    join_retry.fail(j, now, JITTER);
+                }
+                JoinResult::AdmittedUnrecorded => {
+                    held.insert(j);
                     join_retry.fail(j, now, JITTER);
                 }
                 JoinResult::NotAdmitted | JoinResult::Error => {
@@ -676,8 +687,13 @@ fn simulate(
         }
         prop_assert!(s.confirmed.is_subset(&s.admitted), "confirmed ⊆ admitted");
         prop_assert!(
-            held.is_subset(&s.admitted),
-            "everything merod holds is tracked"
+            s.joining.is_disjoint(&s.admitted),
+            "joining apart from admitted"
+        );
+        prop_assert!(
+            held.iter()
+                .all(|h| s.admitted.contains(h) || s.joining.contains(h)),
+            "everything merod holds is tracked (admitted, or joining)"
         );
         last_good = Some(d);
     }
@@ -747,18 +763,26 @@ proptest! {
         retain in prop::collection::btree_set(0u8..8, 0..3),
         admitted in prop::collection::btree_set(0u8..8, 0..8),
         confirmed_bits in any::<u8>(),
+        joining in prop::collection::btree_set(0u8..8, 0..4),
         in_flight in prop::collection::btree_set(0u8..8, 0..3),
     ) {
+        let joining: Vec<u8> = joining.difference(&admitted).copied().collect();
         let admitted: Vec<u8> = admitted.into_iter().collect();
         let confirmed: Vec<u8> = admitted.iter().copied().filter(|n| confirmed_bits & (1 << n) != 0).collect();
         let d = desired(&assigned.iter().copied().collect::<Vec<_>>(), &retain.iter().copied().collect::<Vec<_>>());
-        let s = state(&admitted, &confirmed);
+        let s = State { joining: ids(&joining), ..state(&admitted, &confirmed) };
         let fl = ids(&in_flight.iter().copied().collect::<Vec<_>>());
         let p = plan(PlanInput { policy: &LeavePolicy::REFERENCE, desired: &d, state: &s, in_flight: &fl, join_backoff: &none(),
  leave_backoff: &none(), guard: &Guard::default(), now: Instant::now() });
         for l in &p.leaves {
             prop_assert!(!d.assigned.contains(l) && !d.retain.contains(l) && !fl.contains(l));
-            prop_assert!(s.admitted.contains(l));
+            prop_assert!(s.admitted.contains(l) || s.joining.contains(l));
+        }
+        // REFERENCE leaves at once, with no guard: every withdrawn id not in flight goes.
+        for id in s.admitted.iter().chain(&s.joining) {
+            if !d.assigned.contains(id) && !d.retain.contains(id) && !fl.contains(id) {
+                prop_assert!(p.leaves.contains(id), "withdrawn {id} not left");
+            }
         }
         for j in &p.joins {
             prop_assert!(d.assigned.contains(j) && !d.retain.contains(j) && !s.confirmed.contains(j) && !fl.contains(j));

@@ -136,6 +136,7 @@ pub fn save_state(
         .save(&State {
             admitted: admitted.clone(),
             confirmed: confirmed.clone(),
+            joining: Default::default(),
             absent_polls: Default::default(),
         })
         .expect("seed state");

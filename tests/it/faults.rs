@@ -1,11 +1,11 @@
 //! Issue 8's faults, each as a kind, under tokio's paused clock with in-memory MDMA and
-//! merod: join and leave retries back off (errors, `admitted: false` and panicked tasks
-//! alike) and no leave starts while the state cannot be written.
+//! merod: join, leave and state-write retries back off (errors, `admitted: false` and
+//! panicked tasks alike) and no leave starts while the state cannot be written.
 
 use std::time::Duration;
 
-use fleet_sidecar::Config;
 use fleet_sidecar::StateStore;
+use fleet_sidecar::{Config, GroupId};
 use tokio::time::Instant;
 
 use crate::common::*;
@@ -145,7 +145,9 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     assert!(why.to_string().contains("state file"), "{why}");
 
     mend_state_dir(&state_dir, &aside);
-    tokio::time::sleep(Duration::from_secs(5)).await;
+    // The failing write is tried again with back-off: after 20 s of failures the next try
+    // comes at most 60 s (+ a poll) later.
+    tokio::time::sleep(Duration::from_secs(62)).await;
     assert_eq!(
         fake.with(|w| w.leaves.iter().map(|(g, _)| *g).collect::<Vec<_>>()),
         vec![a],
@@ -155,6 +157,69 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     running.stop().await;
     let state = StateStore::new(&state_file).load().unwrap().unwrap();
     assert!(state.admitted.is_empty(), "{state:?}");
+}
+
+/// `fleet_sidecar_state_writes_total{outcome}` as the daemon exports it.
+fn state_writes(running: &Running, outcome: &str) -> u64 {
+    let metrics = running.telemetry.encode_metrics();
+    let series = format!("fleet_sidecar_state_writes_total{{outcome=\"{outcome}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {series}in {metrics}"))
+}
+
+/// A state write that keeps failing is tried again 2 s, 4 s, 8 s … up to 60 s apart
+/// (jittered down to half), not every poll; the first write after the disk mends is
+/// counted as ok and the held leave goes ahead.
+#[tokio::test(start_paused = true)]
+async fn a_failing_state_write_backs_off_to_60_s() {
+    let node = NodeDir::new();
+    let state_dir = node.dir.path().join("state");
+    std::fs::create_dir(&state_dir).unwrap();
+    let state_file = state_dir.join("state.json");
+    let a = gid(A);
+    save_state(&state_file, &[a].into(), &[a].into());
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.held.insert(a);
+        w.assignments.insert(a);
+    });
+    let cfg = Config {
+        state_file: state_file.clone(),
+        ..node.config(REFERENCE)
+    };
+    let running = fake.run(cfg);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(state_writes(&running, "error"), 0);
+
+    // The withdrawal changes the state (absence counts) every poll; none of it can be written.
+    let aside = break_state_dir(&state_dir);
+    fake.with(|w| w.assignments.clear());
+    tokio::time::sleep(Duration::from_secs(600)).await;
+    let failed = state_writes(&running, "error");
+    // ≥ 2+2+4+8+16 s then ≤ 60 s apart: ≥ 10 tries; ≤ 2+4+8+16+32 s then ≥ 30 s: ≤ 24.
+    assert!(
+        (10..=24).contains(&failed),
+        "{failed} failed state writes in 600 s (one a poll would be 600)"
+    );
+    assert!(fake.with(|w| w.leaves.is_empty()));
+
+    let ok_before = state_writes(&running, "ok");
+    mend_state_dir(&state_dir, &aside);
+    tokio::time::sleep(Duration::from_secs(62)).await;
+    assert!(state_writes(&running, "ok") > ok_before);
+    assert_eq!(
+        state_writes(&running, "error"),
+        failed,
+        "no failure once mended"
+    );
+    assert_eq!(
+        fake.with(|w| w.leaves.iter().map(|(g, _)| *g).collect::<Vec<_>>()),
+        vec![a]
+    );
+    running.stop().await;
 }
 
 /// A leave that keeps failing (merod errs and still lists the namespace) is retried 2 s,
@@ -174,12 +239,16 @@ async fn a_failing_leave_backs_off_to_60_s() {
     let leave_times = || fake.with(|w| w.leaves.iter().map(|(_, t)| *t).collect::<Vec<_>>());
     tokio::time::sleep(Duration::from_secs(600)).await;
     backed_off_over_600_s("leaves", &leave_times());
+    // The status shows it backing off, or its leave running (when a retry started in the
+    // very cycle of this instant: then it is in `leaving`, not among the pending leaves).
     let status = running.telemetry.snapshot();
     let why = status.pending_leaves.get(&a);
     assert!(
-        why.is_some_and(|w| w.contains("back-off") || w.contains("running")),
-        "{:?}",
-        status.pending_leaves
+        why.is_some_and(|w| w.contains("back-off") || w.contains("running"))
+            || status.leaving.contains(&a),
+        "{:?} {:?}",
+        status.pending_leaves,
+        status.leaving
     );
 
     // Assigned again, then withdrawn again: the retry state was dropped, so the first
@@ -205,4 +274,60 @@ async fn a_failing_leave_backs_off_to_60_s() {
     running.stop().await;
     let state = StateStore::new(node.state_file()).load().unwrap().unwrap();
     assert!(state.admitted.is_empty(), "{state:?}");
+}
+
+/// The crash window between merod admitting a namespace and the state recording it: a join
+/// is recorded (`joining`) before it is sent, so whatever happens next the namespace is
+/// known. Here a join hangs (merod may admit it meanwhile) and the daemon stops; the next
+/// start finds it joining, and once MDMA withdraws it, leaves it if merod holds it and
+/// drops it without a leave call if merod does not.
+#[tokio::test(start_paused = true)]
+async fn a_join_whose_outcome_was_never_recorded_is_left_when_withdrawn() {
+    for merod_holds in [true, false] {
+        let node = NodeDir::new();
+        let (c, d) = (gid(C), gid(D));
+        let fake = Fake::default();
+        fake.with(|w| {
+            w.assignments.insert(c);
+            w.join_script = vec![Join::Hang];
+        });
+        let running = fake.run(node.config(REFERENCE));
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        assert_eq!(fake.with(|w| w.joins.len()), 1, "the join hangs");
+        let on_disk = || StateStore::new(node.state_file()).load().unwrap().unwrap();
+        assert_eq!(on_disk().joining, [c].into(), "recorded before it was sent");
+        assert!(on_disk().admitted.is_empty());
+        running.stop().await;
+        assert_eq!(
+            on_disk().joining,
+            [c].into(),
+            "a join cut at shutdown stays joining"
+        );
+
+        // merod went on and admitted it (or not); MDMA now wants D instead.
+        let fake = Fake::default();
+        fake.with(|w| {
+            if merod_holds {
+                w.held.insert(c);
+            }
+            w.assignments.insert(d);
+        });
+        let running = fake.run(node.config(REFERENCE));
+        tokio::time::sleep(Duration::from_secs(8)).await;
+        let left: Vec<GroupId> = fake.with(|w| w.leaves.iter().map(|(g, _)| *g).collect());
+        if merod_holds {
+            assert_eq!(left, vec![c], "withdrawn while merod may hold it: left");
+        } else {
+            assert!(
+                left.is_empty(),
+                "merod never held it: no leave call, {left:?}"
+            );
+        }
+        assert!(fake.with(|w| !w.held.contains(&c) && w.violations.is_empty()));
+        running.stop().await;
+        let state = on_disk();
+        assert!(state.joining.is_empty(), "{state:?}");
+        assert_eq!(state.admitted, [d].into(), "{state:?}");
+        assert_eq!(state.confirmed, [d].into(), "{state:?}");
+    }
 }

@@ -71,6 +71,24 @@ async fn drift_between_state_and_merod_with_a_tool_only_config() {
     // MDMA is never asked: a should-join from a tool would count as the node's heartbeat.
     assert!(sb.mdma.polls().is_empty() && sb.mdma.confirms().is_empty());
 
+    // Version 3: B and C joining (fleet-join sent, admission not recorded). B, which merod
+    // holds, is no longer drift of the "held, not in state" kind; neither is shown as drift.
+    std::fs::write(
+        &state_file,
+        format!("{{\"version\":3,\"admitted\":[\"{A}\"],\"confirmed\":[\"{A}\"],\"joining\":[\"{B}\",\"{C}\"]}}"),
+    )
+    .unwrap();
+    let drift = fleet_inspect::inspect(&config).await.unwrap();
+    assert!(drift.held_not_in_state.is_empty(), "{drift:?}");
+    assert_eq!(drift.joining_held, set(&[B]));
+    assert_eq!(drift.joining_not_held, set(&[C]));
+    assert!(!drift.found(), "{drift:?}");
+    let text = fleet_inspect::render_text(&drift);
+    assert!(
+        text.contains(&format!("joining, held by merod               {B}")),
+        "{text}"
+    );
+
     // A missing state file is said, not read silently as "nothing held".
     std::fs::remove_file(&state_file).unwrap();
     let drift = fleet_inspect::inspect(&config).await.unwrap();

@@ -91,6 +91,7 @@ fn the_rules_cover_every_alert_the_operators_asked_for() {
         "FleetSidecarLeavesFailing",
         "FleetSidecarJoinsNotAdmitted",
         "FleetSidecarMrtdUnavailable",
+        "FleetSidecarStateWriteFailing",
     ] {
         assert!(rules.contains(&format!("alert: {alert}\n")), "{alert}");
     }

@@ -39,7 +39,7 @@ fn state_validator() -> jsonschema::Validator {
 }
 
 /// Panics unless `bytes` (a state file the daemon wrote) is valid against
-/// proto/state.schema.json, as version 2.
+/// proto/state.schema.json, as version 3.
 pub fn assert_state_valid(bytes: &[u8]) {
     let doc: Value = serde_json::from_slice(bytes).expect("the state file is JSON");
     let found = errors(&state_validator(), &doc);
@@ -47,7 +47,7 @@ pub fn assert_state_valid(bytes: &[u8]) {
         found.is_empty(),
         "state file {doc} breaks the schema:\n{found}"
     );
-    assert_eq!(doc["version"], 2, "the daemon writes version 2");
+    assert_eq!(doc["version"], 3, "the daemon writes version 3");
 }
 
 /// A validator for `#/components/schemas/{name}` of an OpenAPI 3.1 document (whose schema
@@ -128,21 +128,28 @@ fn escape(segment: &str) -> String {
 #[test]
 fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses() {
     let v = state_validator();
-    for file in ["state-v2.json", "state-v1.json"] {
+    for file in ["state-v3.json", "state-v2.json", "state-v1.json"] {
         let text = std::fs::read(root().join("proto").join(file)).unwrap();
         let found = errors(&v, &serde_json::from_slice(&text).unwrap());
         assert!(found.is_empty(), "{file}:\n{found}");
         fleet_sidecar::parse_state(&text, Path::new(file)).expect("the code reads it");
     }
     let id = crate::common::A;
-    let accepted = [json!([id]), json!({"version": 1, "confirmed": []})];
+    let accepted = [
+        json!([id]),
+        json!({"version": 1, "confirmed": []}),
+        json!({"version": 2, "admitted": [], "confirmed": []}),
+        json!({"version": 3, "admitted": [], "confirmed": []}),
+    ];
     for doc in accepted {
         assert!(v.is_valid(&doc), "{doc}");
     }
     // What parse_state refuses, the schema refuses too.
     let refused = [
         json!({}),
-        json!({"version": 3, "admitted": [], "confirmed": []}),
+        json!({"version": 4, "admitted": [], "confirmed": []}),
+        json!({"version": 2, "admitted": [], "confirmed": [], "joining": []}),
+        json!({"version": 3, "admitted": [], "confirmed": [], "joining": ["abcd"]}),
         json!({"version": 2, "confirmed": []}),
         json!({"version": 2, "admitted": [], "confirmed": [], "extra": 1}),
         json!({"version": 1, "confirmed": [], "admitted": []}),
