@@ -46,8 +46,12 @@ use poll::FailureStreak;
 use startup::MrtdSlot;
 use tasks::Event;
 
-/// Time between readiness probes.
+/// Wait after the first failed readiness probe of merod (doubles per failure, up to
+/// [`PROBE_INTERVAL_MAX`]).
 pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest wait between two readiness probes: how late, at most, a merod that comes up is
+/// noticed.
+pub(crate) const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(5);
 /// Wait before the one retry of reading the PeerId (merod may still be writing its config).
 pub(crate) const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 /// How often an unreadable MRTD is tried again (a later module load can make it appear).

@@ -1,7 +1,7 @@
 //! systemd integration for `Type=notify` units (`sd_notify(3)`), driven by the loop's own
 //! status changes: `READY=1` once the identity is read and merod answered; `STATUS=` with
-//! a one-line summary on every poll attempt (and every readiness probe before that);
-//! `STOPPING=1` on shutdown.
+//! a one-line summary on every poll attempt (and every second of the wait for merod before
+//! that); `STOPPING=1` on shutdown.
 //!
 //! `WATCHDOG=1` follows the unit's watchdog, not the poll cadence: only when `WATCHDOG_USEC`
 //! is set (and `WATCHDOG_PID`, if set, is this process), and only while the loop is alive

@@ -151,7 +151,8 @@ pub struct LiveStatus {
     pub mrtd_source: Option<String>,
     /// Whether this run only logs its plans (`--dry-run`).
     pub dry_run: bool,
-    /// Polls attempted so far (the loop's heartbeat; also readiness probes before that).
+    /// Polls attempted so far (the loop's heartbeat; before that, one per second of the wait
+    /// for merod).
     pub heartbeats: u64,
     /// When the latest poll was attempted.
     pub last_poll_at: Option<f64>,
@@ -296,7 +297,7 @@ pub fn unix_now() -> f64 {
 pub struct StatusMark {
     /// The lifecycle phase.
     pub phase: Phase,
-    /// Polls attempted (readiness probes before that).
+    /// Polls attempted (before that, one per second of the wait for merod).
     pub heartbeats: u64,
 }
 
@@ -341,7 +342,7 @@ pub struct Telemetry {
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
-    /// second, and after every poll) and on every readiness probe of merod. The systemd
+    /// second, and after every poll) and every second of the wait for merod. The systemd
     /// watchdog is fed only while it moves, whatever `poll_interval` is.
     pub loop_turns: std::sync::atomic::AtomicU64,
 }

@@ -20,8 +20,8 @@ use crate::telemetry::{Phase, Telemetry};
 
 use super::poll::FailureStreak;
 use super::{
-    DaemonError, Deps, Sidecar, MRTD_READ_TIMEOUT, MRTD_RETRY_INTERVAL, PEER_ID_RETRY_DELAY,
-    PROBE_INTERVAL,
+    DaemonError, Deps, Sidecar, ALIVE_TURN, MRTD_READ_TIMEOUT, MRTD_RETRY_INTERVAL,
+    PEER_ID_RETRY_DELAY, PROBE_INTERVAL, PROBE_INTERVAL_MAX,
 };
 
 pub(super) struct MrtdSlot {
@@ -40,8 +40,19 @@ pub enum Readiness {
     GaveUp(String),
 }
 
-/// Probes merod every second (`PROBE_INTERVAL`) until it answers (or `limit`, if any, passes);
-/// logs one line per change of what it sees, and reports each probe as a heartbeat.
+/// The wait after the `failures`-th failed readiness probe in a row (1-based):
+/// [`PROBE_INTERVAL`] doubling to [`PROBE_INTERVAL_MAX`]. Not jittered: merod is on this
+/// machine, no fleet shares it.
+fn probe_delay(failures: u32) -> Duration {
+    PROBE_INTERVAL
+        .saturating_mul(2u32.saturating_pow(failures.saturating_sub(1)))
+        .min(PROBE_INTERVAL_MAX)
+}
+
+/// Probes merod until it answers (or `limit`, if any, passes), backing off from 1 s to 5 s
+/// between probes (`probe_delay`); logs one line per change of what it sees. While it waits
+/// it reports a heartbeat every second ([`ALIVE_TURN`]), probe or not, so the systemd
+/// watchdog sees it alive.
 pub async fn wait_for_merod(
     merod: &dyn Node,
     telemetry: &Telemetry,
@@ -50,6 +61,7 @@ pub async fn wait_for_merod(
 ) -> Readiness {
     let mut last: Option<String> = None;
     let deadline = limit.map(|l| Instant::now() + l);
+    let mut failures = 0u32;
     loop {
         let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
             Ok(Ok(())) => {
@@ -59,22 +71,35 @@ pub async fn wait_for_merod(
             Ok(Err(e)) => e.to_string(),
             Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
         };
-        telemetry.mark_alive();
-        telemetry.update(|st| {
-            st.phase = Phase::WaitingForMerod;
-            st.heartbeats += 1;
-            st.waiting_for = Some(reason.clone());
-        });
         if last.as_deref() != Some(reason.as_str()) {
             info!("waiting for merod: {reason}");
-            last = Some(reason);
         }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Readiness::GaveUp(last.unwrap_or_default());
-        }
-        tokio::select! {
-            () = tokio::time::sleep(PROBE_INTERVAL) => {}
-            () = shutdown.cancelled() => return Readiness::ShutDown,
+        telemetry.update(|st| {
+            st.phase = Phase::WaitingForMerod;
+            st.waiting_for = Some(reason.clone());
+        });
+        last = Some(reason);
+        failures = failures.saturating_add(1);
+        let next_probe = Instant::now() + probe_delay(failures);
+        // A heartbeat now and every second until the next probe.
+        loop {
+            telemetry.mark_alive();
+            telemetry.update(|st| st.heartbeats += 1);
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Readiness::GaveUp(last.unwrap_or_default());
+            }
+            if now >= next_probe {
+                break;
+            }
+            let mut wake = next_probe.min(now + ALIVE_TURN);
+            if let Some(d) = deadline {
+                wake = wake.min(d);
+            }
+            tokio::select! {
+                () = tokio::time::sleep_until(wake) => {}
+                () = shutdown.cancelled() => return Readiness::ShutDown,
+            }
         }
     }
 }
@@ -254,5 +279,17 @@ impl Sidecar {
                 self.mrtd.next_try = Some(Instant::now() + MRTD_RETRY_INTERVAL);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn readiness_probes_back_off_from_1_s_to_5_s() {
+        let waits: Vec<u64> = (1..=6).map(|n| probe_delay(n).as_secs()).collect();
+        assert_eq!(waits, [1, 2, 4, 5, 5, 5]);
+        assert_eq!(probe_delay(u32::MAX), PROBE_INTERVAL_MAX);
     }
 }

@@ -75,6 +75,8 @@ pub struct World {
     pub settled: bool,
     /// merod refuses connections: every probe fails.
     pub merod_down: bool,
+    /// Readiness probes received.
+    pub probes: usize,
     /// The namespaces merod holds.
     pub held: BTreeSet<GroupId>,
     /// Every poll: when, and the MRTD (hex) it carried.
@@ -183,7 +185,10 @@ impl ControlPlane for Fake {
 #[async_trait]
 impl Node for Fake {
     async fn probe(&self) -> Result<(), MerodError> {
-        if self.with(|w| w.merod_down) {
+        if self.with(|w| {
+            w.probes += 1;
+            w.merod_down
+        }) {
             return Err(merod_err(MerodOp::Peers, "connection refused"));
         }
         Ok(())
