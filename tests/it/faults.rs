@@ -107,9 +107,9 @@ fn mend_state_dir(dir: &std::path::Path, aside: &std::path::Path) {
     std::fs::rename(aside, dir).unwrap();
 }
 
-#[tokio::test(start_paused = true)]
-async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() {
-    let node = NodeDir::new();
+/// A daemon 3 s into running with A assigned, held and confirmed, its state file alone in
+/// a directory of its own (so the directory can be broken); returns that directory.
+async fn holding_a_with_its_own_state_dir(node: &NodeDir) -> (Fake, Running, std::path::PathBuf) {
     let state_dir = node.dir.path().join("state");
     std::fs::create_dir(&state_dir).unwrap();
     let state_file = state_dir.join("state.json");
@@ -121,11 +121,20 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
         w.assignments.insert(a);
     });
     let cfg = Config {
-        state_file: state_file.clone(),
+        state_file,
         ..node.config(REFERENCE)
     };
     let running = fake.run(cfg);
     tokio::time::sleep(Duration::from_secs(3)).await;
+    (fake, running, state_dir)
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() {
+    let node = NodeDir::new();
+    let (fake, running, state_dir) = holding_a_with_its_own_state_dir(&node).await;
+    let state_file = state_dir.join("state.json");
+    let a = gid(A);
     let ready = || {
         running
             .telemetry
@@ -176,22 +185,8 @@ fn state_writes(running: &Running, outcome: &str) -> u64 {
 #[tokio::test(start_paused = true)]
 async fn a_failing_state_write_backs_off_to_60_s() {
     let node = NodeDir::new();
-    let state_dir = node.dir.path().join("state");
-    std::fs::create_dir(&state_dir).unwrap();
-    let state_file = state_dir.join("state.json");
+    let (fake, running, state_dir) = holding_a_with_its_own_state_dir(&node).await;
     let a = gid(A);
-    save_state(&state_file, &[a].into(), &[a].into());
-    let fake = Fake::default();
-    fake.with(|w| {
-        w.held.insert(a);
-        w.assignments.insert(a);
-    });
-    let cfg = Config {
-        state_file: state_file.clone(),
-        ..node.config(REFERENCE)
-    };
-    let running = fake.run(cfg);
-    tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(state_writes(&running, "error"), 0);
 
     // The withdrawal changes the state (absence counts) every poll; none of it can be written.
