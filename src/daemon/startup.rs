@@ -51,7 +51,7 @@ fn probe_delay(failures: u32) -> Duration {
 
 /// Probes merod until it answers (or `limit`, if any, passes), backing off from 1 s to 5 s
 /// between probes (`probe_delay`); logs one line per change of what it sees. While it waits
-/// it reports a heartbeat every second ([`ALIVE_TURN`]), probe or not, so the systemd
+/// it reports a heartbeat every second (`ALIVE_TURN`), probe or not, so the systemd
 /// watchdog sees it alive.
 pub async fn wait_for_merod(
     merod: &dyn Node,
