@@ -325,7 +325,8 @@ pub struct Telemetry {
     pub joins: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_confirms_total{outcome}`: ok, error.
     pub confirms: Family<OutcomeLabel, Counter>,
-    /// `fleet_sidecar_leaves_total{outcome}`: left, failed.
+    /// `fleet_sidecar_leaves_total{outcome}`: left, failed, timeout, not_held (a joining-only
+    /// namespace merod did not hold: dropped with no leave call).
     pub leaves: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_state_writes_total{outcome}`: ok, error (a failed write of the state
     /// file, or a failed check that one can be written before a leave).
@@ -425,7 +426,7 @@ impl Telemetry {
                 &[Admitted, NotAdmitted, Error, Timeout, NotHeld][..],
             ),
             (&confirms, &[Ok, Error, Timeout][..]),
-            (&leaves, &[Left, Failed, Timeout][..]),
+            (&leaves, &[Left, Failed, Timeout, NotHeld][..]),
             (&state_writes, &[Ok, Error][..]),
         ] {
             for &outcome in outcomes {

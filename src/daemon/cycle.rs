@@ -424,6 +424,13 @@ impl Sidecar {
                         self.leave_retry.succeed(id);
                         self.persist();
                     }
+                    LeaveEnd::NeverHeld => {
+                        Telemetry::count(&self.deps.telemetry.leaves, Metric::NotHeld);
+                        info!(namespace_id = %id, outcome = "not_held", duration, "dropped, no leave sent: merod does not hold it (its fleet-join never went through)");
+                        reconcile::apply(&mut self.state, Outcome::Left(id));
+                        self.leave_retry.succeed(id);
+                        self.persist();
+                    }
                     LeaveEnd::StillHeld { reason, timed_out } => {
                         let outcome = if timed_out {
                             Metric::Timeout

@@ -41,6 +41,8 @@ pub(super) enum JoinEnd {
 #[derive(Debug)]
 pub(super) enum LeaveEnd {
     Left,
+    /// Only joining (no admission recorded) and merod does not hold it: no leave was sent.
+    NeverHeld,
     /// merod still lists it, or cannot tell; `timed_out` when the leave call ran out of time.
     StillHeld {
         reason: String,
@@ -179,7 +181,7 @@ async fn leave_task(
         )
         .await;
         match held {
-            Some(Ok(false)) => return LeaveEnd::Left,
+            Some(Ok(false)) => return LeaveEnd::NeverHeld,
             Some(Ok(true)) => {}
             Some(Err(e)) => {
                 return LeaveEnd::StillHeld {

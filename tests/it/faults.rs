@@ -168,10 +168,10 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
     assert!(state.admitted.is_empty(), "{state:?}");
 }
 
-/// `fleet_sidecar_state_writes_total{outcome}` as the daemon exports it.
-fn state_writes(running: &Running, outcome: &str) -> u64 {
+/// `fleet_sidecar_{family}_total{outcome}` as the daemon exports it.
+fn counter(running: &Running, family: &str, outcome: &str) -> u64 {
     let metrics = running.telemetry.encode_metrics();
-    let series = format!("fleet_sidecar_state_writes_total{{outcome=\"{outcome}\"}} ");
+    let series = format!("fleet_sidecar_{family}_total{{outcome=\"{outcome}\"}} ");
     metrics
         .lines()
         .find_map(|l| l.strip_prefix(&series))
@@ -187,13 +187,13 @@ async fn a_failing_state_write_backs_off_to_60_s() {
     let node = NodeDir::new();
     let (fake, running, state_dir) = holding_a_with_its_own_state_dir(&node).await;
     let a = gid(A);
-    assert_eq!(state_writes(&running, "error"), 0);
+    assert_eq!(counter(&running, "state_writes", "error"), 0);
 
     // The withdrawal changes the state (absence counts) every poll; none of it can be written.
     let aside = break_state_dir(&state_dir);
     fake.with(|w| w.assignments.clear());
     tokio::time::sleep(Duration::from_secs(600)).await;
-    let failed = state_writes(&running, "error");
+    let failed = counter(&running, "state_writes", "error");
     // ≥ 2+2+4+8+16 s then ≤ 60 s apart: ≥ 10 tries; ≤ 2+4+8+16+32 s then ≥ 30 s: ≤ 24.
     assert!(
         (10..=24).contains(&failed),
@@ -201,12 +201,12 @@ async fn a_failing_state_write_backs_off_to_60_s() {
     );
     assert!(fake.with(|w| w.leaves.is_empty()));
 
-    let ok_before = state_writes(&running, "ok");
+    let ok_before = counter(&running, "state_writes", "ok");
     mend_state_dir(&state_dir, &aside);
     tokio::time::sleep(Duration::from_secs(62)).await;
-    assert!(state_writes(&running, "ok") > ok_before);
+    assert!(counter(&running, "state_writes", "ok") > ok_before);
     assert_eq!(
-        state_writes(&running, "error"),
+        counter(&running, "state_writes", "error"),
         failed,
         "no failure once mended"
     );
@@ -318,6 +318,9 @@ async fn a_join_whose_outcome_was_never_recorded_is_left_when_withdrawn() {
                 "merod never held it: no leave call, {left:?}"
             );
         }
+        let (held, not_held) = (u64::from(merod_holds), u64::from(!merod_holds));
+        assert_eq!(counter(&running, "leaves", "left"), held);
+        assert_eq!(counter(&running, "leaves", "not_held"), not_held);
         assert!(fake.with(|w| !w.held.contains(&c) && w.violations.is_empty()));
         running.stop().await;
         let state = on_disk();
