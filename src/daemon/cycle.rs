@@ -337,6 +337,14 @@ impl Sidecar {
         self.leave_retry.fail(id, Instant::now(), fastrand::f64())
     }
 
+    /// merod no longer holds `id` (left, or never held): drop it from the state, end its
+    /// leave back-off, persist.
+    fn record_gone(&mut self, id: GroupId) {
+        reconcile::apply(&mut self.state, Outcome::Left(id));
+        self.leave_retry.succeed(id);
+        self.persist();
+    }
+
     pub(super) fn on_event(&mut self, event: Event) {
         match event {
             Event::Admitted { id, ack } => {
@@ -420,16 +428,12 @@ impl Sidecar {
                     LeaveEnd::Left => {
                         Telemetry::count(&self.deps.telemetry.leaves, Metric::Left);
                         info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
-                        reconcile::apply(&mut self.state, Outcome::Left(id));
-                        self.leave_retry.succeed(id);
-                        self.persist();
+                        self.record_gone(id);
                     }
                     LeaveEnd::NeverHeld => {
                         Telemetry::count(&self.deps.telemetry.leaves, Metric::NotHeld);
                         info!(namespace_id = %id, outcome = "not_held", duration, "dropped, no leave sent: merod does not hold it (its fleet-join never went through)");
-                        reconcile::apply(&mut self.state, Outcome::Left(id));
-                        self.leave_retry.succeed(id);
-                        self.persist();
+                        self.record_gone(id);
                     }
                     LeaveEnd::StillHeld { reason, timed_out } => {
                         let outcome = if timed_out {
