@@ -89,6 +89,31 @@ async fn timed<T>(
     result
 }
 
+/// Whether merod holds `id` (`GET /admin-api/namespaces/{id}`, bounded by
+/// [`CHECK_TIMEOUT`]). `Err`: why it could not tell ("membership check …"), and whether
+/// that was a timeout.
+async fn check_held(
+    telemetry: &Telemetry,
+    merod: &dyn Node,
+    id: GroupId,
+) -> Result<bool, (String, bool)> {
+    match timed(
+        telemetry,
+        "namespace_get",
+        CHECK_TIMEOUT,
+        merod.holds_namespace(id),
+    )
+    .await
+    {
+        Some(Ok(held)) => Ok(held),
+        Some(Err(e)) => Err((format!("membership check failed: {e}"), e.is_timeout())),
+        None => Err((
+            format!("membership check gave no answer within {CHECK_TIMEOUT:?}"),
+            true,
+        )),
+    }
+}
+
 async fn join_task(
     id: GroupId,
     calls: &Calls,
@@ -125,28 +150,13 @@ async fn join_task(
             reasons: admission.reasons,
         };
     }
-    match timed(
-        t,
-        "namespace_get",
-        CHECK_TIMEOUT,
-        calls.merod.holds_namespace(id),
-    )
-    .await
-    {
-        Some(Ok(true)) => {}
-        Some(Ok(false)) => return JoinEnd::NotHeld,
-        Some(Err(e)) => {
+    match check_held(t, calls.merod.as_ref(), id).await {
+        Ok(true) => {}
+        Ok(false) => return JoinEnd::NotHeld,
+        Err((why, timed_out)) => {
             return JoinEnd::Failed {
-                timed_out: e.is_timeout(),
-                reason: format!("admitted, but the membership check failed: {e}"),
-            }
-        }
-        None => {
-            return JoinEnd::Failed {
-                reason: format!(
-                    "admitted, but the membership check gave no answer within {CHECK_TIMEOUT:?}"
-                ),
-                timed_out: true,
+                reason: format!("admitted, but the {why}"),
+                timed_out,
             }
         }
     }
@@ -173,28 +183,13 @@ async fn leave_task(
     maybe_held: bool,
 ) -> LeaveEnd {
     if maybe_held {
-        let held = timed(
-            telemetry,
-            "namespace_get",
-            CHECK_TIMEOUT,
-            merod.holds_namespace(id),
-        )
-        .await;
-        match held {
-            Some(Ok(false)) => return LeaveEnd::NeverHeld,
-            Some(Ok(true)) => {}
-            Some(Err(e)) => {
+        match check_held(telemetry, merod.as_ref(), id).await {
+            Ok(false) => return LeaveEnd::NeverHeld,
+            Ok(true) => {}
+            Err((why, timed_out)) => {
                 return LeaveEnd::StillHeld {
-                    reason: format!("membership check before the leave failed: {e}"),
-                    timed_out: e.is_timeout(),
-                }
-            }
-            None => {
-                return LeaveEnd::StillHeld {
-                    reason: format!(
-                        "membership check before the leave gave no answer within {CHECK_TIMEOUT:?}"
-                    ),
-                    timed_out: true,
+                    reason: format!("before the leave, {why}"),
+                    timed_out,
                 }
             }
         }
@@ -209,20 +204,10 @@ async fn leave_task(
             ),
         };
     let still_held = |reason: String| LeaveEnd::StillHeld { reason, timed_out };
-    match timed(
-        telemetry,
-        "namespace_get",
-        CHECK_TIMEOUT,
-        merod.holds_namespace(id),
-    )
-    .await
-    {
-        Some(Ok(false)) => LeaveEnd::Left,
-        Some(Ok(true)) => still_held(format!("leave: {leave}; merod still lists it")),
-        Some(Err(e)) => still_held(format!("leave: {leave}; membership check failed: {e}")),
-        None => still_held(format!(
-            "leave: {leave}; membership check gave no answer within {CHECK_TIMEOUT:?}"
-        )),
+    match check_held(telemetry, merod.as_ref(), id).await {
+        Ok(false) => LeaveEnd::Left,
+        Ok(true) => still_held(format!("leave: {leave}; merod still lists it")),
+        Err((why, _)) => still_held(format!("leave: {leave}; {why}")),
     }
 }
 
