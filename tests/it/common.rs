@@ -236,13 +236,48 @@ impl NodeDir {
     }
 }
 
+/// A daemon process started by a test; killed (and reaped) when dropped, so a test that
+/// fails before stopping it leaves no daemon behind polling a dead emulator.
+pub struct DaemonProcess(Option<std::process::Child>);
+
+impl DaemonProcess {
+    /// Waits for it to exit and collects its piped output (see `Child::wait_with_output`).
+    pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
+        self.0.take().expect("a running child").wait_with_output()
+    }
+}
+
+impl std::ops::Deref for DaemonProcess {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("a running child")
+    }
+}
+
+impl std::ops::DerefMut for DaemonProcess {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("a running child")
+    }
+}
+
+impl Drop for DaemonProcess {
+    fn drop(&mut self) {
+        if let Some(child) = &mut self.0 {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+    }
+}
+
 /// The daemon binary's `run` with `config`, its output piped (to read) or dropped, and
 /// extra environment variables.
 pub fn spawn_daemon(
     config: &std::path::Path,
     piped: bool,
     env: &[(&str, &std::ffi::OsStr)],
-) -> std::process::Child {
+) -> DaemonProcess {
     let out = || {
         if piped {
             std::process::Stdio::piped()
@@ -255,10 +290,12 @@ pub fn spawn_daemon(
     for (k, v) in env {
         cmd.env(k, v);
     }
-    cmd.stdout(out())
-        .stderr(out())
-        .spawn()
-        .expect("the daemon starts")
+    DaemonProcess(Some(
+        cmd.stdout(out())
+            .stderr(out())
+            .spawn()
+            .expect("the daemon starts"),
+    ))
 }
 
 /// A TLS server configuration (ring, safe default versions, no client auth) presenting
@@ -279,4 +316,18 @@ pub fn tls_server_config(
         PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der())),
     )
     .expect("a generated certificate and key")
+}
+
+/// The value of one series (`name{labels}`, exactly as exported) in a `/metrics` body;
+/// panics naming it when it is not there (every series is exported from the start).
+pub fn metric(text: &str, series: &str) -> f64 {
+    text.lines()
+        .find_map(|l| {
+            l.strip_prefix(series)?
+                .strip_prefix(' ')?
+                .trim()
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
 }

@@ -170,13 +170,8 @@ async fn no_leave_starts_while_the_state_cannot_be_written_and_readyz_says_so() 
 
 /// `fleet_sidecar_{family}_total{outcome}` as the daemon exports it.
 fn counter(running: &Running, family: &str, outcome: &str) -> u64 {
-    let metrics = running.telemetry.encode_metrics();
-    let series = format!("fleet_sidecar_{family}_total{{outcome=\"{outcome}\"}} ");
-    metrics
-        .lines()
-        .find_map(|l| l.strip_prefix(&series))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no {series}in {metrics}"))
+    let series = format!("fleet_sidecar_{family}_total{{outcome=\"{outcome}\"}}");
+    metric(&running.telemetry.encode_metrics(), &series) as u64
 }
 
 /// A state write that keeps failing is tried again 2 s, 4 s, 8 s … up to 60 s apart

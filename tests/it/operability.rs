@@ -147,12 +147,6 @@ async fn readyz_goes_unready_during_an_mdma_outage_and_back() {
     d.stop().await;
 }
 
-fn metric(text: &str, name_and_labels: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name_and_labels)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_after_a_scripted_scenario() {
     let sb = Sandbox::start(None).await.unwrap();
