@@ -163,7 +163,7 @@ pub enum MassDropEvent {
     HoldStarted {
         /// Namespaces withdrawn.
         withdrawn: usize,
-        /// Namespaces held (admitted or joining) before this poll.
+        /// Namespaces held before this poll: the admitted, plus the joining ones it withdraws.
         held: usize,
     },
     /// The withdrawal persisted for the whole hold: leaves go ahead.
@@ -297,7 +297,14 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         .filter(|id| !desired.retain.contains(id))
         .copied()
         .collect();
-    let held = state.admitted.len() + state.joining.difference(&state.admitted).count();
+    // Held, for the guard: the admitted, plus the joining ones this poll withdraws. Joining
+    // ones still assigned (joins under way or failing) do not count, so they cannot dilute
+    // the guard's protection of what merod certainly holds.
+    let held = state.admitted.len()
+        + withdrawn
+            .iter()
+            .filter(|id| !state.admitted.contains(id))
+            .count();
     let absent_polls: BTreeMap<GroupId, u32> = withdrawn
         .iter()
         .map(|id| {

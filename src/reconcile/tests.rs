@@ -347,6 +347,47 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
     );
 }
 
+/// Joining namespaces still assigned (joins failing for a while) must not dilute the guard:
+/// withdrawing 3 of 4 admitted ones is a mass withdrawal however many joins are under way;
+/// withdrawn joining ones count on both sides.
+#[test]
+fn joining_namespaces_count_for_the_mass_withdrawal_guard_only_when_withdrawn() {
+    let policy = no_stability();
+    let admitted = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
+    let with_joining = |joining: &[u8]| State {
+        joining: ids(joining),
+        ..admitted.clone()
+    };
+    let s = with_joining(&[5, 6, 7, 8, 9, 10]);
+    let p = simple(&policy, &desired(&[1, 5, 6, 7, 8, 9, 10], &[]), &s);
+    assert!(p.leaves.is_empty(), "{:?}", p.leaves);
+    assert_eq!(
+        p.mass_drop_event,
+        Some(MassDropEvent::HoldStarted {
+            withdrawn: 3,
+            held: 4
+        })
+    );
+    // Withdrawn joining ones: 3 admitted + 2 joining of 4 + 2 held.
+    let s = with_joining(&[5, 6]);
+    let p = simple(&policy, &desired(&[1], &[]), &s);
+    assert_eq!(
+        p.mass_drop_event,
+        Some(MassDropEvent::HoldStarted {
+            withdrawn: 5,
+            held: 6
+        })
+    );
+    // Only joining ones withdrawn, few of what is held: no hold, they are left.
+    let s = State {
+        joining: ids(&[5]),
+        ..state(&[1, 2, 3, 4, 6, 7], &[1, 2, 3, 4, 6, 7])
+    };
+    let p = simple(&policy, &desired(&[1, 2, 3, 4, 6, 7], &[]), &s);
+    assert_eq!(p.mass_drop_event, None);
+    assert_eq!(p.leaves, vec![id(5)]);
+}
+
 #[test]
 fn a_reverted_mass_withdrawal_clears_the_hold() {
     let policy = no_stability();
