@@ -6,6 +6,9 @@
 //! `cargo bench --locked --bench cycle` (add `-- --quick` for a short run); figures and
 //! targets in `bench/RESULTS.md`.
 
+// `criterion_main!` writes an undocumented `main`.
+#![allow(missing_docs)]
+
 use std::collections::BTreeSet;
 use std::hint::black_box;
 

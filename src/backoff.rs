@@ -13,13 +13,18 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-pub(crate) use crate::daemon::{RETRY_MAX, RETRY_MIN};
 use crate::ids::GroupId;
+
+/// First wait before retrying a failed join or leave of a namespace, or a failed state
+/// write (doubles, up to [`RETRY_MAX`]).
+pub(crate) const RETRY_MIN: Duration = Duration::from_secs(2);
+/// Longest wait before retrying a failing join, leave or state write.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(60);
 
 /// The wait after the `failures`-th failure in a row (1-based), for `jitter` in `[0, 1)`:
 /// `base = min(RETRY_MAX, RETRY_MIN · 2^(failures-1))`, wait
 /// `base · (1 + jitter) / 2`, never below [`RETRY_MIN`].
-pub fn retry_delay(failures: u32, jitter: f64) -> Duration {
+pub(crate) fn retry_delay(failures: u32, jitter: f64) -> Duration {
     let factor = 2u32.saturating_pow(failures.saturating_sub(1));
     let base = RETRY_MIN.saturating_mul(factor).min(RETRY_MAX);
     base.mul_f64((1.0 + jitter.clamp(0.0, 1.0)) / 2.0)
@@ -34,14 +39,14 @@ struct Entry {
 
 /// The retry state of every namespace whose last attempt (of one kind: join or leave) failed.
 #[derive(Debug, Default)]
-pub struct Retries {
+pub(crate) struct Retries {
     entries: BTreeMap<GroupId, Entry>,
 }
 
 impl Retries {
     /// Records a failed attempt on `id` at `now`; returns the failures in a row (1 for the
     /// first) and the wait before the next attempt.
-    pub fn fail(&mut self, id: GroupId, now: Instant, jitter: f64) -> (u32, Duration) {
+    pub(crate) fn fail(&mut self, id: GroupId, now: Instant, jitter: f64) -> (u32, Duration) {
         let failures = self
             .entries
             .get(&id)
@@ -58,18 +63,18 @@ impl Retries {
     }
 
     /// The attempt on `id` succeeded: its next failure starts again at [`RETRY_MIN`].
-    pub fn succeed(&mut self, id: GroupId) {
+    pub(crate) fn succeed(&mut self, id: GroupId) {
         self.entries.remove(&id);
     }
 
     /// Forgets every namespace for which `candidate` is false (it becoming a candidate
     /// again later starts afresh).
-    pub fn keep_only(&mut self, mut candidate: impl FnMut(&GroupId) -> bool) {
+    pub(crate) fn keep_only(&mut self, mut candidate: impl FnMut(&GroupId) -> bool) {
         self.entries.retain(|id, _| candidate(id));
     }
 
     /// The namespaces still waiting at `now` (not to be joined this cycle).
-    pub fn waiting(&self, now: Instant) -> BTreeSet<GroupId> {
+    pub(crate) fn waiting(&self, now: Instant) -> BTreeSet<GroupId> {
         self.entries
             .iter()
             .filter(|(_, e)| e.until > now)

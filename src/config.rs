@@ -41,7 +41,7 @@ fn header_safe(token: &str) -> bool {
 /// `mdma_url`; an unknown key is an error naming it.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct RawConfig {
+pub(crate) struct RawConfig {
     /// MDMA base URL; must be `https://` (plain `http://` only for a loopback host).
     pub mdma_url: Option<String>,
     /// Sent as `X-Fleet-Token` when set.
@@ -110,7 +110,7 @@ pub struct RawConfig {
 /// The `[merod]` table as written.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct RawMerod {
+pub(crate) struct RawMerod {
     /// merod's home; the PeerId is read from `{home}/{node}/config.toml`.
     pub home: PathBuf,
     /// The node's name under `home`.
@@ -133,43 +133,43 @@ mod defaults {
     use std::path::PathBuf;
     use std::time::Duration;
 
-    pub fn poll_interval() -> Duration {
+    pub(super) fn poll_interval() -> Duration {
         Duration::from_secs(1)
     }
-    pub fn state_file() -> PathBuf {
+    pub(super) fn state_file() -> PathBuf {
         PathBuf::from("/var/lib/calimero/fleet-confirmed.json")
     }
-    pub fn log_file() -> PathBuf {
+    pub(super) fn log_file() -> PathBuf {
         PathBuf::from("/var/log/fleet-sidecar.log")
     }
-    pub fn leave_after_polls() -> u32 {
+    pub(super) fn leave_after_polls() -> u32 {
         3
     }
-    pub fn mass_drop_min() -> usize {
+    pub(super) fn mass_drop_min() -> usize {
         3
     }
-    pub fn mass_drop_hold() -> Duration {
+    pub(super) fn mass_drop_hold() -> Duration {
         Duration::from_secs(600)
     }
-    pub fn max_leaves_per_minute() -> u32 {
+    pub(super) fn max_leaves_per_minute() -> u32 {
         10
     }
-    pub fn max_concurrent_joins() -> usize {
+    pub(super) fn max_concurrent_joins() -> usize {
         4
     }
-    pub fn join_timeout() -> Duration {
+    pub(super) fn join_timeout() -> Duration {
         Duration::from_secs(90)
     }
-    pub fn leave_timeout() -> Duration {
+    pub(super) fn leave_timeout() -> Duration {
         Duration::from_secs(60)
     }
-    pub fn ready_max_poll_age() -> Duration {
+    pub(super) fn ready_max_poll_age() -> Duration {
         Duration::from_secs(30)
     }
-    pub fn max_backoff() -> Duration {
+    pub(super) fn max_backoff() -> Duration {
         Duration::from_secs(10)
     }
-    pub fn log_to_file() -> bool {
+    pub(super) fn log_to_file() -> bool {
         true
     }
 }
@@ -275,7 +275,7 @@ impl MerodConfig {
 /// | `mass_drop_hold` | 1 s | 7 days |
 /// | `join_timeout` | 10 s | 1 h |
 /// | `leave_timeout` | 1 s | 1 h |
-pub fn duration_bounds(key: &str) -> (Duration, Duration) {
+pub(crate) fn duration_bounds(key: &str) -> (Duration, Duration) {
     const S: u64 = 1;
     const MIN: u64 = 60;
     const H: u64 = 3600;
@@ -487,7 +487,7 @@ impl RawConfig {
     /// Checks every value and builds the [`Config`]; `path` names the file in errors.
     ///
     /// Errors: [`ConfigError::MissingMdmaUrl`] and [`ConfigError::Invalid`].
-    pub fn validate(self, path: &Path) -> Result<Config, ConfigError> {
+    pub(crate) fn validate(self, path: &Path) -> Result<Config, ConfigError> {
         let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
             path: path.to_owned(),
             key,
@@ -752,7 +752,7 @@ fn parse_base_url(raw: &str) -> Result<Url, UrlProblem> {
 }
 
 /// Whether the URL's host is `localhost` or a loopback address (127.0.0.0/8, ::1).
-pub fn is_loopback(url: &Url) -> bool {
+pub(crate) fn is_loopback(url: &Url) -> bool {
     match url.host() {
         Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
         Some(url::Host::Ipv4(ip)) => IpAddr::V4(ip).is_loopback(),

@@ -11,63 +11,50 @@
 //! namespace → the admission is persisted (the loop acknowledges) → confirm to MDMA → the
 //! confirmation is persisted. A failed poll plans nothing at all.
 //!
-//! Layout: this file holds the [`Sidecar`] and the entry points ([`run`], [`once`]);
-//! `startup` loads the state, waits for merod ([`wait_for_merod`]) and reads the identity;
-//! `cycle` is the loop, one cycle and the fold of task events into the state; `tasks` the
-//! join and leave tasks and their events; `poll` the poll's cadence and failure streaks.
+//! Layout: the loop's state is held by owners, each guarding its own rule, and the
+//! [`Sidecar`] holds them: `record` (the state, its file and a failing write; the only way
+//! to change the state is to record an outcome, which persists it), `work` (the join and
+//! leave tasks in flight, their permits and retry tables; a task gets its calls, never the
+//! record), `poll` (the poll's cadence and failure streak), `startup` (start-up and the
+//! node's identity). `cycle` is the loop, one cycle and the fold of task events.
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 
 mod cycle;
 mod poll;
+mod record;
 mod startup;
 mod tasks;
 
-pub use crate::status::serve as serve_status;
-pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, StatusMark, Telemetry};
+pub use crate::telemetry::serve as serve_status;
+pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, Telemetry};
 pub use startup::{wait_for_merod, Readiness};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, Semaphore};
-use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::identity::IdentityError;
-use crate::ids::{GroupId, PeerId};
-use crate::mdma::{ControlPlane, PollError};
+use crate::ids::PeerId;
+use crate::mdma::{ControlPlane, PollError, MDMA_TIMEOUT};
 use crate::merod::Node;
-use crate::reconcile::{Desired, Guard, LeaveWait};
-use crate::state::{State, StateError, StateStore};
+use crate::state::{State, StateError};
 use crate::telemetry::Projection;
-use poll::FailureStreak;
-use startup::MrtdSlot;
-use tasks::Event;
+use cycle::Planner;
+use poll::Cadence;
+use record::Record;
+use startup::Identity;
+use tasks::InFlight;
 
-/// Wait after the first failed readiness probe of merod (doubles per failure, up to
-/// [`PROBE_INTERVAL_MAX`]).
-pub(crate) const PROBE_INTERVAL: Duration = Duration::from_secs(1);
-/// Longest wait between two readiness probes: how late, at most, a merod that comes up is
-/// noticed.
-pub(crate) const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(5);
-/// Wait before the one retry of reading the PeerId (merod may still be writing its config).
-pub(crate) const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
-/// How often an unreadable MRTD is tried again (a later module load can make it appear).
-pub(crate) const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
-/// Bound of one MRTD read (sysfs, ioctl with its short retries, configfs-tsm quote).
-pub(crate) const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
-/// First wait before retrying a failed join or leave of a namespace (doubles, up to the cap).
-pub(crate) const RETRY_MIN: Duration = Duration::from_secs(2);
-/// Longest wait before retrying a failing join or leave.
-pub(crate) const RETRY_MAX: Duration = Duration::from_secs(60);
+/// The loop's bound on one MDMA call (a poll or a confirm): the client's own
+/// [`MDMA_TIMEOUT`] plus 1 s, so the client's deadline, with its error naming the URL,
+/// normally fires first.
+pub(crate) const MDMA_DEADLINE: Duration = MDMA_TIMEOUT.saturating_add(Duration::from_secs(1));
 /// On shutdown, how long running joins and leaves may take to finish before they are cut.
 pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// The longest time between two turns of the loop (the systemd watchdog's sign of life).
 pub(crate) const ALIVE_TURN: Duration = Duration::from_secs(1);
-/// A poll failing the same way is logged again after this many repeats.
-pub(crate) const REPEAT_LOG_EVERY: u64 = 60;
 
 /// The outside world the loop drives, and where it reports.
 #[derive(Clone)]
@@ -130,42 +117,28 @@ pub enum CycleOutcome {
     },
 }
 
-/// The running sidecar: identity known, merod ready, state loaded.
+/// The running sidecar: identity known, merod ready, state loaded. Each field is an owner
+/// of one part of the loop's state; only the loop (this struct's methods) holds them all.
+///
+/// Not an API: public for the benches and `examples/cycle-profile` only, which time one
+/// cycle; embed the loop with [`run`] or [`once`].
+#[doc(hidden)]
 pub struct Sidecar {
-    cfg: Config,
+    /// MDMA, merod and the telemetry the loop reports to.
     deps: Deps,
+    /// Cancelled to stop the loop.
     shutdown: CancellationToken,
-    peer_id: PeerId,
-    mrtd: MrtdSlot,
-    store: StateStore,
-    state: State,
-    guard: Guard,
-    joining: BTreeSet<GroupId>,
-    leaving: BTreeSet<GroupId>,
-    desired: Desired,
-    join_retry: crate::backoff::Retries,
-    leave_retry: crate::backoff::Retries,
-    tasks: JoinSet<()>,
-    task_ids: HashMap<tokio::task::Id, GroupId>,
-    join_permits: Arc<Semaphore>,
-    events_tx: mpsc::UnboundedSender<Event>,
-    events_rx: mpsc::UnboundedReceiver<Event>,
-    failures: FailureStreak,
-    waiting: BTreeMap<GroupId, LeaveWait>,
-    /// The failing state write, while writes fail.
-    persist_error: Option<WriteFailure>,
-}
-
-/// A state write failing: which fault (to log it once), and when the loop tries again.
-struct WriteFailure {
-    /// [`StateError::stable_key`] of the last failure.
-    key: String,
-    /// Its message (also in the live status, so `/readyz` is not ready).
-    text: String,
-    /// Failed attempts in a row.
-    failures: u32,
-    /// Before this, a cycle does not try to write again (an outcome to record still does).
-    retry_at: Instant,
+    /// Who the node is: its PeerId and MRTD (retried while unreadable).
+    identity: Identity,
+    /// The state and its file: changed only by recording an outcome, which persists it.
+    record: Record,
+    /// The joins and leaves in flight, their join permits and both retry tables.
+    work: InFlight,
+    /// When the next poll is due, and the streak of failed polls.
+    cadence: Cadence,
+    /// What the last successful poll asked for and what planning remembers between polls
+    /// (the mass-withdrawal guard, the withdrawn namespaces not left yet).
+    planner: Planner,
 }
 
 /// Runs the daemon until `shutdown` is cancelled: load the state, wait for merod, read
@@ -198,8 +171,8 @@ pub async fn once(
     };
     let outcome = sidecar.cycle().await;
     sidecar.drain(None).await;
-    match sidecar.persist_error.take() {
-        Some(f) => Err(DaemonError::NotPersisted(f.text)),
+    match sidecar.record.write_error() {
+        Some(text) => Err(DaemonError::NotPersisted(text.to_owned())),
         None => Ok(Some(outcome)),
     }
 }
@@ -207,25 +180,31 @@ pub async fn once(
 impl Sidecar {
     /// The node's PeerId.
     pub fn peer_id(&self) -> &PeerId {
-        &self.peer_id
+        &self.identity.peer_id
     }
 
     /// The state as of now (in memory; persisted after every change).
     pub fn state(&self) -> &State {
-        &self.state
+        self.record.state()
     }
 
     /// Shows the loop's sets in the live status and the namespace gauges.
     fn publish(&self) {
-        self.deps.telemetry.publish(&Projection {
-            desired: &self.desired,
-            state: &self.state,
-            joining: &self.joining,
-            leaving: &self.leaving,
-            waiting: &self.waiting,
-            mass_drop: self.guard.mass_drop,
-            mass_drop_hold: self.cfg.leave_policy.mass_drop_hold,
-            now: Instant::now(),
-        });
+        publish(&self.deps, &self.planner, &self.work, self.record.state());
     }
+}
+
+/// Shows the loop's sets in the live status and the namespace gauges, `state` being the
+/// record's (borrowed apart from the rest so the record can publish before it writes).
+fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
+    deps.telemetry.publish(&Projection {
+        desired: &planner.desired,
+        state,
+        joining: &work.joining,
+        leaving: &work.leaving,
+        waiting: &planner.waiting,
+        mass_drop: planner.guard.mass_drop,
+        mass_drop_hold: planner.policy.mass_drop_hold,
+        now: Instant::now(),
+    });
 }

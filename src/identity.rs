@@ -176,7 +176,7 @@ pub fn read_peer_id(path: &Path) -> Result<PeerId, IdentityError> {
 ///
 /// Errors: an unreadable or invalid file, or a listen address that is not an IP/DNS host
 /// with a TCP port.
-pub fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, IdentityError> {
+pub(crate) fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, IdentityError> {
     let doc = match load(path) {
         Err(IdentityError::Read { source, .. })
             if source.kind() == std::io::ErrorKind::NotFound =>

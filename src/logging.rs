@@ -22,7 +22,7 @@ mod journald;
 
 /// An append-only log file that can be reopened at the same path.
 #[derive(Debug)]
-pub struct LogFile {
+pub(crate) struct LogFile {
     path: PathBuf,
     file: Mutex<File>,
 }
@@ -35,7 +35,7 @@ impl LogFile {
     /// Opens (creating it if needed) `path` for appending.
     ///
     /// Errors: the I/O error of the open.
-    pub fn open(path: &Path) -> io::Result<Arc<Self>> {
+    pub(crate) fn open(path: &Path) -> io::Result<Arc<Self>> {
         Ok(Arc::new(Self {
             path: path.to_owned(),
             file: Mutex::new(open_append(path)?),
@@ -45,7 +45,7 @@ impl LogFile {
     /// Reopens the file at its path (after logrotate renamed the old one).
     ///
     /// Errors: the I/O error of the open; the old file stays in use.
-    pub fn reopen(&self) -> io::Result<()> {
+    pub(crate) fn reopen(&self) -> io::Result<()> {
         let fresh = open_append(&self.path)?;
         let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
         *file = fresh;
@@ -53,14 +53,14 @@ impl LogFile {
     }
 
     /// The file's path.
-    pub fn path(&self) -> &Path {
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 }
 
 /// Why [`init`] could not set logging up as configured.
 #[derive(Debug, thiserror::Error)]
-pub enum LogInitError {
+pub(crate) enum LogInitError {
     /// The log file could not be opened; logging goes to the journal or stderr only.
     #[error("cannot open log file {}: {source}; logging to the journal or stderr only", path.display())]
     LogFile {
@@ -77,7 +77,7 @@ pub enum LogInitError {
 
 /// One event's writer into a [`LogFile`].
 #[derive(Debug)]
-pub struct LogFileWriter<'a>(&'a LogFile);
+pub(crate) struct LogFileWriter<'a>(&'a LogFile);
 
 impl Write for LogFileWriter<'_> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
@@ -93,7 +93,7 @@ impl Write for LogFileWriter<'_> {
 
 /// The [`MakeWriter`] that `tracing` holds: a shared handle on the [`LogFile`].
 #[derive(Debug, Clone)]
-pub struct SharedLogFile(pub Arc<LogFile>);
+pub(crate) struct SharedLogFile(pub Arc<LogFile>);
 
 impl<'a> MakeWriter<'a> for SharedLogFile {
     type Writer = LogFileWriter<'a>;
@@ -135,7 +135,7 @@ where
 /// Errors: [`LogInitError::Subscriber`] when a global subscriber is already set (nothing is
 /// logged through this one); [`LogInitError::LogFile`] when `log_file` cannot be opened —
 /// logging is set up all the same and goes to the journal or stderr only.
-pub fn init(
+pub(crate) fn init(
     log_file: Option<&Path>,
     format: LogFormat,
     target: LogTarget,

@@ -122,9 +122,10 @@ pub enum MalformedAnswer {
 }
 
 impl PollError {
-    /// A short stable label of the failure kind (for logs and metrics): `transport`,
-    /// `timeout`, `status`, `malformed`.
-    pub fn kind(&self) -> &'static str {
+    /// The failure's one classification: the `outcome` label of
+    /// `fleet_sidecar_polls_total` and the `error_kind` of its log line — `transport`,
+    /// `timeout` (the client's or the loop's deadline), `status`, `malformed`.
+    pub fn metric_label(&self) -> &'static str {
         match self {
             PollError::Request(RequestError::Transport { .. }) => "transport",
             PollError::Request(RequestError::Timeout { .. }) | PollError::Deadline { .. } => {

@@ -81,7 +81,7 @@ impl fmt::Display for MerodOp {
 }
 
 /// The cause of a failed call, as the HTTP layer or calimero-client reported it.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A failed merod call. Each names the operation and the URL and keeps its cause.
 #[derive(Debug, thiserror::Error)]
@@ -604,7 +604,11 @@ pub fn parse_fleet_join(answer: &Value) -> Result<Admission, NoAdmitted> {
 /// not held.
 ///
 /// Errors: the status of any other answer (or 200 for another id): membership unknown.
-pub fn parse_namespace_get(status: u16, body: &Value, group_id: GroupId) -> Result<bool, u16> {
+pub(crate) fn parse_namespace_get(
+    status: u16,
+    body: &Value,
+    group_id: GroupId,
+) -> Result<bool, u16> {
     match status {
         200 => {
             let listed = body

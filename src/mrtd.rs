@@ -396,7 +396,7 @@ pub fn read_mrtd(cfg: &TdxConfig) -> Result<MrtdReading, MrtdUnavailable> {
 /// [`MrtdError::Io`] for a missing/unreadable path, [`MrtdError::TooLarge`],
 /// [`MrtdError::Ioctl`], [`MrtdError::TsmProvider`], [`MrtdError::TsmGeneration`], and
 /// [`MrtdError::Invalid`] (naming the path) wrapping a parser error.
-pub fn read_source(cfg: &TdxConfig, source: MrtdSource) -> Result<Mrtd, MrtdError> {
+pub(crate) fn read_source(cfg: &TdxConfig, source: MrtdSource) -> Result<Mrtd, MrtdError> {
     match source {
         MrtdSource::Sysfs => read_sysfs(&cfg.mrtd_path),
         MrtdSource::SysfsLegacy => read_sysfs(&cfg.legacy_mrtd_path),
@@ -424,9 +424,9 @@ pub fn parse_sysfs(bytes: &[u8]) -> Result<Mrtd, MrtdError> {
 /// Size of a TDREPORT (`TDREPORT_STRUCT`): 1024 bytes.
 pub const TDREPORT_LEN: usize = 1024;
 /// REPORTTYPE type byte (offset 0 of a TDREPORT) of a TDX report: 0x81.
-pub const TDX_REPORT_TYPE: u8 = 0x81;
+pub(crate) const TDX_REPORT_TYPE: u8 = 0x81;
 /// Offset of MRTD in a TDREPORT (TDINFO at 512 + ATTRIBUTES 8 + XFAM 8): 528..576.
-pub const TDREPORT_MRTD_OFFSET: usize = 528;
+pub(crate) const TDREPORT_MRTD_OFFSET: usize = 528;
 
 /// Parses a TDREPORT (1024 bytes, as `TDX_CMD_GET_REPORT0` returns it).
 ///
@@ -583,12 +583,12 @@ fn read_sysfs(path: &Path) -> Result<Mrtd, MrtdError> {
 }
 
 /// `TDX_CMD_GET_REPORT0 = _IOWR('T', 1, struct tdx_report_req)` (`include/uapi/linux/tdx-guest.h`).
-pub const TDX_CMD_GET_REPORT0: u64 = 0xC440_5401;
+pub(crate) const TDX_CMD_GET_REPORT0: u64 = 0xC440_5401;
 
 /// `struct tdx_report_req` of `include/uapi/linux/tdx-guest.h`: 1088 bytes, no padding.
 #[derive(Clone, Debug)]
 #[repr(C)]
-pub struct TdxReportReq {
+pub(crate) struct TdxReportReq {
     /// User data bound into the report (64 bytes); all zero is fine for reading MRTD.
     pub reportdata: [u8; 64],
     /// The TDREPORT the kernel writes back (1024 bytes).
@@ -597,7 +597,7 @@ pub struct TdxReportReq {
 
 impl TdxReportReq {
     /// A request with all-zero `reportdata` and `tdreport`.
-    pub fn zeroed() -> Self {
+    pub(crate) fn zeroed() -> Self {
         Self {
             reportdata: [0; 64],
             tdreport: [0; TDREPORT_LEN],

@@ -30,7 +30,7 @@ use crate::telemetry::{unix_now, LiveStatus, Phase, StatusMark, Telemetry};
 
 /// One notification, as [`messages`] decides it.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Message {
+pub(crate) enum Message {
     /// `READY=1`.
     Ready,
     /// `WATCHDOG=1`.
@@ -54,7 +54,7 @@ impl Message {
 
 /// What to tell systemd about the change `before` → `after` at `now` (Unix s). Pure.
 /// (Watchdog pings are not status changes: see [`watchdog_interval`].)
-pub fn messages(before: StatusMark, after: &LiveStatus, now: f64) -> Vec<Message> {
+pub(crate) fn messages(before: StatusMark, after: &LiveStatus, now: f64) -> Vec<Message> {
     let mut out = Vec::new();
     let entered = |p: Phase| after.phase == p && before.phase != p;
     if entered(Phase::Running) {
@@ -71,7 +71,7 @@ pub fn messages(before: StatusMark, after: &LiveStatus, now: f64) -> Vec<Message
 
 /// Where `NOTIFY_SOCKET` points.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum NotifySocket {
+pub(crate) enum NotifySocket {
     /// An absolute path of a datagram socket.
     Path(PathBuf),
     /// `@name`: a Linux abstract socket (`name` without the `@`).
@@ -81,11 +81,11 @@ pub enum NotifySocket {
 /// A `NOTIFY_SOCKET` value in a form this build does not speak.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("NOTIFY_SOCKET={0} is neither an absolute path nor @abstract-name")]
-pub struct UnsupportedNotifySocket(pub String);
+pub(crate) struct UnsupportedNotifySocket(pub String);
 
 /// Reads a `NOTIFY_SOCKET` value. Errors: [`UnsupportedNotifySocket`] for a form this build
 /// does not speak (for example `vsock:` addresses, a relative path, an empty value).
-pub fn parse_notify_socket(value: &OsStr) -> Result<NotifySocket, UnsupportedNotifySocket> {
+pub(crate) fn parse_notify_socket(value: &OsStr) -> Result<NotifySocket, UnsupportedNotifySocket> {
     let bytes = value.as_bytes();
     match bytes.first() {
         Some(b'/') => Ok(NotifySocket::Path(PathBuf::from(value))),
@@ -98,7 +98,11 @@ pub fn parse_notify_socket(value: &OsStr) -> Result<NotifySocket, UnsupportedNot
 
 /// The time between watchdog pings: half of `WATCHDOG_USEC`, when it is set to a positive
 /// number and `WATCHDOG_PID` is unset or `my_pid`. `None`: no watchdog, no pings.
-pub fn watchdog_interval(usec: Option<&str>, pid: Option<&str>, my_pid: u32) -> Option<Duration> {
+pub(crate) fn watchdog_interval(
+    usec: Option<&str>,
+    pid: Option<&str>,
+    my_pid: u32,
+) -> Option<Duration> {
     let usec: u64 = usec?.trim().parse().ok().filter(|u| *u > 0)?;
     if let Some(pid) = pid {
         if pid.trim().parse::<u32>().ok() != Some(my_pid) {
@@ -152,7 +156,7 @@ impl Notifier {
 /// Sends the daemon's status changes to systemd when started by it (`NOTIFY_SOCKET` set),
 /// and feeds its watchdog when one is set. Must run inside a tokio runtime (the watchdog is
 /// a task). Returns whether notification is on.
-pub fn install(telemetry: &Arc<Telemetry>) -> bool {
+pub(crate) fn install(telemetry: &Arc<Telemetry>) -> bool {
     let Some(value) = std::env::var_os("NOTIFY_SOCKET") else {
         return false;
     };

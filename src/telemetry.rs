@@ -1,5 +1,5 @@
 //! What the daemon tells the outside while it runs: Prometheus metrics and a live status
-//! snapshot. The loop records into a [`Telemetry`]; the status listener (`status.rs`), the
+//! snapshot. The loop records into a [`Telemetry`]; the status listener (`telemetry/listener.rs`), the
 //! systemd notifier (`notify.rs`) and `fleet-sidecar status` read it. Recording is cheap
 //! (atomics and one `watch` channel) and never fails.
 
@@ -7,7 +7,7 @@ use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -18,92 +18,42 @@ use tokio::sync::watch;
 
 use crate::ids::GroupId;
 
+mod listener;
 mod projection;
+pub use listener::serve;
 pub(crate) use projection::Projection;
-
-/// How an outside call or a task ended: the value of the `outcome` label. A timeout is its
-/// own outcome everywhere (`timeout`), never counted as an `error`.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum Outcome {
-    /// `ok`: a successful poll or confirm.
-    Ok,
-    /// `transport`: a poll with no answer (refused, reset, TLS).
-    Transport,
-    /// `timeout`: no answer within the call's deadline.
-    Timeout,
-    /// `status`: a poll answered with a status other than 200.
-    Status,
-    /// `malformed`: a 200 poll whose body is not a valid assignment document.
-    Malformed,
-    /// `admitted`: a join admitted, recorded and confirmed.
-    Admitted,
-    /// `not_admitted`: merod answered `admitted: false`.
-    NotAdmitted,
-    /// `error`: the call failed with an answer or transport error (not a timeout).
-    Error,
-    /// `not_held`: `admitted: true` but merod does not list the namespace.
-    NotHeld,
-    /// `left`: a leave confirmed by merod no longer listing the namespace.
-    Left,
-    /// `failed`: a leave after which merod still lists the namespace, or cannot tell.
-    Failed,
-}
-
-impl Outcome {
-    /// The label value, e.g. `not_admitted`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Ok => "ok",
-            Outcome::Transport => "transport",
-            Outcome::Timeout => "timeout",
-            Outcome::Status => "status",
-            Outcome::Malformed => "malformed",
-            Outcome::Admitted => "admitted",
-            Outcome::NotAdmitted => "not_admitted",
-            Outcome::Error => "error",
-            Outcome::NotHeld => "not_held",
-            Outcome::Left => "left",
-            Outcome::Failed => "failed",
-        }
-    }
-}
-
-impl EncodeLabelValue for Outcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder<'_>) -> std::fmt::Result {
-        use std::fmt::Write;
-        encoder.write_str(self.as_str())
-    }
-}
 
 /// Label set `{outcome="..."}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabel {
-    /// How it ended.
-    pub outcome: Outcome,
+pub(crate) struct OutcomeLabel {
+    /// How it ended: the `metric_label()` of the outcome or error type (`PollError`, a join
+    /// or leave task's end, a state write). A timeout is its own label everywhere
+    /// (`timeout`), never counted as an `error`.
+    pub(crate) outcome: &'static str,
 }
 
 /// Label set `{set="desired|confirmed|admitted|pending_leave"}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SetLabel {
+pub(crate) struct SetLabel {
     /// Which set.
-    pub set: &'static str,
+    pub(crate) set: &'static str,
 }
 
 /// Label set `{call="should_join|confirm|fleet_join|leave|namespace_get"}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CallLabel {
+pub(crate) struct CallLabel {
     /// Which outside call.
-    pub call: &'static str,
+    pub(crate) call: &'static str,
 }
 
 /// Label set `{source="sysfs|sysfs-legacy|tdreport|quote|none"}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SourceLabel {
+pub(crate) struct SourceLabel {
     /// Where the MRTD came from; `none` while unreadable.
-    pub source: &'static str,
+    pub(crate) source: &'static str,
 }
 
-type HistogramFamily = Family<CallLabel, Histogram, fn() -> Histogram>;
+pub(crate) type HistogramFamily = Family<CallLabel, Histogram, fn() -> Histogram>;
 
 fn latency_histogram() -> Histogram {
     // 5 ms .. ~164 s: a loopback answer to a 90 s fleet-join.
@@ -148,7 +98,7 @@ pub struct LiveStatus {
     /// The MRTD (96 hex chars) once read.
     pub mrtd: Option<String>,
     /// Where the MRTD came from.
-    pub mrtd_source: Option<String>,
+    pub(crate) mrtd_source: Option<String>,
     /// Whether this run only logs its plans (`--dry-run`).
     pub dry_run: bool,
     /// Polls attempted so far (the loop's heartbeat; before that, one per second of the wait
@@ -294,16 +244,16 @@ pub fn unix_now() -> f64 {
 /// What an observer is told of the status before a change: the fields a change is judged
 /// by. The whole status (every namespace list) is not copied on each update for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct StatusMark {
+pub(crate) struct StatusMark {
     /// The lifecycle phase.
-    pub phase: Phase,
+    pub(crate) phase: Phase,
     /// Polls attempted (before that, one per second of the wait for merod).
-    pub heartbeats: u64,
+    pub(crate) heartbeats: u64,
 }
 
 impl LiveStatus {
     /// This status's [`StatusMark`].
-    pub fn mark(&self) -> StatusMark {
+    pub(crate) fn mark(&self) -> StatusMark {
         StatusMark {
             phase: self.phase,
             heartbeats: self.heartbeats,
@@ -312,34 +262,34 @@ impl LiveStatus {
 }
 
 /// Called on every status change with the [`StatusMark`] before it and the status after.
-pub type Observer = Box<dyn Fn(StatusMark, &LiveStatus) + Send + Sync>;
+pub(crate) type Observer = Box<dyn Fn(StatusMark, &LiveStatus) + Send + Sync>;
 
 /// Metrics and live status of one daemon.
 pub struct Telemetry {
     registry: Registry,
     /// `fleet_sidecar_polls_total{outcome}`: ok, transport, timeout, status, malformed.
-    pub polls: Family<OutcomeLabel, Counter>,
+    pub(crate) polls: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_last_successful_poll_timestamp_seconds`.
-    pub last_ok_poll: Gauge<f64, AtomicU64>,
+    pub(crate) last_ok_poll: Gauge<f64, AtomicU64>,
     /// `fleet_sidecar_joins_total{outcome}`: admitted, not_admitted, error, timeout, not_held.
-    pub joins: Family<OutcomeLabel, Counter>,
+    pub(crate) joins: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_confirms_total{outcome}`: ok, error.
-    pub confirms: Family<OutcomeLabel, Counter>,
+    pub(crate) confirms: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_leaves_total{outcome}`: left, failed, timeout, not_held (a joining-only
     /// namespace merod did not hold: dropped with no leave call).
-    pub leaves: Family<OutcomeLabel, Counter>,
+    pub(crate) leaves: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_state_writes_total{outcome}`: ok, error (a failed write of the state
     /// file, or a failed check that one can be written before a leave).
-    pub state_writes: Family<OutcomeLabel, Counter>,
+    pub(crate) state_writes: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_namespaces{set}`.
-    pub namespaces: Family<SetLabel, Gauge>,
+    pub(crate) namespaces: Family<SetLabel, Gauge>,
     /// `fleet_sidecar_call_duration_seconds{call}`.
-    pub call_seconds: HistogramFamily,
+    pub(crate) call_seconds: HistogramFamily,
     /// `fleet_sidecar_mrtd_source{source}`: 1 for the current source.
-    pub mrtd_source: Family<SourceLabel, Gauge>,
+    pub(crate) mrtd_source: Family<SourceLabel, Gauge>,
     /// `fleet_sidecar_mass_withdrawal_hold`: 1 while the mass-withdrawal guard holds every
     /// leave, else 0 (follows [`LiveStatus::mass_drop`]).
-    pub mass_withdrawal_hold: Gauge,
+    pub(crate) mass_withdrawal_hold: Gauge,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -364,7 +314,7 @@ impl Default for Telemetry {
 
 impl Telemetry {
     /// Records that the loop is alive (see [`Telemetry::loop_turns`]).
-    pub fn mark_alive(&self) {
+    pub(crate) fn mark_alive(&self) {
         self.loop_turns
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
@@ -418,16 +368,18 @@ impl Telemetry {
         );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
-        use Outcome::*;
         for (family, outcomes) in [
-            (&polls, &[Ok, Transport, Timeout, Status, Malformed][..]),
+            (
+                &polls,
+                &["ok", "transport", "timeout", "status", "malformed"][..],
+            ),
             (
                 &joins,
-                &[Admitted, NotAdmitted, Error, Timeout, NotHeld][..],
+                &["admitted", "not_admitted", "error", "timeout", "not_held"][..],
             ),
-            (&confirms, &[Ok, Error, Timeout][..]),
-            (&leaves, &[Left, Failed, Timeout, NotHeld][..]),
-            (&state_writes, &[Ok, Error][..]),
+            (&confirms, &["ok", "error", "timeout"][..]),
+            (&leaves, &["left", "failed", "timeout", "not_held"][..]),
+            (&state_writes, &["ok", "error"][..]),
         ] {
             for &outcome in outcomes {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
@@ -459,20 +411,20 @@ impl Telemetry {
         out
     }
 
-    /// Counts one outcome of `family`.
-    pub fn count(family: &Family<OutcomeLabel, Counter>, outcome: Outcome) {
+    /// Counts one outcome of `family`, labelled `outcome` (a `metric_label()`).
+    pub(crate) fn count(family: &Family<OutcomeLabel, Counter>, outcome: &'static str) {
         family.get_or_create(&OutcomeLabel { outcome }).inc();
     }
 
     /// Records how long `call` took.
-    pub fn observe(&self, call: &'static str, took: Duration) {
+    pub(crate) fn observe(&self, call: &'static str, took: Duration) {
         self.call_seconds
             .get_or_create(&CallLabel { call })
             .observe(took.as_secs_f64());
     }
 
     /// Sets the MRTD source gauge (`None`: unreadable).
-    pub fn set_mrtd_source(&self, source: Option<&'static str>) {
+    pub(crate) fn set_mrtd_source(&self, source: Option<&'static str>) {
         self.mrtd_source.clear();
         self.mrtd_source
             .get_or_create(&SourceLabel {
@@ -485,6 +437,7 @@ impl Telemetry {
     /// from the caller (the loop itself: a stalled loop calls nobody). Observers get the
     /// [`StatusMark`] before the change, so nothing is copied; an observer must not call
     /// `update` itself.
+    #[doc(hidden)] // for examples/cycle-profile; the loop is its only writer
     pub fn update(&self, f: impl FnOnce(&mut LiveStatus)) {
         {
             let observers = self.observers.lock().unwrap_or_else(|p| p.into_inner());
@@ -502,16 +455,11 @@ impl Telemetry {
     }
 
     /// Adds an observer of every status change (e.g. the systemd notifier).
-    pub fn add_observer(&self, observer: Observer) {
+    pub(crate) fn add_observer(&self, observer: Observer) {
         self.observers
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push(observer);
-    }
-
-    /// A receiver of the live status (woken on every update).
-    pub fn subscribe(&self) -> watch::Receiver<LiveStatus> {
-        self.status.subscribe()
     }
 
     /// The live status now.
@@ -585,8 +533,8 @@ mod tests {
     #[test]
     fn metrics_encode_with_the_prefix() {
         let t = Telemetry::new();
-        Telemetry::count(&t.polls, Outcome::Ok);
-        Telemetry::count(&t.polls, Outcome::Ok);
+        Telemetry::count(&t.polls, "ok");
+        Telemetry::count(&t.polls, "ok");
         t.observe("should_join", Duration::from_millis(3));
         t.set_mrtd_source(Some("sysfs"));
         t.last_ok_poll.set(1234.5);
@@ -613,9 +561,9 @@ mod tests {
     #[test]
     fn a_timeout_is_its_own_outcome_label_for_every_call() {
         let t = Telemetry::new();
-        Telemetry::count(&t.joins, Outcome::Timeout);
-        Telemetry::count(&t.joins, Outcome::Error);
-        Telemetry::count(&t.joins, Outcome::Error);
+        Telemetry::count(&t.joins, "timeout");
+        Telemetry::count(&t.joins, "error");
+        Telemetry::count(&t.joins, "error");
         let text = t.encode_metrics();
         for line in [
             "fleet_sidecar_joins_total{outcome=\"timeout\"} 1",

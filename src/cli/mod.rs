@@ -18,11 +18,13 @@ use crate::logging;
 use crate::mdma::MdmaClient;
 use crate::merod::MerodClient;
 use crate::mrtd::{read_mrtd, read_saved, SavedEvidence, TdxConfig};
+use crate::notify;
+use crate::telemetry;
 use crate::telemetry::unix_now;
-use crate::{notify, status};
 
 mod check_config;
 mod generate;
+mod status;
 
 /// Exit code: the daemon or the cycle failed.
 const EXIT_FAILURE: u8 = 1;
@@ -197,7 +199,7 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
     }
     let shutdown = CancellationToken::new();
     if let Some(addr) = cfg.status_listen {
-        match status::serve(
+        match telemetry::serve(
             addr,
             Arc::clone(&deps.telemetry),
             cfg.ready_max_poll_age,

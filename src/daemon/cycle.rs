@@ -1,25 +1,49 @@
 //! The loop and the fold: the cadence of cycles, one cycle (poll, plan, start tasks,
 //! persist), and the events of the tasks folded into the state.
 
-use std::collections::BTreeSet;
-use std::sync::Arc;
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use tokio::time::{timeout, Instant};
 use tracing::{debug, debug_span, error, info, warn, Instrument};
 
 use crate::ids::GroupId;
-use crate::mdma::{PollError, MDMA_TIMEOUT};
-use crate::reconcile::{self, Desired, MassDropEvent, Outcome, PlanInput};
-use crate::state::StateError;
-use crate::telemetry::{unix_now, Outcome as Metric, Phase, Telemetry};
-
-use super::poll::{first_poll_delay, next_poll_delay, poll_outcome};
-use super::tasks::{Event, JoinEnd, LeaveEnd};
-use super::{
-    CycleOutcome, Sidecar, WriteFailure, ALIVE_TURN, RETRY_MAX, RETRY_MIN, SHUTDOWN_GRACE,
+use crate::mdma::PollError;
+use crate::reconcile::{
+    self, Desired, Guard, LeavePolicy, LeaveWait, MassDropEvent, Outcome, PlanInput,
 };
-use crate::backoff;
+use crate::telemetry::{unix_now, Phase, Telemetry};
+
+use super::tasks::{Calls, Counted, Event, Next};
+use super::{publish, CycleOutcome, Sidecar, ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE};
+
+/// What planning works from besides the state: the last successful poll's answer, and what
+/// it remembers between polls.
+pub(super) struct Planner {
+    /// `leave_policy`.
+    pub(super) policy: LeavePolicy,
+    /// `dry_run`: plans are logged, nothing is started.
+    dry_run: bool,
+    /// The latest successful poll's answer.
+    pub(super) desired: Desired,
+    /// The mass-withdrawal guard and the leave rate limit.
+    pub(super) guard: Guard,
+    /// Withdrawn namespaces not left yet, with the rule that holds each back.
+    pub(super) waiting: BTreeMap<GroupId, LeaveWait>,
+}
+
+impl Planner {
+    /// Nothing polled yet.
+    pub(super) fn new(policy: LeavePolicy, dry_run: bool) -> Self {
+        Self {
+            policy,
+            dry_run,
+            desired: Desired::default(),
+            guard: Guard::default(),
+            waiting: BTreeMap::new(),
+        }
+    }
+}
 
 impl Sidecar {
     /// Reconciles every `poll_interval` (backing off while polls fail, see
@@ -27,8 +51,7 @@ impl Sidecar {
     /// `SHUTDOWN_GRACE` (10 s) and persists.
     pub async fn run_loop(&mut self) {
         let shutdown = self.shutdown.clone();
-        let mut next_poll =
-            Instant::now() + first_poll_delay(self.cfg.poll_interval, fastrand::f64());
+        let mut next_poll = self.cadence.first_poll(Instant::now());
         // A turn at least every second, so the watchdog sees the loop alive between polls;
         // one timer for both, so polls a second apart are those turns (no wake-up of its own).
         let mut alive_at = Instant::now() + ALIVE_TURN;
@@ -37,10 +60,7 @@ impl Sidecar {
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
-                Some(event) = self.events_rx.recv() => self.on_event(event),
-                Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
-                    self.on_task_done(done);
-                }
+                next = self.work.next() => self.on_next(next),
                 () = tokio::time::sleep_until(next_poll.min(alive_at)) => {
                     let started = Instant::now();
                     alive_at = started + ALIVE_TURN;
@@ -51,13 +71,7 @@ impl Sidecar {
                         _ = self.cycle() => {}
                         () = shutdown.cancelled() => break,
                     }
-                    next_poll = started
-                        + next_poll_delay(
-                            self.cfg.poll_interval,
-                            self.cfg.max_backoff,
-                            self.failures.count,
-                            fastrand::f64(),
-                        );
+                    next_poll = self.cadence.next_poll(started);
                 }
             }
         }
@@ -70,7 +84,7 @@ impl Sidecar {
     /// rest), folding in their events, and persists.
     pub(super) async fn drain(&mut self, grace: Option<Duration>) {
         let deadline = grace.map(|g| Instant::now() + g);
-        while !self.tasks.is_empty() {
+        while self.work.running() > 0 {
             let until_deadline = async {
                 match deadline {
                     Some(d) => tokio::time::sleep_until(d).await,
@@ -78,16 +92,15 @@ impl Sidecar {
                 }
             };
             tokio::select! {
-                Some(event) = self.events_rx.recv() => self.on_event(event),
-                Some(done) = self.tasks.join_next_with_id() => self.on_task_done(done),
+                next = self.work.next() => self.on_next(next),
                 () = until_deadline => {
-                    warn!(running = self.tasks.len(), "cutting joins/leaves still running at shutdown; they are retried at the next start");
-                    self.tasks.shutdown().await;
+                    warn!(running = self.work.running(), "cutting joins/leaves still running at shutdown; they are retried at the next start");
+                    self.work.cut().await;
                     break;
                 }
             }
         }
-        while let Ok(event) = self.events_rx.try_recv() {
+        while let Some(event) = self.work.try_event() {
             self.on_event(event);
         }
         self.persist();
@@ -95,30 +108,29 @@ impl Sidecar {
 
     /// One cycle: poll; on success plan and start the joins and leaves, prune, persist.
     pub async fn cycle(&mut self) -> CycleOutcome {
-        self.retry_mrtd_if_due().await;
-        let telemetry = Arc::clone(&self.deps.telemetry);
+        let telemetry = &self.deps.telemetry;
+        self.identity.retry_mrtd_if_due(telemetry).await;
         let started = Instant::now();
         let polled = match timeout(
-            MDMA_TIMEOUT + Duration::from_secs(1),
+            MDMA_DEADLINE,
             self.deps
                 .mdma
-                .should_join(&self.peer_id, self.mrtd.value.as_ref()),
+                .should_join(&self.identity.peer_id, self.identity.mrtd.as_ref()),
         )
         .instrument(debug_span!("poll"))
         .await
         {
             Ok(r) => r,
             Err(_) => Err(PollError::Deadline {
-                timeout: MDMA_TIMEOUT + Duration::from_secs(1),
+                timeout: MDMA_DEADLINE,
             }),
         };
         telemetry.observe("should_join", started.elapsed());
         let now = unix_now();
         match polled {
             Err(e) => {
-                self.failures.fail(&e);
-                Telemetry::count(&telemetry.polls, poll_outcome(&e));
-                let failures = self.failures.count;
+                let failures = self.cadence.fail(&e);
+                Telemetry::count(&telemetry.polls, e.metric_label());
                 telemetry.update(|st| {
                     st.heartbeats += 1;
                     st.last_poll_at = Some(now);
@@ -128,8 +140,8 @@ impl Sidecar {
                 CycleOutcome::PollFailed(e)
             }
             Ok(answer) => {
-                self.failures.succeed();
-                Telemetry::count(&telemetry.polls, Metric::Ok);
+                self.cadence.succeed();
+                Telemetry::count(&telemetry.polls, "ok");
                 telemetry.last_ok_poll.set(now);
                 telemetry.update(|st| {
                     st.heartbeats += 1;
@@ -140,7 +152,7 @@ impl Sidecar {
                 });
                 // Stored before the plan, so a status published while it is recorded is
                 // the status of this poll.
-                self.desired = Desired::from(answer);
+                self.planner.desired = Desired::from(answer);
                 let outcome = self.reconcile();
                 self.publish();
                 outcome
@@ -150,22 +162,24 @@ impl Sidecar {
 
     fn reconcile(&mut self) -> CycleOutcome {
         let now = Instant::now();
-        let desired = &self.desired;
-        self.join_retry
+        let desired = &self.planner.desired;
+        let work = &mut self.work;
+        work.join_retry
             .keep_only(|id| desired.assigned.contains(id));
-        self.leave_retry
+        work.leave_retry
             .keep_only(|id| !desired.assigned.contains(id) && !desired.retain.contains(id));
-        let join_backoff = self.join_retry.waiting(now);
-        let leave_backoff = self.leave_retry.waiting(now);
-        let in_flight: BTreeSet<GroupId> = self.joining.union(&self.leaving).copied().collect();
+        let join_backoff = work.join_retry.waiting(now);
+        let leave_backoff = work.leave_retry.waiting(now);
+        let in_flight = work.in_flight();
+        let policy = &self.planner.policy;
         let plan = reconcile::plan_change(PlanInput {
-            policy: &self.cfg.leave_policy,
-            desired: &self.desired,
-            state: &self.state,
+            policy,
+            desired,
+            state: self.record.state(),
             in_flight: &in_flight,
             join_backoff: &join_backoff,
             leave_backoff: &leave_backoff,
-            guard: &self.guard,
+            guard: &self.planner.guard,
             now,
         });
         match plan.mass_drop_event {
@@ -173,13 +187,13 @@ impl Sidecar {
                 withdrawn,
                 held,
                 "MASS WITHDRAWAL: MDMA withdrew {withdrawn} of {held} held namespaces in one poll; holding every leave for {:?} (it goes ahead only if the withdrawal persists)",
-                self.cfg.leave_policy.mass_drop_hold
+                policy.mass_drop_hold
             ),
             Some(MassDropEvent::Released { withdrawn }) => warn!(
                 withdrawn,
                 "mass withdrawal persisted for {:?}: leaving, at most {} a minute",
-                self.cfg.leave_policy.mass_drop_hold,
-                self.cfg.leave_policy.max_leaves_per_minute
+                policy.mass_drop_hold,
+                policy.max_leaves_per_minute
             ),
             Some(MassDropEvent::Cleared) => {
                 info!("mass withdrawal reverted before the hold ended: nothing left")
@@ -187,264 +201,138 @@ impl Sidecar {
             None => {}
         }
         for (id, wait) in &plan.waiting {
-            if self.waiting.get(id) != Some(wait) {
+            if self.planner.waiting.get(id) != Some(wait) {
                 debug!(namespace_id = %id, ?wait, "withdrawn, not left yet");
             }
         }
-        self.waiting = plan.waiting;
+        self.planner.waiting = plan.waiting;
         let outcome = CycleOutcome::Planned {
             joins: plan.joins.len(),
             leaves: plan.leaves.len(),
         };
-        if self.cfg.dry_run {
+        let started_before = std::mem::replace(&mut self.planner.guard, plan.guard).recent_leaves;
+        // The plan (absence counts and joins included) is recorded before anything starts:
+        // no join or leave starts while it could not be recorded, and a leave
+        // (irreversible) only while its outcome can be recorded too.
+        let recorded = self.record.record_plan(plan.state, &plan.joins, |state| {
+            publish(&self.deps, &self.planner, &self.work, state)
+        });
+        if self.planner.dry_run {
             for id in &plan.joins {
                 info!(namespace_id = %id, "dry run: would join (fleet-join, then confirm)");
             }
             for id in &plan.leaves {
                 warn!(namespace_id = %id, "dry run: would leave (withdrawn by MDMA)");
             }
-            plan.state.apply_to(&mut self.state);
-            self.guard = plan.guard;
-        } else {
-            plan.state.apply_to(&mut self.state);
-            // A join is recorded (joining) before it is sent: merod may hold the namespace
-            // from then on, whatever happens to this process.
-            for id in &plan.joins {
-                reconcile::apply(&mut self.state, Outcome::JoinStarted(*id));
+            return outcome;
+        }
+        let calls = self.calls();
+        if recorded {
+            for id in plan.joins {
+                self.work.spawn_join(id, &calls, &self.identity.peer_id);
             }
-            let started_before = std::mem::replace(&mut self.guard, plan.guard).recent_leaves;
-            // The plan (absence counts and joins included) is recorded before anything
-            // starts: no join or leave starts while it could not be recorded, and a leave
-            // (irreversible) only while its outcome can be recorded too.
-            let recorded = self.persist_when_due();
-            if recorded {
-                for id in plan.joins {
-                    self.spawn_join(id);
+        } else if !plan.joins.is_empty() {
+            debug!(
+                held = plan.joins.len(),
+                "joins held: the state file cannot be written, so the join could not be recorded first"
+            );
+        }
+        if !plan.leaves.is_empty() {
+            if recorded && self.record.check_writable() {
+                for id in plan.leaves {
+                    let maybe_held = !self.record.state().admitted.contains(&id);
+                    self.work.spawn_leave(id, &calls, maybe_held);
                 }
-            } else if !plan.joins.is_empty() {
+            } else {
+                // Held leaves did not start: they use none of the rate limit.
+                self.planner.guard.recent_leaves = started_before;
                 debug!(
-                    held = plan.joins.len(),
-                    "joins held: the state file cannot be written, so the join could not be recorded first"
+                    held = plan.leaves.len(),
+                    "leaves held: the state file cannot be written, so their outcome could not be recorded"
                 );
-            }
-            if !plan.leaves.is_empty() {
-                if recorded && self.check_writable() {
-                    for id in plan.leaves {
-                        self.spawn_leave(id);
-                    }
-                } else {
-                    // Held leaves did not start: they use none of the rate limit.
-                    self.guard.recent_leaves = started_before;
-                    debug!(
-                        held = plan.leaves.len(),
-                        "leaves held: the state file cannot be written, so their outcome could not be recorded"
-                    );
-                }
             }
         }
         outcome
     }
 
-    /// Whether a file can be created next to the state file now (checked before leaves);
-    /// a failure is recorded as a state write error.
-    fn check_writable(&mut self) -> bool {
-        match self.store.check_writable() {
-            Ok(()) => true,
-            Err(e) => {
-                self.record_persist_error(&e);
-                false
-            }
+    /// What a task needs for its calls (and only that: never the record).
+    fn calls(&self) -> Calls {
+        Calls {
+            merod: self.deps.merod.clone(),
+            mdma: self.deps.mdma.clone(),
+            telemetry: self.deps.telemetry.clone(),
         }
     }
 
-    /// Counts a failed state write (or write check), logs it once per kind (step and OS
-    /// error, not the message, which names a random temp file), shows it in the live status
-    /// (`/readyz` not ready) and sets when the loop tries again: [`RETRY_MIN`] doubling to
-    /// [`RETRY_MAX`], jittered.
-    pub(super) fn record_persist_error(&mut self, e: &StateError) {
-        Telemetry::count(&self.deps.telemetry.state_writes, Metric::Error);
-        let key = e.stable_key();
-        let text = e.to_string();
-        let failures = self
-            .persist_error
-            .as_ref()
-            .map_or(1, |f| f.failures.saturating_add(1));
-        if self.persist_error.as_ref().map(|f| &f.key) != Some(&key) {
-            error!("{text}; admissions are not confirmed and no leave starts until the state can be written (retried {RETRY_MIN:?} later, backing off to {RETRY_MAX:?})");
-        }
-        self.persist_error = Some(WriteFailure {
-            key,
-            text: text.clone(),
-            failures,
-            retry_at: Instant::now() + backoff::retry_delay(failures, fastrand::f64()),
-        });
-        self.deps
-            .telemetry
-            .update(|st| st.state_write_error = Some(text));
+    /// Writes the state if it changed (see `Record::persist`).
+    fn persist(&mut self) -> bool {
+        self.record
+            .persist(|state| publish(&self.deps, &self.planner, &self.work, state))
     }
 
-    /// [`Sidecar::persist`] for the loop's own cycle: while writes fail, only once the
-    /// back-off set by the last failure has ended (`false` before that: not written). An
-    /// outcome to record (an admission, a confirm, a leave) calls `persist` and tries at once;
-    /// those are already paced by their own back-off.
-    fn persist_when_due(&mut self) -> bool {
-        match &self.persist_error {
-            Some(f) if Instant::now() < f.retry_at => false,
-            _ => self.persist(),
-        }
+    /// Folds `outcome` into the state and persists it (see `Record::record`).
+    fn record(&mut self, outcome: Outcome) -> bool {
+        self.record.record(outcome, |state| {
+            publish(&self.deps, &self.planner, &self.work, state)
+        })
     }
 
-    /// Writes the state if it changed (atomically; `false` when it could not be written or
-    /// in a dry run). Before a write the live status is brought up to date, so it never
-    /// lags the file: whoever sees the file change and then asks `/status` finds the change
-    /// there. Nothing to write (an idle cycle): neither is done.
-    pub(super) fn persist(&mut self) -> bool {
-        if self.cfg.dry_run {
-            return false;
-        }
-        // While writes fail, the document is written again at each try (not only on
-        // change), so recovery is noticed.
-        if self.persist_error.is_some() {
-            self.store.forget_written();
-        }
-        if self.store.is_saved(&self.state) {
-            return true;
-        }
-        self.publish();
-        match self.store.save(&self.state) {
-            Ok(_) => {
-                Telemetry::count(&self.deps.telemetry.state_writes, Metric::Ok);
-                if self.persist_error.take().is_some() {
-                    info!(path = %self.store.path().display(), "state file written again");
-                    self.deps.telemetry.update(|st| st.state_write_error = None);
+    /// Folds in what a task sent, or accounts for a task that ended.
+    fn on_next(&mut self, next: Next) {
+        match next {
+            Next::Event(event) => self.on_event(event),
+            Next::Ended(done) => {
+                if self.work.on_task_done(done) {
+                    self.publish();
                 }
-                true
-            }
-            Err(e) => {
-                self.record_persist_error(&e);
-                false
             }
         }
     }
 
-    /// Records a failed join; returns the failures in a row and the wait before the next.
-    pub(super) fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
-        self.join_retry.fail(id, Instant::now(), fastrand::f64())
-    }
-
-    /// Records a failed leave; returns the failures in a row and the wait before the next.
-    pub(super) fn back_off_leave(&mut self, id: GroupId) -> (u32, Duration) {
-        self.leave_retry.fail(id, Instant::now(), fastrand::f64())
-    }
-
-    /// merod no longer holds `id` (left, or never held): drop it from the state, end its
-    /// leave back-off, persist.
-    fn record_gone(&mut self, id: GroupId) {
-        reconcile::apply(&mut self.state, Outcome::Left(id));
-        self.leave_retry.succeed(id);
-        self.persist();
-    }
-
+    /// Folds one task event into the state: each end gives its own metric label, back-off
+    /// decision and log line.
     pub(super) fn on_event(&mut self, event: Event) {
+        let t = std::sync::Arc::clone(&self.deps.telemetry);
         match event {
             Event::Admitted { id, ack } => {
-                Telemetry::count(&self.deps.telemetry.joins, Metric::Admitted);
-                reconcile::apply(&mut self.state, Outcome::Admitted(id));
+                Telemetry::count(&t.joins, "admitted");
                 info!(namespace_id = %id, "admitted by merod and listed by it");
-                if self.persist() {
+                if self.record(Outcome::Admitted(id)) {
                     let _ = ack.send(());
                 }
             }
             Event::JoinEnded { id, end, took } => {
-                // Journal fields NAMESPACE_ID, OUTCOME, DURATION (s) on every join outcome.
-                let duration = took.as_secs_f64();
-                self.joining.remove(&id);
-                let t = &self.deps.telemetry;
-                match &end {
-                    JoinEnd::Confirmed => Telemetry::count(&t.confirms, Metric::Ok),
-                    JoinEnd::ConfirmFailed(e) if e.is_timeout() => {
-                        Telemetry::count(&t.confirms, Metric::Timeout)
-                    }
-                    JoinEnd::ConfirmFailed(_) => Telemetry::count(&t.confirms, Metric::Error),
-                    JoinEnd::ConfirmTimedOut(_) => Telemetry::count(&t.confirms, Metric::Timeout),
-                    JoinEnd::NotAdmitted { .. } => Telemetry::count(&t.joins, Metric::NotAdmitted),
-                    JoinEnd::Failed {
-                        timed_out: true, ..
-                    } => Telemetry::count(&t.joins, Metric::Timeout),
-                    JoinEnd::Failed { .. } => Telemetry::count(&t.joins, Metric::Error),
-                    JoinEnd::NotHeld => Telemetry::count(&t.joins, Metric::NotHeld),
-                    JoinEnd::NotPersisted => {}
+                self.work.joining.remove(&id);
+                if let Some((counted, label)) = end.metric_label() {
+                    let family = match counted {
+                        Counted::Joins => &t.joins,
+                        Counted::Confirms => &t.confirms,
+                    };
+                    Telemetry::count(family, label);
                 }
-                match end {
-                    JoinEnd::Confirmed => {
-                        // Logged before it is recorded: whoever sees the state file
-                        // change also finds the line (a log-rotating test relies on it).
-                        info!(namespace_id = %id, outcome = "confirmed", duration, "confirmed to MDMA");
-                        reconcile::apply(&mut self.state, Outcome::Confirmed(id));
-                        self.join_retry.succeed(id);
-                        self.persist();
-                    }
-                    JoinEnd::NotAdmitted { status, reasons } => {
-                        let (failures, wait) = self.back_off_join(id);
-                        let reasons = if reasons.is_empty() {
-                            "merod gave no reason".to_owned()
-                        } else {
-                            reasons.join("; ")
-                        };
-                        // Warned at the first refusal of a streak; the retries are info.
-                        if failures == 1 {
-                            warn!(namespace_id = %id, outcome = "not_admitted", duration, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {RETRY_MAX:?}");
-                        } else {
-                            info!(namespace_id = %id, outcome = "not_admitted", duration, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
-                        }
-                    }
-                    JoinEnd::Failed { reason, timed_out } => {
-                        self.back_off_join(id);
-                        let outcome = if timed_out { "timeout" } else { "error" };
-                        warn!(namespace_id = %id, outcome, error_kind = "join", duration, "join failed: {reason}; retrying later");
-                    }
-                    JoinEnd::NotHeld => {
-                        self.back_off_join(id);
-                        warn!(namespace_id = %id, outcome = "not_held", duration, "merod said admitted: true but does not list the namespace; not recorded, retrying later");
-                    }
-                    JoinEnd::NotPersisted => {
-                        self.back_off_join(id);
-                        warn!(namespace_id = %id, outcome = "not_persisted", error_kind = "state", duration, "admission could not be persisted; not confirmed, retrying later");
-                    }
-                    JoinEnd::ConfirmFailed(e) => {
-                        self.back_off_join(id);
-                        warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm failed: {e}; stays unconfirmed, retrying later");
-                    }
-                    JoinEnd::ConfirmTimedOut(limit) => {
-                        self.back_off_join(id);
-                        warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm gave no answer within {limit:?}; stays unconfirmed, retrying later");
-                    }
+                if end.succeeded() {
+                    // Logged before it is recorded: whoever sees the state file change also
+                    // finds the line (a log-rotating test relies on it).
+                    end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
+                    self.work.join_retry.succeed(id);
+                    self.record(Outcome::Confirmed(id));
+                } else {
+                    let retry = self.work.back_off_join(id);
+                    end.log(id, took.as_secs_f64(), retry);
                 }
             }
             Event::LeaveEnded { id, end, took } => {
-                let duration = took.as_secs_f64();
-                self.leaving.remove(&id);
-                match end {
-                    LeaveEnd::Left => {
-                        Telemetry::count(&self.deps.telemetry.leaves, Metric::Left);
-                        info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
-                        self.record_gone(id);
-                    }
-                    LeaveEnd::NeverHeld => {
-                        Telemetry::count(&self.deps.telemetry.leaves, Metric::NotHeld);
-                        info!(namespace_id = %id, outcome = "not_held", duration, "dropped, no leave sent: merod does not hold it (its fleet-join never went through)");
-                        self.record_gone(id);
-                    }
-                    LeaveEnd::StillHeld { reason, timed_out } => {
-                        let outcome = if timed_out {
-                            Metric::Timeout
-                        } else {
-                            Metric::Failed
-                        };
-                        Telemetry::count(&self.deps.telemetry.leaves, outcome);
-                        let (failures, wait) = self.back_off_leave(id);
-                        warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, failures, "leave not done ({reason}); stays a leave candidate, retrying in {wait:?}, backing off to {RETRY_MAX:?}");
-                    }
+                self.work.leaving.remove(&id);
+                Telemetry::count(&t.leaves, end.metric_label());
+                if end.succeeded() {
+                    // merod no longer holds it (left, or never held): dropped from the
+                    // state, its leave back-off ended.
+                    end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
+                    self.work.leave_retry.succeed(id);
+                    self.record(Outcome::Left(id));
+                } else {
+                    let retry = self.work.back_off_leave(id);
+                    end.log(id, took.as_secs_f64(), retry);
                 }
             }
         }

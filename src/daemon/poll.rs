@@ -3,21 +3,72 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::mdma::{PollError, RequestError};
-use crate::telemetry::Outcome as Metric;
+use crate::mdma::PollError;
 
-use super::REPEAT_LOG_EVERY;
+/// A poll failing the same way is logged again after this many repeats.
+const REPEAT_LOG_EVERY: u64 = 60;
+
+/// When polls are due: every `poll_interval` while they succeed, backing off while they
+/// fail (see [`next_poll_delay`]).
+pub(super) struct Cadence {
+    /// `poll_interval`.
+    interval: Duration,
+    /// `max_backoff`.
+    max_backoff: Duration,
+    /// The failed polls in a row, and what the last one said.
+    streak: FailureStreak,
+}
+
+impl Cadence {
+    /// A cadence of `interval`, backing off to `max_backoff`.
+    pub(super) fn new(interval: Duration, max_backoff: Duration) -> Self {
+        Self {
+            interval,
+            max_backoff,
+            streak: FailureStreak::default(),
+        }
+    }
+
+    /// When the first poll after a start is due (see [`first_poll_delay`]).
+    pub(super) fn first_poll(&self, now: Instant) -> Instant {
+        now + first_poll_delay(self.interval, fastrand::f64())
+    }
+
+    /// When the poll after one that started at `started` is due.
+    pub(super) fn next_poll(&self, started: Instant) -> Instant {
+        started
+            + next_poll_delay(
+                self.interval,
+                self.max_backoff,
+                self.streak.count,
+                fastrand::f64(),
+            )
+    }
+
+    /// Records a failed poll (logged once per new reason, then every [`REPEAT_LOG_EVERY`]);
+    /// returns the failures in a row.
+    pub(super) fn fail(&mut self, e: &PollError) -> u64 {
+        self.streak.fail(e);
+        self.streak.count
+    }
+
+    /// Records a successful poll (the recovery is logged once).
+    pub(super) fn succeed(&mut self) {
+        self.streak.succeed();
+    }
+}
 
 /// The longest wait before the first poll: a node on a long `poll_interval` still sends its
 /// first heartbeat within seconds of a (re)start.
-pub(crate) const FIRST_POLL_SPREAD_MAX: Duration = Duration::from_secs(5);
+const FIRST_POLL_SPREAD_MAX: Duration = Duration::from_secs(5);
 
 /// The wait before the first poll after start: `min(interval, 5 s) · jitter` for `jitter`
 /// in `[0, 1)`, so a fleet started at the same instant (a rollout, a power cut) spreads its
 /// polls over one interval instead of hitting MDMA in lock-step, and keeps them spread.
-pub(crate) fn first_poll_delay(interval: Duration, jitter: f64) -> Duration {
+fn first_poll_delay(interval: Duration, jitter: f64) -> Duration {
     interval
         .min(FIRST_POLL_SPREAD_MAX)
         .mul_f64(jitter.clamp(0.0, 1.0))
@@ -27,7 +78,7 @@ pub(crate) fn first_poll_delay(interval: Duration, jitter: f64) -> Duration {
 /// failed polls in a row: a jittered exponential backoff, so a fleet recovering from an
 /// MDMA outage does not poll in lockstep: `base = min(max_backoff, interval · 2^failures)`,
 /// wait `base · (1 + jitter) / 2` for `jitter` in `[0, 1)` — never below `interval`.
-pub(super) fn next_poll_delay(
+fn next_poll_delay(
     interval: Duration,
     max_backoff: Duration,
     failures: u64,
@@ -44,40 +95,28 @@ pub(super) fn next_poll_delay(
         .max(interval)
 }
 
-/// The `outcome` label of a failed poll.
-pub(super) fn poll_outcome(e: &PollError) -> Metric {
-    match e {
-        PollError::Request(RequestError::Transport { .. }) => Metric::Transport,
-        PollError::Request(RequestError::Timeout { .. }) | PollError::Deadline { .. } => {
-            Metric::Timeout
-        }
-        PollError::Request(RequestError::Status { .. }) => Metric::Status,
-        PollError::Malformed { .. } => Metric::Malformed,
-    }
-}
-
 /// Counts failed polls so a failure repeated every second is logged once, then every
 /// [`REPEAT_LOG_EVERY`] times, and the recovery once.
 #[derive(Debug, Default)]
-pub(super) struct FailureStreak {
-    pub(super) count: u64,
+struct FailureStreak {
+    count: u64,
     last: Option<String>,
 }
 
 impl FailureStreak {
-    pub(super) fn fail(&mut self, e: &PollError) {
+    fn fail(&mut self, e: &PollError) {
         self.count += 1;
         let reason = e.to_string();
         if self.last.as_deref() != Some(reason.as_str()) {
             warn!(
-                error_kind = e.kind(),
+                error_kind = e.metric_label(),
                 outcome = "failed",
                 "poll failed, cycle skipped (nothing joined or left): {reason}"
             );
             self.last = Some(reason);
         } else if self.count % REPEAT_LOG_EVERY == 0 {
             warn!(
-                error_kind = e.kind(),
+                error_kind = e.metric_label(),
                 outcome = "failed",
                 failures = self.count,
                 "poll still failing: {reason}"
@@ -85,7 +124,7 @@ impl FailureStreak {
         }
     }
 
-    pub(super) fn succeed(&mut self) {
+    fn succeed(&mut self) {
         if self.count > 0 {
             info!(failures = self.count, "poll succeeded again");
         }
@@ -96,6 +135,7 @@ impl FailureStreak {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mdma::RequestError;
 
     const S: Duration = Duration::from_secs(1);
     const MAX: Duration = Duration::from_secs(10);
@@ -155,12 +195,12 @@ mod tests {
             url: url.clone(),
             timeout: Duration::from_secs(10),
         });
-        assert_eq!(poll_outcome(&timeout), Metric::Timeout);
+        assert_eq!(timeout.metric_label(), "timeout");
         let deadline = PollError::Deadline {
             timeout: Duration::from_secs(11),
         };
-        assert_eq!(poll_outcome(&deadline), Metric::Timeout);
+        assert_eq!(deadline.metric_label(), "timeout");
         let status = PollError::Request(RequestError::Status { url, status: 503 });
-        assert_eq!(poll_outcome(&status), Metric::Status);
+        assert_eq!(status.metric_label(), "status");
     }
 }

@@ -1,32 +1,49 @@
 //! Start-up: the state loaded, merod waited for, the PeerId and the MRTD read.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, Semaphore};
-use tokio::task::JoinSet;
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
 use crate::config::Config;
 use crate::identity::read_peer_id;
+use crate::ids::PeerId;
 use crate::merod::{Node, PROBE_TIMEOUT};
-use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable};
-use crate::reconcile::{Desired, Guard};
+use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig};
 use crate::state::{State, StateStore};
 use crate::telemetry::{Phase, Telemetry};
 
-use super::poll::FailureStreak;
-use super::{
-    DaemonError, Deps, Sidecar, ALIVE_TURN, MRTD_READ_TIMEOUT, MRTD_RETRY_INTERVAL,
-    PEER_ID_RETRY_DELAY, PROBE_INTERVAL, PROBE_INTERVAL_MAX,
-};
+use super::cycle::Planner;
+use super::poll::Cadence;
+use super::record::Record;
+use super::tasks::InFlight;
+use super::{DaemonError, Deps, Sidecar, ALIVE_TURN};
 
-pub(super) struct MrtdSlot {
-    pub(super) value: Option<Mrtd>,
-    pub(super) next_try: Option<Instant>,
+/// Wait after the first failed readiness probe of merod (doubles per failure, up to
+/// [`PROBE_INTERVAL_MAX`]).
+const PROBE_INTERVAL: Duration = Duration::from_secs(1);
+/// Longest wait between two readiness probes: how late, at most, a merod that comes up is
+/// noticed.
+const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(5);
+/// Wait before the one retry of reading the PeerId (merod may still be writing its config).
+const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
+/// How often an unreadable MRTD is tried again (a later module load can make it appear).
+const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
+/// Bound of one MRTD read (sysfs, ioctl with its short retries, configfs-tsm quote).
+const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Who the node is: what every poll and confirm carries.
+pub(super) struct Identity {
+    /// The node's PeerId, read from merod's config at start.
+    pub(super) peer_id: PeerId,
+    /// The TD's MRTD; `None` while unreadable (polls then carry the PeerId only).
+    pub(super) mrtd: Option<Mrtd>,
+    /// While the MRTD is unreadable: when it is tried again.
+    next_try: Option<Instant>,
+    /// Where the MRTD is read from (`[tdx]`).
+    tdx: TdxConfig,
 }
 
 /// How waiting for merod ended.
@@ -117,8 +134,8 @@ enum MrtdReadError {
 
 /// Reads the MRTD on the blocking pool (file reads, ioctl), bounded by
 /// [`MRTD_READ_TIMEOUT`]. Errors: [`MrtdReadError`], every source's failure.
-async fn read_mrtd_blocking(cfg: &Config) -> Result<MrtdReading, MrtdReadError> {
-    let tdx = cfg.tdx.clone();
+async fn read_mrtd_blocking(tdx: &TdxConfig) -> Result<MrtdReading, MrtdReadError> {
+    let tdx = tdx.clone();
     match timeout(
         MRTD_READ_TIMEOUT,
         tokio::task::spawn_blocking(move || read_mrtd(&tdx)),
@@ -197,86 +214,73 @@ impl Sidecar {
         info!(peer_id = %peer_id, "identity read");
 
         let mut mrtd_source = None;
-        let mrtd = match read_mrtd_blocking(&cfg).await {
+        let mut identity = Identity {
+            peer_id,
+            mrtd: None,
+            next_try: None,
+            tdx: cfg.tdx.clone(),
+        };
+        match read_mrtd_blocking(&identity.tdx).await {
             Ok(r) => {
                 info!(mrtd = %r.mrtd, source = %r.source, "MRTD read");
                 telemetry.set_mrtd_source(Some(r.source.as_str()));
                 mrtd_source = Some(r.source.to_string());
-                MrtdSlot {
-                    value: Some(r.mrtd),
-                    next_try: None,
-                }
+                identity.mrtd = Some(r.mrtd);
             }
             Err(e) => {
                 error!(
                     "cannot read the MRTD ({e}); polling with the PeerId only: MDMA assigns no MRTD-gated namespace; retrying every {MRTD_RETRY_INTERVAL:?}"
                 );
                 telemetry.set_mrtd_source(None);
-                MrtdSlot {
-                    value: None,
-                    next_try: Some(Instant::now() + MRTD_RETRY_INTERVAL),
-                }
+                identity.next_try = Some(Instant::now() + MRTD_RETRY_INTERVAL);
             }
-        };
+        }
 
         telemetry.update(|st| {
             st.phase = Phase::Running;
-            st.peer_id = Some(peer_id.to_string());
-            st.mrtd = mrtd.value.map(|m| m.to_hex());
+            st.peer_id = Some(identity.peer_id.to_string());
+            st.mrtd = identity.mrtd.map(|m| m.to_hex());
             st.mrtd_source = mrtd_source;
             st.waiting_for = None;
         });
-        let (events_tx, events_rx) = mpsc::unbounded_channel();
         let sidecar = Self {
-            join_permits: Arc::new(Semaphore::new(cfg.max_concurrent_joins)),
-            cfg,
+            identity,
+            record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
+            work: InFlight::new(&cfg),
+            cadence: Cadence::new(cfg.poll_interval, cfg.max_backoff),
+            planner: Planner::new(cfg.leave_policy, cfg.dry_run),
             deps,
             shutdown,
-            peer_id,
-            mrtd,
-            store,
-            state,
-            guard: Guard::default(),
-            joining: BTreeSet::new(),
-            leaving: BTreeSet::new(),
-            desired: Desired::default(),
-            join_retry: crate::backoff::Retries::default(),
-            leave_retry: crate::backoff::Retries::default(),
-            tasks: JoinSet::new(),
-            task_ids: HashMap::new(),
-            events_tx,
-            events_rx,
-            failures: FailureStreak::default(),
-            waiting: BTreeMap::new(),
-            persist_error: None,
         };
         sidecar.publish();
         Ok(Some(sidecar))
     }
+}
 
-    pub(super) async fn retry_mrtd_if_due(&mut self) {
-        let Some(due) = self.mrtd.next_try else {
+impl Identity {
+    /// While the MRTD is unreadable and its next try is due, reads it again; once read,
+    /// polls carry it from then on.
+    pub(super) async fn retry_mrtd_if_due(&mut self, telemetry: &Telemetry) {
+        let Some(due) = self.next_try else {
             return;
         };
         if Instant::now() < due {
             return;
         }
-        match read_mrtd_blocking(&self.cfg).await {
+        match read_mrtd_blocking(&self.tdx).await {
             Ok(r) => {
                 info!(mrtd = %r.mrtd, source = %r.source, "MRTD readable now: polls carry it from here on");
-                self.deps.telemetry.set_mrtd_source(Some(r.source.as_str()));
-                self.deps.telemetry.update(|st| {
+                telemetry.set_mrtd_source(Some(r.source.as_str()));
+                telemetry.update(|st| {
                     st.mrtd = Some(r.mrtd.to_hex());
                     st.mrtd_source = Some(r.source.to_string());
                 });
-                self.mrtd = MrtdSlot {
-                    value: Some(r.mrtd),
-                    next_try: None,
-                };
+                self.mrtd = Some(r.mrtd);
+                self.next_try = None;
             }
             Err(e) => {
                 debug!("MRTD still unreadable: {e}");
-                self.mrtd.next_try = Some(Instant::now() + MRTD_RETRY_INTERVAL);
+                self.next_try = Some(Instant::now() + MRTD_RETRY_INTERVAL);
             }
         }
     }

@@ -1,57 +1,278 @@
-//! The join and leave tasks, and the events they send back to the loop.
+//! The work in flight: the join and leave tasks, their join permits and retry tables, and
+//! the events the tasks send back to the loop.
 //!
 //! A task makes the merod and MDMA calls of one namespace, each under its deadline, and
-//! reports its end as an [`Event`]; only the loop changes the state.
+//! reports its end as an [`Event`]. It is given its calls ([`Calls`]) and ids, never the
+//! record: only the loop changes the state. Each end ([`JoinEnd`], [`LeaveEnd`]) gives its
+//! metric label, whether it backs off and its log line from itself.
 
+use std::collections::{BTreeSet, HashMap};
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::task::{JoinError, JoinSet};
 use tokio::time::{timeout, Instant};
 use tracing::{error, info, info_span, warn, Instrument};
 
+use crate::backoff::{Retries, RETRY_MAX};
+use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
-use crate::mdma::{ConfirmError, ControlPlane, MDMA_TIMEOUT};
-use crate::merod::{Node, CHECK_TIMEOUT};
+use crate::mdma::{ConfirmError, ControlPlane};
+use crate::merod::{MerodError, Node, CHECK_TIMEOUT};
 use crate::telemetry::Telemetry;
 
-use super::Sidecar;
+use super::MDMA_DEADLINE;
+
+/// Why merod could not tell whether it holds a namespace
+/// (`GET /admin-api/namespaces/{id}`).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum CheckFailed {
+    /// merod answered with an error, or the client's own deadline passed.
+    #[error("membership check failed: {0}")]
+    Error(MerodError),
+    /// No answer within [`CHECK_TIMEOUT`].
+    #[error("membership check gave no answer within {0:?}")]
+    NoAnswer(Duration),
+}
+
+impl CheckFailed {
+    /// Whether it ran out of time rather than being refused.
+    fn is_timeout(&self) -> bool {
+        match self {
+            CheckFailed::Error(e) => e.is_timeout(),
+            CheckFailed::NoAnswer(_) => true,
+        }
+    }
+}
+
+/// Why a join failed at merod (fleet-join or the membership check after it).
+#[derive(Debug, thiserror::Error)]
+pub(super) enum JoinFailed {
+    /// The join slots were closed (the loop is going away).
+    #[error("join slots closed")]
+    SlotsClosed,
+    /// fleet-join gave no answer within `join_timeout`.
+    #[error("no answer within {0:?} (abandoned)")]
+    NoAnswer(Duration),
+    /// fleet-join failed.
+    #[error(transparent)]
+    Merod(MerodError),
+    /// Admitted, but merod could not tell whether it lists the namespace.
+    #[error("admitted, but the {0}")]
+    Unchecked(CheckFailed),
+}
+
+impl JoinFailed {
+    /// Whether it ran out of time rather than being refused.
+    fn is_timeout(&self) -> bool {
+        match self {
+            JoinFailed::SlotsClosed => false,
+            JoinFailed::NoAnswer(_) => true,
+            JoinFailed::Merod(e) => e.is_timeout(),
+            JoinFailed::Unchecked(c) => c.is_timeout(),
+        }
+    }
+}
 
 /// How a join task ended.
 #[derive(Debug)]
 pub(super) enum JoinEnd {
+    /// Admitted, recorded and confirmed to MDMA.
     Confirmed,
+    /// merod answered `admitted: false`.
     NotAdmitted {
         status: String,
         reasons: Vec<String>,
     },
-    /// A merod call (fleet-join or the membership check) failed; `timed_out` when it ran
-    /// out of time rather than being refused.
-    Failed {
-        reason: String,
-        timed_out: bool,
-    },
+    /// A merod call (fleet-join or the membership check) failed.
+    Failed(JoinFailed),
+    /// `admitted: true`, but merod does not list the namespace.
     NotHeld,
+    /// The admission could not be recorded: not confirmed.
     NotPersisted,
+    /// MDMA refused the confirm or gave no answer in time.
     ConfirmFailed(ConfirmError),
+    /// The confirm gave no answer within the loop's deadline.
     ConfirmTimedOut(Duration),
 }
 
+/// Which counter an end is counted in.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Counted {
+    /// `fleet_sidecar_joins_total`.
+    Joins,
+    /// `fleet_sidecar_confirms_total`.
+    Confirms,
+}
+
+impl JoinEnd {
+    /// The counter and `outcome` label it is counted under (`None`: not counted, the
+    /// state write failure is counted as such).
+    pub(super) fn metric_label(&self) -> Option<(Counted, &'static str)> {
+        Some(match self {
+            JoinEnd::Confirmed => (Counted::Confirms, "ok"),
+            JoinEnd::ConfirmFailed(e) if e.is_timeout() => (Counted::Confirms, "timeout"),
+            JoinEnd::ConfirmFailed(_) => (Counted::Confirms, "error"),
+            JoinEnd::ConfirmTimedOut(_) => (Counted::Confirms, "timeout"),
+            JoinEnd::NotAdmitted { .. } => (Counted::Joins, "not_admitted"),
+            JoinEnd::Failed(f) if f.is_timeout() => (Counted::Joins, "timeout"),
+            JoinEnd::Failed(_) => (Counted::Joins, "error"),
+            JoinEnd::NotHeld => (Counted::Joins, "not_held"),
+            JoinEnd::NotPersisted => return None,
+        })
+    }
+
+    /// Whether the join succeeded (else it backs off before the next attempt).
+    pub(super) fn succeeded(&self) -> bool {
+        matches!(self, JoinEnd::Confirmed)
+    }
+
+    /// Its log line, with the journal fields NAMESPACE_ID, OUTCOME and DURATION (s);
+    /// `retry`: the failures in a row and the wait before the next attempt, for a failure.
+    pub(super) fn log(&self, id: GroupId, duration: f64, retry: (u32, Duration)) {
+        let (failures, wait) = retry;
+        match self {
+            JoinEnd::Confirmed => {
+                info!(namespace_id = %id, outcome = "confirmed", duration, "confirmed to MDMA");
+            }
+            JoinEnd::NotAdmitted { status, reasons } => {
+                let reasons = if reasons.is_empty() {
+                    "merod gave no reason".to_owned()
+                } else {
+                    reasons.join("; ")
+                };
+                // Warned at the first refusal of a streak; the retries are info.
+                if failures == 1 {
+                    warn!(namespace_id = %id, outcome = "not_admitted", duration, status, "not admitted (admitted: false): {reasons}; retrying in {wait:?}, backing off to {RETRY_MAX:?}");
+                } else {
+                    info!(namespace_id = %id, outcome = "not_admitted", duration, status, failures, "still not admitted (admitted: false): {reasons}; retrying in {wait:?}");
+                }
+            }
+            JoinEnd::Failed(why) => {
+                let outcome = if why.is_timeout() { "timeout" } else { "error" };
+                warn!(namespace_id = %id, outcome, error_kind = "join", duration, "join failed: {why}; retrying later");
+            }
+            JoinEnd::NotHeld => {
+                warn!(namespace_id = %id, outcome = "not_held", duration, "merod said admitted: true but does not list the namespace; not recorded, retrying later");
+            }
+            JoinEnd::NotPersisted => {
+                warn!(namespace_id = %id, outcome = "not_persisted", error_kind = "state", duration, "admission could not be persisted; not confirmed, retrying later");
+            }
+            JoinEnd::ConfirmFailed(e) => {
+                warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm failed: {e}; stays unconfirmed, retrying later");
+            }
+            JoinEnd::ConfirmTimedOut(limit) => {
+                warn!(namespace_id = %id, outcome = "confirm_failed", error_kind = "confirm", duration, "confirm gave no answer within {limit:?}; stays unconfirmed, retrying later");
+            }
+        }
+    }
+}
+
+/// How the leave call itself went.
+#[derive(Debug)]
+pub(super) enum LeaveCall {
+    /// merod answered the leave.
+    Answered,
+    /// merod refused it (or its client timed out).
+    Failed(MerodError),
+    /// No answer within `leave_timeout`: outcome unknown.
+    NoAnswer(Duration),
+}
+
+impl std::fmt::Display for LeaveCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LeaveCall::Answered => f.write_str("left"),
+            LeaveCall::Failed(e) => write!(f, "{e}"),
+            LeaveCall::NoAnswer(limit) => write!(f, "no answer within {limit:?}: outcome unknown"),
+        }
+    }
+}
+
+/// Why a leave is not done: merod still lists the namespace, or cannot tell.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum StillHeld {
+    /// Only joining, and merod could not tell whether it holds it: no leave was sent.
+    #[error("before the leave, {0}")]
+    NotChecked(CheckFailed),
+    /// merod lists it after the leave.
+    #[error("leave: {0}; merod still lists it")]
+    Listed(LeaveCall),
+    /// merod could not tell after the leave.
+    #[error("leave: {leave}; {check}")]
+    Unchecked {
+        /// The leave call.
+        leave: LeaveCall,
+        /// The membership check after it.
+        check: CheckFailed,
+    },
+}
+
+impl StillHeld {
+    /// Whether the leave call (or, with no leave sent, the check) ran out of time.
+    fn is_timeout(&self) -> bool {
+        let leave = match self {
+            StillHeld::NotChecked(check) => return check.is_timeout(),
+            StillHeld::Listed(leave) | StillHeld::Unchecked { leave, .. } => leave,
+        };
+        match leave {
+            LeaveCall::Answered => false,
+            LeaveCall::Failed(e) => e.is_timeout(),
+            LeaveCall::NoAnswer(_) => true,
+        }
+    }
+}
+
+/// How a leave task ended.
 #[derive(Debug)]
 pub(super) enum LeaveEnd {
+    /// merod no longer lists it.
     Left,
     /// Only joining (no admission recorded) and merod does not hold it: no leave was sent.
     NeverHeld,
-    /// merod still lists it, or cannot tell; `timed_out` when the leave call ran out of time.
-    StillHeld {
-        reason: String,
-        timed_out: bool,
-    },
+    /// Not done.
+    StillHeld(StillHeld),
+}
+
+impl LeaveEnd {
+    /// The `outcome` label of `fleet_sidecar_leaves_total`.
+    pub(super) fn metric_label(&self) -> &'static str {
+        match self {
+            LeaveEnd::Left => "left",
+            LeaveEnd::NeverHeld => "not_held",
+            LeaveEnd::StillHeld(why) if why.is_timeout() => "timeout",
+            LeaveEnd::StillHeld(_) => "failed",
+        }
+    }
+
+    /// Whether merod no longer holds it (else the leave backs off before the next try).
+    pub(super) fn succeeded(&self) -> bool {
+        !matches!(self, LeaveEnd::StillHeld(_))
+    }
+
+    /// Its log line; `retry` as for [`JoinEnd::log`].
+    pub(super) fn log(&self, id: GroupId, duration: f64, retry: (u32, Duration)) {
+        let (failures, wait) = retry;
+        match self {
+            LeaveEnd::Left => {
+                info!(namespace_id = %id, outcome = "left", duration, "left: merod no longer holds the namespace");
+            }
+            LeaveEnd::NeverHeld => {
+                info!(namespace_id = %id, outcome = "not_held", duration, "dropped, no leave sent: merod does not hold it (its fleet-join never went through)");
+            }
+            LeaveEnd::StillHeld(why) => {
+                warn!(namespace_id = %id, outcome = "failed", error_kind = "leave", duration, failures, "leave not done ({why}); stays a leave candidate, retrying in {wait:?}, backing off to {RETRY_MAX:?}");
+            }
+        }
+    }
 }
 
 #[derive(Debug)]
 pub(super) enum Event {
+    /// merod admitted `id` and lists it: the task waits for `ack` (sent once the admission
+    /// is on disk) before it confirms.
     Admitted {
         id: GroupId,
         ack: oneshot::Sender<()>,
@@ -70,10 +291,11 @@ pub(super) enum Event {
 }
 
 /// What a task needs to make its calls and time them.
-struct Calls {
-    merod: Arc<dyn Node>,
-    mdma: Arc<dyn ControlPlane>,
-    telemetry: Arc<Telemetry>,
+#[derive(Clone)]
+pub(super) struct Calls {
+    pub(super) merod: Arc<dyn Node>,
+    pub(super) mdma: Arc<dyn ControlPlane>,
+    pub(super) telemetry: Arc<Telemetry>,
 }
 
 /// Runs `fut` under `limit`, recording its duration as `call`. `None` on timeout.
@@ -90,13 +312,12 @@ async fn timed<T>(
 }
 
 /// Whether merod holds `id` (`GET /admin-api/namespaces/{id}`, bounded by
-/// [`CHECK_TIMEOUT`]). `Err`: why it could not tell ("membership check …"), and whether
-/// that was a timeout.
+/// [`CHECK_TIMEOUT`]). Errors: [`CheckFailed`], why it could not tell.
 async fn check_held(
     telemetry: &Telemetry,
     merod: &dyn Node,
     id: GroupId,
-) -> Result<bool, (String, bool)> {
+) -> Result<bool, CheckFailed> {
     match timed(
         telemetry,
         "namespace_get",
@@ -106,11 +327,8 @@ async fn check_held(
     .await
     {
         Some(Ok(held)) => Ok(held),
-        Some(Err(e)) => Err((format!("membership check failed: {e}"), e.is_timeout())),
-        None => Err((
-            format!("membership check gave no answer within {CHECK_TIMEOUT:?}"),
-            true,
-        )),
+        Some(Err(e)) => Err(CheckFailed::Error(e)),
+        None => Err(CheckFailed::NoAnswer(CHECK_TIMEOUT)),
     }
 }
 
@@ -123,25 +341,12 @@ async fn join_task(
     events: &mpsc::UnboundedSender<Event>,
 ) -> JoinEnd {
     let Ok(_permit) = permits.acquire_owned().await else {
-        return JoinEnd::Failed {
-            reason: "join slots closed".to_owned(),
-            timed_out: false,
-        };
+        return JoinEnd::Failed(JoinFailed::SlotsClosed);
     };
     let t = &calls.telemetry;
     let admission = match timed(t, "fleet_join", join_timeout, calls.merod.fleet_join(id)).await {
-        None => {
-            return JoinEnd::Failed {
-                reason: format!("no answer within {join_timeout:?} (abandoned)"),
-                timed_out: true,
-            }
-        }
-        Some(Err(e)) => {
-            return JoinEnd::Failed {
-                timed_out: e.is_timeout(),
-                reason: e.to_string(),
-            }
-        }
+        None => return JoinEnd::Failed(JoinFailed::NoAnswer(join_timeout)),
+        Some(Err(e)) => return JoinEnd::Failed(JoinFailed::Merod(e)),
         Some(Ok(a)) => a,
     };
     if !admission.admitted {
@@ -153,22 +358,23 @@ async fn join_task(
     match check_held(t, calls.merod.as_ref(), id).await {
         Ok(true) => {}
         Ok(false) => return JoinEnd::NotHeld,
-        Err((why, timed_out)) => {
-            return JoinEnd::Failed {
-                reason: format!("admitted, but the {why}"),
-                timed_out,
-            }
-        }
+        Err(why) => return JoinEnd::Failed(JoinFailed::Unchecked(why)),
     }
     let (ack, acked) = oneshot::channel();
     if events.send(Event::Admitted { id, ack }).is_err() || acked.await.is_err() {
         return JoinEnd::NotPersisted;
     }
-    let limit = MDMA_TIMEOUT + Duration::from_secs(1);
-    match timed(t, "confirm", limit, calls.mdma.confirm(&peer_id, id)).await {
+    match timed(
+        t,
+        "confirm",
+        MDMA_DEADLINE,
+        calls.mdma.confirm(&peer_id, id),
+    )
+    .await
+    {
         Some(Ok(())) => JoinEnd::Confirmed,
         Some(Err(e)) => JoinEnd::ConfirmFailed(e),
-        None => JoinEnd::ConfirmTimedOut(limit),
+        None => JoinEnd::ConfirmTimedOut(MDMA_DEADLINE),
     }
 }
 
@@ -186,32 +392,108 @@ async fn leave_task(
         match check_held(telemetry, merod.as_ref(), id).await {
             Ok(false) => return LeaveEnd::NeverHeld,
             Ok(true) => {}
-            Err((why, timed_out)) => {
-                return LeaveEnd::StillHeld {
-                    reason: format!("before the leave, {why}"),
-                    timed_out,
-                }
-            }
+            Err(why) => return LeaveEnd::StillHeld(StillHeld::NotChecked(why)),
         }
     }
-    let (leave, timed_out) =
-        match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
-            Some(Ok(())) => ("left".to_owned(), false),
-            Some(Err(e)) => (e.to_string(), e.is_timeout()),
-            None => (
-                format!("no answer within {leave_timeout:?}: outcome unknown"),
-                true,
-            ),
-        };
-    let still_held = |reason: String| LeaveEnd::StillHeld { reason, timed_out };
+    let leave = match timed(telemetry, "leave", leave_timeout, merod.leave_namespace(id)).await {
+        Some(Ok(())) => LeaveCall::Answered,
+        Some(Err(e)) => LeaveCall::Failed(e),
+        None => LeaveCall::NoAnswer(leave_timeout),
+    };
     match check_held(telemetry, merod.as_ref(), id).await {
         Ok(false) => LeaveEnd::Left,
-        Ok(true) => still_held(format!("leave: {leave}; merod still lists it")),
-        Err((why, _)) => still_held(format!("leave: {leave}; {why}")),
+        Ok(true) => LeaveEnd::StillHeld(StillHeld::Listed(leave)),
+        Err(check) => LeaveEnd::StillHeld(StillHeld::Unchecked { leave, check }),
     }
 }
 
-impl Sidecar {
+/// What [`InFlight::next`] brings.
+pub(super) enum Next {
+    /// A task sent an event.
+    Event(Event),
+    /// A task ended (its events, if any, were sent before).
+    Ended(Result<(tokio::task::Id, ()), JoinError>),
+}
+
+/// The joins and leaves in flight: at most one task per namespace, at most
+/// `max_concurrent_joins` joins at merod at once, and the back-off of every namespace whose
+/// last join or leave failed.
+pub(super) struct InFlight {
+    /// The running tasks.
+    tasks: JoinSet<()>,
+    /// The namespace of each running task (to account for one that ends without an event).
+    task_ids: HashMap<tokio::task::Id, GroupId>,
+    /// Namespaces with a join task running.
+    pub(super) joining: BTreeSet<GroupId>,
+    /// Namespaces with a leave task running.
+    pub(super) leaving: BTreeSet<GroupId>,
+    /// One permit per join at merod (`max_concurrent_joins`).
+    join_permits: Arc<Semaphore>,
+    /// Back-off of failed joins.
+    pub(super) join_retry: Retries,
+    /// Back-off of failed leaves.
+    pub(super) leave_retry: Retries,
+    /// What the tasks send the loop.
+    events_tx: mpsc::UnboundedSender<Event>,
+    events_rx: mpsc::UnboundedReceiver<Event>,
+    /// `join_timeout`.
+    join_timeout: Duration,
+    /// `leave_timeout`.
+    leave_timeout: Duration,
+}
+
+impl InFlight {
+    /// Nothing in flight yet, with the limits of `cfg`.
+    pub(super) fn new(cfg: &Config) -> Self {
+        let (events_tx, events_rx) = mpsc::unbounded_channel();
+        Self {
+            tasks: JoinSet::new(),
+            task_ids: HashMap::new(),
+            joining: BTreeSet::new(),
+            leaving: BTreeSet::new(),
+            join_permits: Arc::new(Semaphore::new(cfg.max_concurrent_joins)),
+            join_retry: Retries::default(),
+            leave_retry: Retries::default(),
+            events_tx,
+            events_rx,
+            join_timeout: cfg.join_timeout,
+            leave_timeout: cfg.leave_timeout,
+        }
+    }
+
+    /// The namespaces with a task running.
+    pub(super) fn in_flight(&self) -> BTreeSet<GroupId> {
+        self.joining.union(&self.leaving).copied().collect()
+    }
+
+    /// How many tasks run.
+    pub(super) fn running(&self) -> usize {
+        self.tasks.len()
+    }
+
+    /// The next event of a task, or the next task to end (events first); pending while
+    /// nothing runs and nothing was sent.
+    pub(super) async fn next(&mut self) -> Next {
+        tokio::select! {
+            biased;
+            Some(event) = self.events_rx.recv() => Next::Event(event),
+            Some(done) = self.tasks.join_next_with_id(), if !self.tasks.is_empty() => {
+                Next::Ended(done)
+            }
+            else => std::future::pending().await,
+        }
+    }
+
+    /// An event already sent, if any.
+    pub(super) fn try_event(&mut self) -> Option<Event> {
+        self.events_rx.try_recv().ok()
+    }
+
+    /// Cuts every running task.
+    pub(super) async fn cut(&mut self) {
+        self.tasks.shutdown().await;
+    }
+
     fn spawn<F>(&mut self, id: GroupId, fut: F)
     where
         F: Future<Output = ()> + Send + 'static,
@@ -220,22 +502,17 @@ impl Sidecar {
         self.task_ids.insert(handle.id(), id);
     }
 
-    pub(super) fn spawn_join(&mut self, id: GroupId) {
+    /// Starts the join of `id` (fleet-join, check, the admission recorded by the loop,
+    /// confirm) as `peer_id`.
+    pub(super) fn spawn_join(&mut self, id: GroupId, calls: &Calls, peer_id: &PeerId) {
         info!(namespace_id = %id, "joining (fleet-join)");
-        let merod = Arc::clone(&self.deps.merod);
-        let mdma = Arc::clone(&self.deps.mdma);
-        let peer_id = self.peer_id.clone();
+        let calls = calls.clone();
+        let peer_id = peer_id.clone();
         let permits = Arc::clone(&self.join_permits);
         let events = self.events_tx.clone();
-        let join_timeout = self.cfg.join_timeout;
-        let telemetry = Arc::clone(&self.deps.telemetry);
+        let join_timeout = self.join_timeout;
         self.joining.insert(id);
         let task = async move {
-            let calls = Calls {
-                merod,
-                mdma,
-                telemetry,
-            };
             let started = Instant::now();
             let end = join_task(id, &calls, peer_id, permits, join_timeout, &events).await;
             let took = started.elapsed();
@@ -245,17 +522,18 @@ impl Sidecar {
         self.spawn(id, task.instrument(info_span!("join", namespace_id = %id)));
     }
 
-    pub(super) fn spawn_leave(&mut self, id: GroupId) {
-        let maybe_held = !self.state.admitted.contains(&id);
+    /// Starts the leave of `id`; `maybe_held`: its admission was never recorded (merod is
+    /// asked first, see `leave_task`).
+    pub(super) fn spawn_leave(&mut self, id: GroupId, calls: &Calls, maybe_held: bool) {
         if maybe_held {
             warn!(namespace_id = %id, "leaving if merod holds it: withdrawn by MDMA after a fleet-join whose admission was never recorded (irreversible: merod purges this namespace's keys)");
         } else {
             warn!(namespace_id = %id, "leaving: withdrawn by MDMA (irreversible: merod purges this namespace's keys)");
         }
-        let merod = Arc::clone(&self.deps.merod);
+        let merod = Arc::clone(&calls.merod);
+        let telemetry = Arc::clone(&calls.telemetry);
         let events = self.events_tx.clone();
-        let leave_timeout = self.cfg.leave_timeout;
-        let telemetry = Arc::clone(&self.deps.telemetry);
+        let leave_timeout = self.leave_timeout;
         self.leaving.insert(id);
         let task = async move {
             let started = Instant::now();
@@ -266,30 +544,39 @@ impl Sidecar {
         self.spawn(id, task.instrument(info_span!("leave", namespace_id = %id)));
     }
 
-    pub(super) fn on_task_done(
-        &mut self,
-        done: Result<(tokio::task::Id, ()), tokio::task::JoinError>,
-    ) {
+    /// Records a failed join; returns the failures in a row and the wait before the next.
+    pub(super) fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
+        self.join_retry.fail(id, Instant::now(), fastrand::f64())
+    }
+
+    /// Records a failed leave; returns the failures in a row and the wait before the next.
+    pub(super) fn back_off_leave(&mut self, id: GroupId) -> (u32, Duration) {
+        self.leave_retry.fail(id, Instant::now(), fastrand::f64())
+    }
+
+    /// Accounts for a task that ended: one that ended without its outcome (a panic, or cut
+    /// at shutdown) is a failed attempt, backed off like any other. `true`: the sets
+    /// changed.
+    pub(super) fn on_task_done(&mut self, done: Result<(tokio::task::Id, ()), JoinError>) -> bool {
         let task_id = match &done {
             Ok((id, ())) => *id,
             Err(e) => e.id(),
         };
         let Some(group) = self.task_ids.remove(&task_id) else {
-            return;
+            return false;
         };
-        if let Err(e) = done {
-            // Ended without its outcome (a panic, or cut at shutdown): a failed attempt,
-            // backed off like any other.
-            if self.joining.remove(&group) {
-                self.back_off_join(group);
-            }
-            if self.leaving.remove(&group) {
-                self.back_off_leave(group);
-            }
-            if e.is_panic() {
-                error!(namespace_id = %group, "join/leave task panicked; retried after a back-off");
-            }
-            self.publish();
+        let Err(e) = done else {
+            return false;
+        };
+        if self.joining.remove(&group) {
+            self.back_off_join(group);
         }
+        if self.leaving.remove(&group) {
+            self.back_off_leave(group);
+        }
+        if e.is_panic() {
+            error!(namespace_id = %group, "join/leave task panicked; retried after a back-off");
+        }
+        true
     }
 }

@@ -1,6 +1,10 @@
 //! Integration tests: the real loop, clients and binary against the loopback emulators
 //! (one test binary, modules by theme).
 
+// A test binary has no audience: its helpers are `pub` for the modules beside them, which
+// the crate's `unreachable_pub` lint (Cargo.toml) would otherwise ask to spell `pub(crate)`.
+#![allow(unreachable_pub)]
+
 mod check_config;
 mod cli;
 mod common;

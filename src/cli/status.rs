@@ -1,124 +1,47 @@
-//! The optional status listener (`status_listen = "127.0.0.1:PORT"`, off by default) and the
-//! report `fleet-sidecar status` prints.
-//!
-//! Routes: `/healthz` (200 while the process serves), `/readyz` (200 only when the identity
-//! is known and a poll succeeded within `ready_max_poll_age` — it goes unready during an
-//! MDMA outage), `/metrics` (Prometheus/OpenMetrics text), `/status` (the live status as
-//! JSON, see [`LiveStatus`]).
+//! `fleet-sidecar status`: the state file, read as a tool reads it (through
+//! [`StateStore::inspect`], which reports what loading would repair, and never writes), and
+//! the running daemon's live status when its listener is on.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::State as AxumState;
-use axum::http::{header, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
 use serde::Serialize;
-use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
-use crate::state::{State, StateStore};
-use crate::telemetry::{unix_now, LiveStatus, Telemetry};
-
-#[derive(Clone)]
-struct Shared {
-    telemetry: Arc<Telemetry>,
-    ready_max_poll_age: Duration,
-}
-
-/// The listener's routes.
-pub fn router(telemetry: Arc<Telemetry>, ready_max_poll_age: Duration) -> Router {
-    Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
-        .route("/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/status", get(status))
-        .with_state(Shared {
-            telemetry,
-            ready_max_poll_age,
-        })
-}
-
-async fn readyz(AxumState(s): AxumState<Shared>) -> Response {
-    match s
-        .telemetry
-        .snapshot()
-        .readiness(unix_now(), s.ready_max_poll_age)
-    {
-        Ok(()) => (StatusCode::OK, "ready\n").into_response(),
-        Err(why) => (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("not ready: {why}\n"),
-        )
-            .into_response(),
-    }
-}
-
-async fn metrics(AxumState(s): AxumState<Shared>) -> Response {
-    (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        s.telemetry.encode_metrics(),
-    )
-        .into_response()
-}
-
-async fn status(AxumState(s): AxumState<Shared>) -> Response {
-    axum::Json(s.telemetry.snapshot()).into_response()
-}
-
-/// Binds `addr` and serves `/healthz`, `/readyz`, `/metrics` and `/status` until `shutdown`.
-/// Returns the bound address.
-///
-/// Errors: the bind error (address in use, permission).
-pub async fn serve(
-    addr: SocketAddr,
-    telemetry: Arc<Telemetry>,
-    ready_max_poll_age: Duration,
-    shutdown: CancellationToken,
-) -> std::io::Result<SocketAddr> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    let bound = listener.local_addr()?;
-    let app = router(telemetry, ready_max_poll_age);
-    tokio::spawn(async move {
-        let stopped = async move { shutdown.cancelled().await };
-        if let Err(e) = axum::serve(listener, app)
-            .with_graceful_shutdown(stopped)
-            .await
-        {
-            tracing::error!("status listener stopped: {e}");
-        }
-    });
-    Ok(bound)
-}
+use crate::state::{State, StateFile, StateStore};
+use crate::telemetry::LiveStatus;
 
 /// What `fleet-sidecar status --json` prints.
 #[derive(Debug, Serialize)]
-pub struct Report {
+pub(crate) struct Report {
     /// The state file read.
-    pub state_file: String,
+    pub(crate) state_file: String,
     /// Its content (`null` when it does not exist yet).
-    pub state: Option<State>,
+    pub(crate) state: Option<State>,
     /// Why the state file could not be read, if so.
-    pub state_error: Option<String>,
+    pub(crate) state_error: Option<String>,
+    /// What loading the file would repair to restore the state's invariants (the daemon
+    /// makes these repairs, and logs them, at its next start); empty for a sound file.
+    pub(crate) repairs: Vec<String>,
     /// Leave candidates per the state file alone, with why they wait.
-    pub pending_leaves: std::collections::BTreeMap<String, String>,
+    pub(crate) pending_leaves: std::collections::BTreeMap<String, String>,
     /// The running daemon's `/status`, when the listener is on and answered.
-    pub live: Option<LiveStatus>,
+    pub(crate) live: Option<LiveStatus>,
     /// Why the live status is missing (listener off, or no answer).
-    pub live_error: Option<String>,
+    pub(crate) live_error: Option<String>,
 }
 
 /// Builds the report: the state file (read only, never written) and, when `status_listen`
 /// is set, the live status from the running daemon (2 s bound).
-pub async fn report(cfg: &Config) -> Report {
-    let (state, state_error) = match StateStore::new(&cfg.state_file).load() {
-        Ok(s) => (s, None),
-        Err(e) => (None, Some(e.to_string())),
+pub(crate) async fn report(cfg: &Config) -> Report {
+    let (state, repairs, state_error) = match StateStore::new(&cfg.state_file).inspect() {
+        Ok(StateFile::Present(r)) => (
+            Some(r.state),
+            r.repairs.iter().map(ToString::to_string).collect(),
+            None,
+        ),
+        Ok(StateFile::Missing) => (None, Vec::new(), None),
+        Err(e) => (None, Vec::new(), Some(e.to_string())),
     };
     let pending_leaves = state
         .as_ref()
@@ -152,6 +75,7 @@ pub async fn report(cfg: &Config) -> Report {
         state_file: cfg.state_file.display().to_string(),
         state,
         state_error,
+        repairs,
         pending_leaves,
         live,
         live_error,
@@ -208,7 +132,7 @@ async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, LiveError> {
 }
 
 /// The report as text for a terminal.
-pub fn render_text(r: &Report, now: f64) -> String {
+pub(crate) fn render_text(r: &Report, now: f64) -> String {
     let mut out = format!("state file: {}\n", r.state_file);
     match (&r.state, &r.state_error) {
         (_, Some(e)) => out.push_str(&format!("  ERROR: {e}\n")),
@@ -230,6 +154,11 @@ pub fn render_text(r: &Report, now: f64) -> String {
             for id in &s.joining {
                 out.push_str(&format!(
                     "  {id}  joining: fleet-join sent, admission not recorded (merod may hold it)\n"
+                ));
+            }
+            for repair in &r.repairs {
+                out.push_str(&format!(
+                    "  repaired on read (the daemon repairs it at start): {repair}\n"
                 ));
             }
         }
@@ -309,5 +238,38 @@ mod tests {
         assert!(render_text(&r, 0.0).contains(&format!(
             "  {c}  joining: fleet-join sent, admission not recorded"
         )));
+    }
+
+    #[tokio::test]
+    async fn the_report_reads_the_state_as_a_tool_does_and_names_its_repairs() {
+        let dir = tempfile::tempdir().unwrap();
+        let state_file = dir.path().join("s.json");
+        let a = "ab".repeat(32);
+        // Confirmed but not admitted: loading adds it to admitted.
+        let doc = format!(
+            "{{\"version\": 3, \"admitted\": [], \"confirmed\": [\"{a}\"], \"joining\": [], \"absent_polls\": {{}}}}"
+        );
+        std::fs::write(&state_file, &doc).unwrap();
+        let text = format!(
+            "mdma_url = \"https://m\"\nstate_file = \"{}\"",
+            state_file.display()
+        );
+        let cfg = Config::from_toml(&text, Path::new("c.toml")).unwrap();
+        let r = report(&cfg).await;
+        assert_eq!(
+            r.repairs,
+            [format!(
+                "{a} is confirmed but was not admitted: added to admitted"
+            )]
+        );
+        assert!(r
+            .state
+            .as_ref()
+            .unwrap()
+            .admitted
+            .contains(&a.parse().unwrap()));
+        assert!(render_text(&r, 0.0).contains("repaired on read"));
+        // Read only: the file is as it was.
+        assert_eq!(std::fs::read_to_string(&state_file).unwrap(), doc);
     }
 }
