@@ -580,3 +580,61 @@ impl InFlight {
         true
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEN: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn a_join_end_is_labelled_by_itself_a_timeout_apart_from_an_error() {
+        let unchecked = JoinEnd::Failed(JoinFailed::Unchecked(CheckFailed::NoAnswer(TEN)));
+        assert_eq!(unchecked.metric_label(), Some((Counted::Joins, "timeout")));
+        let closed = JoinEnd::Failed(JoinFailed::SlotsClosed);
+        assert_eq!(closed.metric_label(), Some((Counted::Joins, "error")));
+        assert_eq!(
+            JoinEnd::ConfirmTimedOut(TEN).metric_label(),
+            Some((Counted::Confirms, "timeout"))
+        );
+        assert_eq!(
+            JoinEnd::Confirmed.metric_label(),
+            Some((Counted::Confirms, "ok"))
+        );
+        assert_eq!(JoinEnd::NotPersisted.metric_label(), None);
+        assert!(JoinEnd::Confirmed.succeeded() && !JoinEnd::NotHeld.succeeded());
+        // The typed causes say what the strings said.
+        let JoinEnd::Failed(why) = unchecked else {
+            unreachable!()
+        };
+        assert_eq!(
+            why.to_string(),
+            "admitted, but the membership check gave no answer within 10s"
+        );
+    }
+
+    #[test]
+    fn a_leave_not_done_is_a_timeout_only_when_its_own_call_ran_out_of_time() {
+        // No leave sent: the check's timeout is the leave's.
+        let before = LeaveEnd::StillHeld(StillHeld::NotChecked(CheckFailed::NoAnswer(TEN)));
+        assert_eq!(before.metric_label(), "timeout");
+        // Leave answered, the check after it timed out: a failed leave, not a timeout.
+        let after = StillHeld::Unchecked {
+            leave: LeaveCall::Answered,
+            check: CheckFailed::NoAnswer(TEN),
+        };
+        assert_eq!(
+            after.to_string(),
+            "leave: left; membership check gave no answer within 10s"
+        );
+        assert_eq!(LeaveEnd::StillHeld(after).metric_label(), "failed");
+        let hung = StillHeld::Listed(LeaveCall::NoAnswer(TEN));
+        assert_eq!(
+            hung.to_string(),
+            "leave: no answer within 10s: outcome unknown; merod still lists it"
+        );
+        assert_eq!(LeaveEnd::StillHeld(hung).metric_label(), "timeout");
+        assert_eq!(LeaveEnd::NeverHeld.metric_label(), "not_held");
+        assert!(LeaveEnd::NeverHeld.succeeded() && LeaveEnd::Left.succeeded());
+    }
+}
