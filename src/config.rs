@@ -527,6 +527,15 @@ impl RawConfig {
                 ))
             }
         }
+        if let Some(tld) = placeholder_domain(&mdma_url) {
+            return Err(invalid(
+                "mdma_url",
+                mdma_raw,
+                format!(
+                    "the host is in the reserved .{tld} domain, a placeholder that never resolves: set the fleet's MDMA URL"
+                ),
+            ));
+        }
         if self
             .fleet_token
             .as_ref()
@@ -751,6 +760,19 @@ fn parse_base_url(raw: &str) -> Result<Url, UrlProblem> {
     Ok(url)
 }
 
+/// The reserved top-level domain (`example`, `invalid` or `test`; RFC 2606, RFC 6761) the
+/// URL's host is in, if it is: a placeholder, never a real MDMA. Case and a trailing dot
+/// do not matter.
+fn placeholder_domain(url: &Url) -> Option<&'static str> {
+    let Some(url::Host::Domain(host)) = url.host() else {
+        return None;
+    };
+    let tld = host.trim_end_matches('.').rsplit('.').next()?;
+    ["example", "invalid", "test"]
+        .into_iter()
+        .find(|reserved| tld.eq_ignore_ascii_case(reserved))
+}
+
 /// Whether the URL's host is `localhost` or a loopback address (127.0.0.0/8, ::1).
 pub(crate) fn is_loopback(url: &Url) -> bool {
     match url.host() {
@@ -773,7 +795,7 @@ mod tests {
     fn the_issue_schema_parses_with_its_values() {
         let cfg = load(
             r#"
-mdma_url = "https://mdma.example"
+mdma_url = "https://mdma.fleet.internal"
 fleet_token = "s3cret"
 mdma_ca_file = "/etc/calimero/mdma-ca.pem"
 poll_interval = "1s"
@@ -788,7 +810,7 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
 "#,
         )
         .unwrap();
-        assert_eq!(cfg.mdma_url.as_str(), "https://mdma.example/");
+        assert_eq!(cfg.mdma_url.as_str(), "https://mdma.fleet.internal/");
         assert_eq!(cfg.fleet_token.as_ref().unwrap().expose(), "s3cret");
         assert_eq!(cfg.poll_interval, Duration::from_secs(1));
         assert_eq!(
@@ -804,8 +826,8 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
 
     #[test]
     fn defaults_are_the_deployed_node_paths() {
-        let cfg = load(r#"mdma_url = "https://mdma.example/base""#).unwrap();
-        assert_eq!(cfg.mdma_url.as_str(), "https://mdma.example/base/");
+        let cfg = load(r#"mdma_url = "https://mdma.fleet.internal/base""#).unwrap();
+        assert_eq!(cfg.mdma_url.as_str(), "https://mdma.fleet.internal/base/");
         assert!(cfg.fleet_token.is_none());
         assert_eq!(
             cfg.state_file,
@@ -951,12 +973,64 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         assert!(text.contains("line 2"), "{text}");
     }
 
+    /// The shipped config is refused until mdma_url is filled in: as shipped (the key is
+    /// commented out), and with its example line merely uncommented (a placeholder host);
+    /// once filled in, every other value it shows is the default.
     #[test]
-    fn the_shipped_example_config_is_valid_and_all_defaults() {
+    fn the_shipped_config_is_refused_until_mdma_url_is_filled_in_and_else_all_defaults() {
         let text = include_str!("../packaging/fleet-sidecar.toml");
-        let cfg = load(text).unwrap();
-        let defaults = load("mdma_url = \"https://mdma.example\"").unwrap();
+        let err = load(text).unwrap_err();
+        assert!(matches!(err, ConfigError::MissingMdmaUrl { .. }), "{err}");
+        let example = text
+            .lines()
+            .find(|l| l.starts_with("#mdma_url = "))
+            .expect("the shipped config shows mdma_url, commented out");
+        let uncommented = text.replace(example, &example[1..]);
+        let err = load(&uncommented).unwrap_err();
+        assert!(
+            matches!(err, ConfigError::Invalid { key: "mdma_url", ref reason, .. } if reason.contains("placeholder")),
+            "{err}"
+        );
+        let url = "mdma_url = \"https://mdma.fleet.internal\"";
+        let cfg = load(&text.replace(example, url)).unwrap();
+        let defaults = load(url).unwrap();
         assert_eq!(format!("{cfg:?}"), format!("{defaults:?}"));
+    }
+
+    #[test]
+    fn a_placeholder_host_of_a_reserved_domain_is_refused_naming_the_key() {
+        for bad in [
+            "https://mdma.example",
+            "https://MDMA.Example./base",
+            "https://example",
+            "https://fleet.invalid:8443",
+            "https://mdma.test",
+        ] {
+            let err = load(&format!("mdma_url = \"{bad}\"")).unwrap_err();
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::Invalid {
+                        key: "mdma_url",
+                        ..
+                    }
+                ),
+                "{bad}: {err}"
+            );
+            let text = err.to_string();
+            assert!(
+                text.contains("mdma_url") && text.contains("placeholder"),
+                "{text}"
+            );
+        }
+        // Only the top-level domain counts.
+        for ok in [
+            "https://example.fleet.internal",
+            "https://mdma.test.calimero.network",
+            "https://mdma.examples",
+        ] {
+            load(&format!("mdma_url = \"{ok}\"")).unwrap();
+        }
     }
 
     #[test]

@@ -40,7 +40,7 @@ fn node(dir: &Path, extra: &str) -> std::path::PathBuf {
     std::fs::write(
         &cfg,
         format!(
-            "{extra}\nmdma_url = \"https://mdma.example\"\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/mrtd\"\nlegacy_mrtd_path = \"{d}/no\"\ndevice = \"{d}/no\"\ntsm_report_dir = \"{d}/no\"\n"
+            "{extra}\nmdma_url = \"https://mdma.fleet.internal\"\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/mrtd\"\nlegacy_mrtd_path = \"{d}/no\"\ndevice = \"{d}/no\"\ntsm_report_dir = \"{d}/no\"\n"
         ),
     )
     .unwrap();
@@ -55,7 +55,7 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
     let (stdout, stderr) = text(&out);
     assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
     for line in [
-        "mdma_url = \"https://mdma.example/\"",
+        "mdma_url = \"https://mdma.fleet.internal/\"",
         "# fleet_token: set (the value is never shown)",
         // Defaults filled in.
         "poll_interval = \"1s\"",
@@ -140,6 +140,49 @@ fn check_config_exits_78_on_an_unusable_config() {
         "check-config",
     ]);
     assert_eq!(out.status.code(), Some(78));
+}
+
+/// The image-build gate on the config the package ships: refused (exit 78, naming
+/// mdma_url) as shipped and with its placeholder uncommented, by `check-config` and by the
+/// daemon alike; accepted once a real URL is put there.
+#[test]
+fn the_shipped_config_fails_check_config_and_run_until_mdma_url_is_filled_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let shipped = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/fleet-sidecar.toml"),
+    )
+    .unwrap();
+    let example = shipped
+        .lines()
+        .find(|l| l.starts_with("#mdma_url = "))
+        .expect("the shipped config shows mdma_url, commented out")
+        .to_owned();
+    let cfg = dir.path().join("fleet-sidecar.toml");
+    for (config, why) in [
+        (shipped.clone(), "mdma_url is not set"),
+        (shipped.replace(&example, &example[1..]), "placeholder"),
+    ] {
+        std::fs::write(&cfg, &config).unwrap();
+        for cmd in ["check-config", "run"] {
+            let out = run(&["--config", cfg.to_str().unwrap(), cmd]);
+            let (stdout, stderr) = text(&out);
+            assert_eq!(out.status.code(), Some(78), "{cmd}: {stdout}{stderr}");
+            assert!(
+                stderr.contains("mdma_url") && stderr.contains(why),
+                "{cmd}: {stderr}"
+            );
+        }
+    }
+    // Filled in: valid (what it cannot read on this machine, merod and the MRTD, is reported
+    // but does not fail it).
+    std::fs::write(
+        &cfg,
+        shipped.replace(&example, "mdma_url = \"https://mdma.fleet.internal\""),
+    )
+    .unwrap();
+    let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "{stdout}{stderr}");
 }
 
 #[test]
