@@ -1,6 +1,7 @@
 //! The Debian package (`scripts/build-deb.sh`, cargo-deb): its files, their modes, the
-//! conffile, the maintainer scripts' promises, and lintian. Skips with a message when
-//! cargo-deb is not installed (`cargo install cargo-deb --locked`).
+//! conffile, the maintainer scripts' promises, and lintian. Checks the package `.ci/run`
+//! built when `FLEET_SIDECAR_DEB` names it (so CI builds it once), else builds its own; skips
+//! with a message when cargo-deb is not installed (`cargo install cargo-deb --locked`).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -27,8 +28,18 @@ fn available(program: &str, arg: &str) -> bool {
         .is_ok_and(|o| o.status.success())
 }
 
-/// Builds the package into `dir` with the README's command; `None` without cargo-deb.
+/// The package `.ci/run` built (`FLEET_SIDECAR_DEB`), else built into `dir` with the
+/// README's command; `None` without cargo-deb.
 fn build(dir: &Path) -> Option<PathBuf> {
+    if let Some(deb) = std::env::var_os("FLEET_SIDECAR_DEB") {
+        let deb = PathBuf::from(deb);
+        assert!(
+            deb.is_file(),
+            "FLEET_SIDECAR_DEB: no package at {}",
+            deb.display()
+        );
+        return Some(deb);
+    }
     let cargo_deb = Command::new("cargo").args(["deb", "--version"]).output();
     if !cargo_deb.is_ok_and(|o| o.status.success()) {
         eprintln!("SKIP the Debian package test: cargo-deb is not installed (cargo install cargo-deb --locked)");

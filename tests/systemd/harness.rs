@@ -92,6 +92,27 @@ impl Boot {
     /// Boots with an idle target as the boot unit and the shipped unit installed beside it.
     /// `Err` (the tool's output) when the tool cannot run here.
     pub async fn up() -> Result<Self, String> {
+        Self::boot(
+            Some(&manifest_path("packaging/fleet-sidecar.service")),
+            "/etc /var",
+        )
+        .await
+    }
+
+    /// Boots for a package install: `/usr` is an overlay too (so `dpkg -i` never reaches the
+    /// host's), and [`UNIT`] is a link to where the package puts it,
+    /// `/usr/lib/systemd/system/fleet-sidecar.service`, dangling until it is installed.
+    pub async fn up_for_package() -> Result<Self, String> {
+        let boot = Self::boot(None, "/etc /var /usr").await?;
+        std::os::unix::fs::symlink(
+            format!("/usr/lib/systemd/system/{UNIT}"),
+            boot.state.join("units").join(UNIT),
+        )
+        .map_err(|e| format!("cannot link the unit: {e}"))?;
+        Ok(boot)
+    }
+
+    async fn boot(unit: Option<&Path>, overlays: &str) -> Result<Self, String> {
         let base = base_dir();
         std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
         // Its own directory: tests boot in parallel, and the tool copies the file.
@@ -105,8 +126,9 @@ impl Boot {
         let out = tokio::process::Command::new(tool())
             .arg("up")
             .arg(&idle)
-            .arg(manifest_path("packaging/fleet-sidecar.service"))
+            .args(unit)
             .env("SYSD_SHARE_NET", "1")
+            .env("SYSD_OVERLAYS", overlays)
             .env("SYSD_BASE", base.join("boots"))
             // PID 1 logs each sd_notify message at debug level (READY=1, STOPPING=1, ...).
             .env("SYSD_LOG_LEVEL", "debug")

@@ -9,6 +9,7 @@
 //! so the three run in parallel.
 
 mod harness;
+mod package;
 
 use std::time::{Duration, Instant};
 
@@ -311,7 +312,7 @@ async fn a_broken_config_exits_78_and_is_restarted_every_restart_sec() {
     let config = node.path("broken.toml");
     std::fs::write(
         &config,
-        "mdma_url = \"https://mdma.example\"\nno_such_key = 1\n",
+        "mdma_url = \"http://127.0.0.1:9\"\nno_such_key = 1\n",
     )
     .expect("broken config");
     sysd.drop_in(&exec_start(&config)).await;
