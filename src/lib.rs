@@ -51,10 +51,21 @@
 //!
 //! ## Embedding the loop
 //!
-//! With the `daemon` feature, [`daemon::run`] runs the whole loop against any
-//! [`ControlPlane`] and [`Node`] (the real clients, or your own), and [`reconcile::plan`]
-//! is the pure decision of what to join and leave, for a tool that wants to show what the
-//! sidecar would do. [`cli::main`] is the `fleet-sidecar` command line itself.
+#![cfg_attr(
+    feature = "daemon",
+    doc = "With the `daemon` feature, [`daemon::run`] runs the whole loop against any
+[`ControlPlane`] and [`Node`] (the real clients, or your own), and [`reconcile::plan`]
+is the pure decision of what to join and leave, for a tool that wants to show what the
+sidecar would do. [`cli::main`] is the `fleet-sidecar` command line itself."
+)]
+#![cfg_attr(
+    not(feature = "daemon"),
+    doc = "With the `daemon` feature, `daemon::run` runs the whole loop against any
+[`ControlPlane`] and [`Node`] (the real clients, or your own), and `cli::main` is the
+`fleet-sidecar` command line itself (neither is built without the feature: see
+[Features](#features)). [`reconcile::plan`] is the pure decision of what to join and
+leave, for a tool that wants to show what the sidecar would do."
+)]
 //!
 //! ## Features
 //!
