@@ -9,8 +9,15 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 /// 64 hex chars.
 ///
 /// MDMA sends it as `group_id` (docs/mdma.md) and merod accepts either case
-/// (docs/merod-admin.md); it is parsed case-insensitively and always printed as
-/// 64 lowercase hex chars, so two spellings of one id compare equal.
+/// (docs/merod-admin.md); it is parsed case-insensitively and always printed (`Display`)
+/// and serialized (`Serialize`, a JSON string) as 64 lowercase hex chars, so two spellings
+/// of one id compare equal.
+///
+/// ```
+/// let id: fleet_sidecar::GroupId = "AB".repeat(32).parse().unwrap();
+/// assert_eq!(id.to_string(), "ab".repeat(32));
+/// assert_eq!(serde_json::to_string(&id).unwrap(), format!("\"{}\"", "ab".repeat(32)));
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct GroupId([u8; 32]);
 
@@ -94,7 +101,12 @@ impl serde::de::Visitor<'_> for GroupIdVisitor {
 ///
 /// Kept as text: the sidecar only forwards it to MDMA. Parsing rejects what cannot be a
 /// base58 PeerId (empty, non-base58 chars, implausible length) so a damaged config is caught
-/// before it is sent.
+/// before it is sent. `Display` and `Serialize` (a JSON string) give the text as read.
+///
+/// ```
+/// let peer: fleet_sidecar::PeerId = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk".parse().unwrap();
+/// assert_eq!(serde_json::to_string(&peer).unwrap(), format!("\"{peer}\""));
+/// ```
 #[derive(Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(transparent)]
 pub struct PeerId(String);

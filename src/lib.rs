@@ -121,8 +121,9 @@ pub use merod::{
     JOIN_TIMEOUT, LEAVE_TIMEOUT, MEROD_CONNECT_TIMEOUT, PROBE_TIMEOUT,
 };
 pub use mrtd::{
-    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_saved, Mrtd, MrtdError, MrtdReading,
-    MrtdSource, MrtdUnavailable, SavedEvidence, TdxConfig, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
+    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded, read_saved, Mrtd,
+    MrtdError, MrtdReading, MrtdSource, MrtdUnavailable, SavedEvidence, TdxConfig,
+    MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
 };
 pub use state::{
     inspect_state, Repair, State, StateError, StateFile, StateFormat, StateReport, StateStore,

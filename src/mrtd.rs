@@ -22,15 +22,27 @@ use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::sync::mpsc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use nix::errno::Errno;
 use serde::{Deserialize, Serialize};
 
+/// The daemon's bound of one MRTD read with [`read_mrtd_bounded`] (every source tried, the
+/// ioctl's short retries and a configfs-tsm quote included): 10 s.
+pub const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A 48-byte MRTD (SHA-384 measurement of the TD's initial image).
 ///
-/// `Display` and [`Mrtd::to_hex`] give 96 lowercase hex chars without `0x`; `FromStr` takes
-/// 96 hex chars of either case (nothing else: no `0x`, no whitespace).
+/// `Display`, [`Mrtd::to_hex`] and `Serialize` (a JSON string) give 96 lowercase hex chars
+/// without `0x`; `FromStr` and `Deserialize` take 96 hex chars of either case (nothing else:
+/// no `0x`, no whitespace).
+///
+/// ```
+/// let mrtd = fleet_sidecar::Mrtd::from([0xab; 48]);
+/// assert_eq!(mrtd.to_string(), "ab".repeat(48));
+/// assert_eq!(serde_json::to_string(&mrtd).unwrap(), format!("\"{}\"", "ab".repeat(48)));
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Mrtd([u8; Mrtd::LEN]);
 
@@ -85,6 +97,20 @@ impl fmt::Debug for Mrtd {
     }
 }
 
+impl Serialize for Mrtd {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Mrtd {
+    /// A string of 96 hex chars, either case.
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 impl FromStr for Mrtd {
     type Err = MrtdError;
 
@@ -113,12 +139,27 @@ impl FromStr for Mrtd {
 #[serde(rename_all = "kebab-case")]
 pub enum MrtdSource {
     /// The sysfs attribute `measurements/mrtd:sha384` (48 raw bytes), Linux >= 6.16.
+    ///
+    /// Side effects: none (one read of a read-only attribute).
     Sysfs,
     /// The same attribute under `mr/`, as some pre-release kernels named it.
+    ///
+    /// Side effects: none (one read of a read-only attribute).
     SysfsLegacy,
     /// `TDX_CMD_GET_REPORT0` on `/dev/tdx_guest` (root only), Linux >= 6.2.
+    ///
+    /// Side effects: none that last. The TDX module builds a TDREPORT over 64 zero bytes of
+    /// report data; nothing is written anywhere and nothing leaves the TD. The device is
+    /// held open for the call (up to 5 attempts while it answers EBUSY/EINTR, 100 ms in all).
     Tdreport,
     /// A TD quote through configfs-tsm (root only), Linux >= 6.7.
+    ///
+    /// Side effects: **yes**. It creates a directory `fleet-sidecar-mrtd-<pid>-<n>-<ns>` under
+    /// `tsm_report_dir`, writes 64 zero bytes to its `inblob`, which makes the kernel ask
+    /// the host's quoting service for a signed quote (a round trip out of the TD, seconds
+    /// on a busy host), reads `outblob` and removes the directory again (also when the
+    /// exchange failed). Another reader of configfs-tsm at the same moment may see its
+    /// `generation` move. Leave it out with [`TdxConfig::without_side_effects`].
     Quote,
 }
 
@@ -130,6 +171,12 @@ impl MrtdSource {
         MrtdSource::Tdreport,
         MrtdSource::Quote,
     ];
+
+    /// Whether reading this source changes anything outside the reading process: only
+    /// [`MrtdSource::Quote`] does (see each variant).
+    pub fn has_side_effects(self) -> bool {
+        matches!(self, MrtdSource::Quote)
+    }
 
     /// The config/serde name: `"sysfs"`, `"sysfs-legacy"`, `"tdreport"` or `"quote"`.
     pub fn as_str(self) -> &'static str {
@@ -181,6 +228,33 @@ impl Default for TdxConfig {
 }
 
 impl TdxConfig {
+    /// This table with the sources that have side effects left out (see
+    /// [`MrtdSource::has_side_effects`]: the configfs-tsm `quote`), for a tool that must
+    /// only look. The order of the others is kept; the result may have no source left, which
+    /// [`TdxConfig::validate`] refuses and a read reports as no source configured.
+    ///
+    /// ```
+    /// use fleet_sidecar::{MrtdSource, TdxConfig};
+    ///
+    /// let look_only = TdxConfig::default().without_side_effects();
+    /// assert_eq!(look_only.sources, [MrtdSource::Sysfs, MrtdSource::SysfsLegacy, MrtdSource::Tdreport]);
+    /// ```
+    pub fn without_side_effects(&self) -> TdxConfig {
+        let mut cfg = self.clone();
+        cfg.sources.retain(|s| !s.has_side_effects());
+        cfg
+    }
+
+    /// The file, device or directory `source` reads under this table.
+    pub fn path_of(&self, source: MrtdSource) -> &Path {
+        match source {
+            MrtdSource::Sysfs => &self.mrtd_path,
+            MrtdSource::SysfsLegacy => &self.legacy_mrtd_path,
+            MrtdSource::Tdreport => &self.device,
+            MrtdSource::Quote => &self.tsm_report_dir,
+        }
+    }
+
     /// Checks the table beyond what serde checks.
     ///
     /// # Errors
@@ -304,6 +378,20 @@ pub enum MrtdError {
     /// Config: `[tdx] sources` lists a source twice.
     #[error("[tdx] sources lists \"{0}\" more than once")]
     DuplicateSource(MrtdSource),
+    /// [`read_mrtd_bounded`]: the source reading `path` gave no answer within `after` (a
+    /// FIFO or a stalled device in place of the file). The read is abandoned, not stopped:
+    /// its thread stays blocked until the kernel answers.
+    #[error("{}: no answer within {after:?}", .path.display())]
+    Timeout {
+        /// The file, device or directory the source was reading.
+        path: PathBuf,
+        /// The deadline of the whole read.
+        after: Duration,
+    },
+    /// [`read_mrtd_bounded`] could not start its reader thread, or the thread stopped without
+    /// an answer.
+    #[error("the MRTD reader thread {0}")]
+    Reader(String),
 }
 
 fn describe_io(e: &io::Error) -> String {
@@ -331,12 +419,21 @@ fn describe_errno(errno: Errno) -> String {
 }
 
 /// A successful read: the MRTD and the source it came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// `Serialize`: `{"mrtd": "<96 lowercase hex>", "source": "sysfs"}`. `Display`: the hex, a
+/// tab and the source (what `fleet-sidecar mrtd` prints).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct MrtdReading {
     /// The 48-byte MRTD.
     pub mrtd: Mrtd,
     /// The source that gave it.
     pub source: MrtdSource,
+}
+
+impl fmt::Display for MrtdReading {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}\t{}", self.mrtd, self.source)
+    }
 }
 
 /// Every source tried failed: one entry per source, in the order tried.
@@ -369,8 +466,9 @@ impl std::error::Error for MrtdUnavailable {}
 
 /// Tries `cfg.sources` in order; the first source that yields a valid MRTD wins.
 ///
-/// Blocking (file I/O, ioctl with short sleeps between retries): call it from a blocking
-/// context (e.g. `tokio::task::spawn_blocking`).
+/// Blocking (file I/O, ioctl with short sleeps between retries) and without a deadline: a
+/// FIFO in place of a sysfs file blocks it until a writer comes. Tools and the daemon use
+/// [`read_mrtd_bounded`]; see [`MrtdSource`] for what each source does to the machine.
 ///
 /// # Errors
 /// [`MrtdUnavailable`] with one `(source, error)` per source tried when none worked (and no
@@ -381,6 +479,90 @@ pub fn read_mrtd(cfg: &TdxConfig) -> Result<MrtdReading, MrtdUnavailable> {
         match read_source(cfg, source) {
             Ok(mrtd) => return Ok(MrtdReading { mrtd, source }),
             Err(e) => failures.push((source, e)),
+        }
+    }
+    Err(MrtdUnavailable { failures })
+}
+
+/// [`read_mrtd`] with a deadline: tries `cfg.sources` in order on a thread of its own and
+/// waits at most `within` in all (the daemon reads with [`MRTD_READ_TIMEOUT`], 10 s). A source still reading when
+/// the time is up is reported as [`MrtdError::Timeout`] naming its path, after the failures
+/// of the sources before it; the sources after it are not tried. What reading each source
+/// does to the machine is on its [`MrtdSource`] variant: pass
+/// [`TdxConfig::without_side_effects`] to leave out the ones that change anything.
+///
+/// Blocks the calling thread for at most `within` (plus the thread's start); from async
+/// code, call it under `tokio::task::spawn_blocking`. A source that never answers (a FIFO in
+/// place of the sysfs file, a wedged device) keeps its thread blocked in the kernel after
+/// this returns: nothing can interrupt a blocked `read(2)` from outside.
+///
+/// ```
+/// use std::time::Duration;
+/// use fleet_sidecar::{read_mrtd_bounded, MrtdSource, TdxConfig};
+///
+/// let dir = tempfile::tempdir().unwrap();
+/// let cfg = TdxConfig {
+///     mrtd_path: dir.path().join("mrtd"),
+///     sources: vec![MrtdSource::Sysfs],
+///     ..TdxConfig::default()
+/// };
+/// std::fs::write(&cfg.mrtd_path, [7u8; 48]).unwrap();
+/// let reading = read_mrtd_bounded(&cfg.without_side_effects(), Duration::from_secs(2)).unwrap();
+/// assert_eq!(reading.source, MrtdSource::Sysfs);
+/// assert_eq!(reading.mrtd.to_hex(), "07".repeat(48));
+/// ```
+///
+/// # Errors
+/// [`MrtdUnavailable`] with one `(source, error)` per source tried, in order, the last one
+/// [`MrtdError::Timeout`] when the deadline passed ([`MrtdError::Reader`] when the thread
+/// could not start); no entry when `cfg.sources` is empty.
+pub fn read_mrtd_bounded(
+    cfg: &TdxConfig,
+    within: Duration,
+) -> Result<MrtdReading, MrtdUnavailable> {
+    let started = Instant::now();
+    let (tx, rx) = mpsc::channel();
+    let reader_cfg = cfg.clone();
+    let spawned = std::thread::Builder::new()
+        .name("mrtd-read".to_owned())
+        .spawn(move || {
+            for &source in &reader_cfg.sources {
+                let result = read_source(&reader_cfg, source);
+                let found = result.is_ok();
+                // The receiver is gone once the deadline passed: nobody waits any more.
+                if tx.send((source, result)).is_err() || found {
+                    return;
+                }
+            }
+        });
+    let mut failures = Vec::new();
+    if let Err(e) = spawned {
+        if let Some(&first) = cfg.sources.first() {
+            failures.push((first, MrtdError::Reader(format!("could not start: {e}"))));
+        }
+        return Err(MrtdUnavailable { failures });
+    }
+    for &source in &cfg.sources {
+        let left = within.saturating_sub(started.elapsed());
+        match rx.recv_timeout(left) {
+            Ok((source, Ok(mrtd))) => return Ok(MrtdReading { mrtd, source }),
+            Ok((source, Err(e))) => failures.push((source, e)),
+            Err(mpsc::RecvTimeoutError::Timeout) => {
+                let path = cfg.path_of(source).to_path_buf();
+                failures.push((
+                    source,
+                    MrtdError::Timeout {
+                        path,
+                        after: within,
+                    },
+                ));
+                break;
+            }
+            Err(mpsc::RecvTimeoutError::Disconnected) => {
+                let stopped = MrtdError::Reader("stopped without an answer".to_owned());
+                failures.push((source, stopped));
+                break;
+            }
         }
     }
     Err(MrtdUnavailable { failures })
@@ -1640,5 +1822,108 @@ mod tests {
         }
         let e = tsm_exchange(entry.path());
         assert!(e.as_ref().is_err_and(|e| is_not_found(e, &inblob)));
+    }
+
+    /// A FIFO at `path` (what a broken image or a hostile bind mount can leave in place of
+    /// a sysfs attribute): opening it for reading blocks until a writer comes.
+    fn mkfifo(path: &Path) {
+        mkdir(path.parent().unwrap());
+        let status = std::process::Command::new("mkfifo")
+            .arg(path)
+            .status()
+            .unwrap();
+        assert!(status.success(), "mkfifo {}", path.display());
+    }
+
+    /// Lets a reader blocked on the FIFO go (a writer opens and closes it), so the test
+    /// leaves no thread blocked behind.
+    fn release(path: &Path) {
+        drop(OpenOptions::new().write(true).open(path));
+    }
+
+    #[test]
+    fn a_fifo_in_place_of_the_sysfs_file_does_not_hang_the_bounded_read() {
+        let mut t = tree();
+        mkfifo(&t.cfg.mrtd_path);
+        t.cfg.sources = vec![
+            MrtdSource::SysfsLegacy,
+            MrtdSource::Sysfs,
+            MrtdSource::Tdreport,
+        ];
+        let start = Instant::now();
+        let e = read_mrtd_bounded(&t.cfg, Duration::from_millis(300)).unwrap_err();
+        let took = start.elapsed();
+        release(&t.cfg.mrtd_path);
+        assert!(took < Duration::from_secs(5), "took {took:?}");
+        // The failure before the hang is kept, the hang names its path, nothing after it
+        // is tried.
+        assert_eq!(e.failures.len(), 2, "{e}");
+        assert!(
+            is_not_found(&e.failures[0].1, &t.cfg.legacy_mrtd_path),
+            "{e}"
+        );
+        assert!(
+            matches!(&e.failures[1], (MrtdSource::Sysfs, MrtdError::Timeout { path, after })
+            if *path == t.cfg.mrtd_path && *after == Duration::from_millis(300)),
+            "{e}"
+        );
+        assert!(e.to_string().contains("no answer within 300ms"), "{e}");
+    }
+
+    #[test]
+    fn the_bounded_read_gives_what_the_unbounded_one_gives() {
+        let mut t = tree();
+        write(&t.cfg.legacy_mrtd_path, &A);
+        let unbounded = read_mrtd(&t.cfg).unwrap();
+        let bounded = read_mrtd_bounded(&t.cfg, Duration::from_secs(5)).unwrap();
+        assert_eq!(bounded, unbounded);
+        assert_eq!(bounded.source, MrtdSource::SysfsLegacy);
+        t.cfg.sources.clear();
+        assert!(read_mrtd_bounded(&t.cfg, Duration::from_secs(5))
+            .unwrap_err()
+            .failures
+            .is_empty());
+    }
+
+    #[test]
+    fn leaving_out_side_effects_never_tries_the_quote() {
+        let t = tree();
+        assert!(MrtdSource::ALL
+            .iter()
+            .all(|s| s.has_side_effects() == (*s == MrtdSource::Quote)));
+        let e =
+            read_mrtd_bounded(&t.cfg.without_side_effects(), Duration::from_secs(5)).unwrap_err();
+        let tried: Vec<MrtdSource> = e.failures.iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            tried,
+            [
+                MrtdSource::Sysfs,
+                MrtdSource::SysfsLegacy,
+                MrtdSource::Tdreport
+            ]
+        );
+        // With it, the quote is tried (and fails here: no configfs-tsm provider).
+        let e = read_mrtd_bounded(&t.cfg, Duration::from_secs(5)).unwrap_err();
+        assert_eq!(e.failures.last().map(|(s, _)| *s), Some(MrtdSource::Quote));
+    }
+
+    #[test]
+    fn an_mrtd_and_a_reading_serialize_as_lowercase_hex() {
+        let reading = MrtdReading {
+            mrtd: Mrtd::from([0xAB; 48]),
+            source: MrtdSource::SysfsLegacy,
+        };
+        let json = serde_json::to_value(reading).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"mrtd": "ab".repeat(48), "source": "sysfs-legacy"})
+        );
+        assert_eq!(
+            reading.to_string(),
+            format!("{}\tsysfs-legacy", "ab".repeat(48))
+        );
+        let back: Mrtd = serde_json::from_value(json["mrtd"].clone()).unwrap();
+        assert_eq!(back, reading.mrtd);
+        assert!(serde_json::from_str::<Mrtd>("\"abc\"").is_err());
     }
 }

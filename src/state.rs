@@ -84,7 +84,10 @@ impl State {
 }
 
 /// Which document format a state file holds.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+///
+/// `Display` and `Serialize` (a JSON string): `bare-array`, `v1`, `v2`, `v3`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum StateFormat {
     /// A bare JSON array of 64-hex ids: the Bash sidecar's confirmed set.
     BareArray,
@@ -96,7 +99,29 @@ pub enum StateFormat {
     V3,
 }
 
+impl StateFormat {
+    /// The name `Display` and `Serialize` give: `bare-array`, `v1`, `v2`, `v3`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StateFormat::BareArray => "bare-array",
+            StateFormat::V1 => "v1",
+            StateFormat::V2 => "v2",
+            StateFormat::V3 => "v3",
+        }
+    }
+}
+
+impl std::fmt::Display for StateFormat {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Something loading had to change to restore the invariants of [`State`].
+///
+/// `Display`: one sentence naming the id and what loading did. `Serialize`:
+/// `{"kind": "confirmed-not-admitted" | "absent-not-admitted" | "joining-admitted",
+/// "group_id": "<64 lowercase hex>", "text": "<the Display sentence>"}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Repair {
     /// Listed as confirmed but not as admitted (a v2 document only: the older formats have
@@ -109,6 +134,43 @@ pub enum Repair {
     /// Listed as both joining and admitted: the recorded admission wins, loading drops it
     /// from `joining`.
     JoiningAdmitted(GroupId),
+}
+
+impl Repair {
+    /// The repair's kind as `Serialize` names it, e.g. `confirmed-not-admitted`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Repair::ConfirmedNotAdmitted(_) => "confirmed-not-admitted",
+            Repair::AbsentNotAdmitted(_) => "absent-not-admitted",
+            Repair::JoiningAdmitted(_) => "joining-admitted",
+        }
+    }
+
+    /// The namespace the repair is about.
+    pub fn group_id(&self) -> GroupId {
+        match self {
+            Repair::ConfirmedNotAdmitted(id)
+            | Repair::AbsentNotAdmitted(id)
+            | Repair::JoiningAdmitted(id) => *id,
+        }
+    }
+}
+
+impl Serialize for Repair {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Out {
+            kind: &'static str,
+            group_id: GroupId,
+            text: String,
+        }
+        Out {
+            kind: self.kind(),
+            group_id: self.group_id(),
+            text: self.to_string(),
+        }
+        .serialize(s)
+    }
 }
 
 impl std::fmt::Display for Repair {
@@ -134,7 +196,19 @@ impl std::fmt::Display for Repair {
 }
 
 /// What [`inspect_state`] found in a state document.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// `Serialize`: `{"format": "v3", "on_disk": {...}, "state": {...}, "repairs": [...]}`, the
+/// two states as the v3 document writes its sets (ids as 64 lowercase hex), each repair as
+/// [`Repair`] serializes it. `Display`: a few lines for a person (the format, the size of
+/// each set the daemon runs on, then one `repaired on load:` line per repair).
+///
+/// ```
+/// let text = br#"{"version": 1, "confirmed": []}"#;
+/// let report = fleet_sidecar::inspect_state(text, std::path::Path::new("state.json")).unwrap();
+/// assert_eq!(serde_json::to_value(&report).unwrap()["format"], "v1");
+/// assert!(report.to_string().starts_with("format v1\n"));
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct StateReport {
     /// The document's format.
     pub format: StateFormat,
@@ -149,6 +223,8 @@ pub struct StateReport {
 }
 
 /// What a state file path holds: [`StateStore::inspect`] tells "no file" apart from a file.
+///
+/// `Serialize`: `{"present": false}`, or `{"present": true, "report": <the StateReport>}`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 // Built once per read by a tool, never in a loop: not boxed, so a match takes it apart.
 #[allow(clippy::large_enum_variant)]
@@ -157,6 +233,40 @@ pub enum StateFile {
     Missing,
     /// A readable state document.
     Present(StateReport),
+}
+
+impl std::fmt::Display for StateReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = &self.state;
+        writeln!(f, "format {}", self.format)?;
+        writeln!(
+            f,
+            "admitted {}, confirmed {}, joining {}, absent from polls {}",
+            s.admitted.len(),
+            s.confirmed.len(),
+            s.joining.len(),
+            s.absent_polls.len()
+        )?;
+        for repair in &self.repairs {
+            writeln!(f, "repaired on load: {repair}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Serialize for StateFile {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut map = s.serialize_map(None)?;
+        match self {
+            StateFile::Missing => map.serialize_entry("present", &false)?,
+            StateFile::Present(report) => {
+                map.serialize_entry("present", &true)?;
+                map.serialize_entry("report", report)?;
+            }
+        }
+        map.end()
+    }
 }
 
 #[derive(Serialize)]
@@ -1037,5 +1147,60 @@ mod tests {
         left.sort();
         assert_eq!(left, ["fleet-confirmed.json", "unrelated.tmp"]);
         assert_eq!(StateStore::new(store.path()).load().unwrap(), Some(state));
+    }
+
+    #[test]
+    fn the_inspect_report_serializes_and_displays_for_a_tool() {
+        let a = "AB".repeat(32);
+        let b = "cd".repeat(32);
+        let text = format!(
+            r#"{{"version": 2, "admitted": ["{b}"], "confirmed": ["{a}"], "absent_polls": {{}}}}"#
+        );
+        let report = inspect_state(text.as_bytes(), Path::new("s.json")).unwrap();
+        let json = serde_json::to_value(&report).unwrap();
+        let a = a.to_lowercase();
+        assert_eq!(json["format"], "v2");
+        assert_eq!(json["on_disk"]["confirmed"], serde_json::json!([a]));
+        assert_eq!(json["state"]["admitted"], serde_json::json!([a, b]));
+        assert_eq!(
+            json["repairs"],
+            serde_json::json!([{
+                "kind": "confirmed-not-admitted",
+                "group_id": a,
+                "text": format!("{a} is confirmed but was not admitted: added to admitted"),
+            }])
+        );
+        assert_eq!(
+            report.to_string(),
+            format!(
+                "format v2\nadmitted 2, confirmed 1, joining 0, absent from polls 0\n\
+                 repaired on load: {a} is confirmed but was not admitted: added to admitted\n"
+            )
+        );
+        let present = serde_json::to_value(StateFile::Present(report)).unwrap();
+        assert_eq!(present["present"], true);
+        assert_eq!(present["report"], json);
+        assert_eq!(
+            serde_json::to_value(StateFile::Missing).unwrap(),
+            serde_json::json!({"present": false})
+        );
+        let names: Vec<String> = [
+            StateFormat::BareArray,
+            StateFormat::V1,
+            StateFormat::V2,
+            StateFormat::V3,
+        ]
+        .iter()
+        .map(|f| format!("{f} {}", serde_json::to_string(f).unwrap()))
+        .collect();
+        assert_eq!(
+            names,
+            [
+                r#"bare-array "bare-array""#,
+                r#"v1 "v1""#,
+                r#"v2 "v2""#,
+                r#"v3 "v3""#
+            ]
+        );
     }
 }

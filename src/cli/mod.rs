@@ -17,7 +17,7 @@ use crate::identity::{resolve_admin_url, AdminUrlSource};
 use crate::logging;
 use crate::mdma::MdmaClient;
 use crate::merod::MerodClient;
-use crate::mrtd::{read_mrtd, read_saved, SavedEvidence, TdxConfig};
+use crate::mrtd::{read_mrtd_bounded, read_saved, SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT};
 use crate::notify;
 use crate::telemetry;
 use crate::telemetry::unix_now;
@@ -352,7 +352,7 @@ fn mrtd_command(
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    match read_mrtd(&tdx) {
+    match read_mrtd_bounded(&tdx, MRTD_READ_TIMEOUT) {
         Ok(r) => {
             println!("{}\t{}", r.mrtd, r.source);
             ExitCode::SUCCESS

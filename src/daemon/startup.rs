@@ -11,7 +11,7 @@ use crate::config::Config;
 use crate::identity::read_peer_id;
 use crate::ids::PeerId;
 use crate::merod::{Node, PROBE_TIMEOUT};
-use crate::mrtd::{read_mrtd, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig};
+use crate::mrtd::{read_mrtd_bounded, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig, MRTD_READ_TIMEOUT};
 use crate::state::{State, StateStore};
 use crate::telemetry::{Phase, Telemetry};
 
@@ -31,8 +31,6 @@ const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(5);
 const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 /// How often an unreadable MRTD is tried again (a later module load can make it appear).
 const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
-/// Bound of one MRTD read (sysfs, ioctl with its short retries, configfs-tsm quote).
-const MRTD_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Who the node is: what every poll and confirm carries.
 pub(super) struct Identity {
@@ -128,23 +126,16 @@ enum MrtdReadError {
     Unavailable(#[from] MrtdUnavailable),
     #[error("the MRTD reader stopped: {0}")]
     Stopped(#[source] tokio::task::JoinError),
-    #[error("no MRTD source answered within {0:?}")]
-    Timeout(Duration),
 }
 
-/// Reads the MRTD on the blocking pool (file reads, ioctl), bounded by
-/// [`MRTD_READ_TIMEOUT`]. Errors: [`MrtdReadError`], every source's failure.
+/// Reads the MRTD on the blocking pool with the library's bounded read
+/// ([`read_mrtd_bounded`], [`MRTD_READ_TIMEOUT`]): a source that never answers is reported
+/// as timed out. Errors: [`MrtdReadError`], every source's failure.
 async fn read_mrtd_blocking(tdx: &TdxConfig) -> Result<MrtdReading, MrtdReadError> {
     let tdx = tdx.clone();
-    match timeout(
-        MRTD_READ_TIMEOUT,
-        tokio::task::spawn_blocking(move || read_mrtd(&tdx)),
-    )
-    .await
-    {
-        Ok(Ok(result)) => Ok(result?),
-        Ok(Err(e)) => Err(MrtdReadError::Stopped(e)),
-        Err(_) => Err(MrtdReadError::Timeout(MRTD_READ_TIMEOUT)),
+    match tokio::task::spawn_blocking(move || read_mrtd_bounded(&tdx, MRTD_READ_TIMEOUT)).await {
+        Ok(result) => Ok(result?),
+        Err(e) => Err(MrtdReadError::Stopped(e)),
     }
 }
 
