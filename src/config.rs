@@ -389,26 +389,64 @@ fn parse_raw(text: &str, path: &Path) -> Result<RawConfig, ConfigError> {
 }
 
 /// What an admin tool that works beside the sidecar needs from the sidecar's config file:
-/// where merod is (`[merod]`) and where the state is (`state_file`).
+/// where merod is (`[merod]`), where the state is (`state_file`), where the MRTD is read from
+/// (`[tdx]`) and, for a tool that posts to MDMA, `mdma_url` and the credentials.
 ///
 /// Read from the same TOML file as [`Config`], with the same schema (an unknown or mistyped
 /// key is still an error naming it), but nothing else is required or touched: `mdma_url`
-/// may be absent, and `fleet_token_file` is never opened, so a tool that only talks to merod
-/// and reads the state works on a node whose token it must not (or cannot) read.
+/// may be absent, and `fleet_token_file` is not opened until
+/// [`ToolConfig::mdma_credentials`] asks for it, so a tool that only talks to merod and reads
+/// the state works on a node whose token it must not (or cannot) read.
+///
+/// ```
+/// use std::path::Path;
+/// use fleet_sidecar::{MrtdSource, ToolConfig};
+///
+/// let text = "state_file = \"/tmp/state.json\"\n[tdx]\nsources = [\"sysfs\", \"quote\"]\n";
+/// let cfg = ToolConfig::from_toml(text, Path::new("fleet-sidecar.toml")).unwrap();
+/// assert_eq!(cfg.tdx.sources, [MrtdSource::Sysfs, MrtdSource::Quote]);
+/// assert!(cfg.mdma_url.is_none());
+/// let credentials = cfg.mdma_credentials().unwrap();
+/// assert!(credentials.token.is_none() && credentials.ca_file.is_none());
+/// ```
 #[derive(Debug, Clone)]
 pub struct ToolConfig {
+    /// The config file it was read from (named in errors).
+    pub path: PathBuf,
     /// The validated `[merod]` table (see [`crate::identity::resolve_admin_url`] for the
     /// admin URL the daemon would use).
     pub merod: MerodConfig,
     /// `state_file`: the sidecar's state (default `/var/lib/calimero/fleet-confirmed.json`).
     pub state_file: PathBuf,
+    /// The validated `[tdx]` table (`sources` non-empty, no duplicates): read the MRTD with
+    /// [`crate::read_mrtd_bounded`].
+    pub tdx: TdxConfig,
+    /// `mdma_url` when set, checked as the daemon checks it (`https://`, plain `http://` only
+    /// for a loopback host; ends in `/`).
+    pub mdma_url: Option<Url>,
+    /// `mdma_ca_file`: extra PEM trust roots for MDMA (not opened here).
+    pub mdma_ca_file: Option<PathBuf>,
+    fleet_token: Option<FleetToken>,
+    fleet_token_file: Option<PathBuf>,
+}
+
+/// What a tool sends MDMA to be recognised as this node's: the fleet token and the extra
+/// trust roots. `Debug` never shows the token.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MdmaCredentials {
+    /// The token to send as `X-Fleet-Token`, if the config has one.
+    pub token: Option<FleetToken>,
+    /// `mdma_ca_file`, if set (read when the client is built).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl ToolConfig {
-    /// Reads the config file at `path` and keeps `[merod]` and `state_file`.
+    /// Reads the config file at `path` and keeps what a tool needs.
     ///
     /// Errors: [`ConfigError::Read`], [`ConfigError::Parse`], and [`ConfigError::Invalid`]
-    /// for `merod.*` or `state_file`; never [`ConfigError::MissingMdmaUrl`].
+    /// for `merod.*`, `state_file`, `tdx.sources` or a set `mdma_url`; never
+    /// [`ConfigError::MissingMdmaUrl`], and nothing about the token (see
+    /// [`ToolConfig::mdma_credentials`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
             path: path.to_owned(),
@@ -423,10 +461,128 @@ impl ToolConfig {
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
         let raw = parse_raw(text, path)?;
         check_file_path(path, "state_file", &raw.state_file)?;
+        check_tdx(path, &raw.tdx)?;
+        let mdma_url = match raw.mdma_url.as_deref().map(str::trim) {
+            Some(s) if !s.is_empty() => Some(check_mdma_url(s, path, &mut Vec::new())?),
+            _ => None,
+        };
         Ok(Self {
+            path: path.to_owned(),
             merod: raw.merod.validate(path)?,
             state_file: raw.state_file,
+            tdx: raw.tdx,
+            mdma_url,
+            mdma_ca_file: raw.mdma_ca_file,
+            fleet_token: raw.fleet_token,
+            fleet_token_file: raw.fleet_token_file,
         })
+    }
+
+    /// The token and CA file for MDMA, with the daemon's checks: `fleet_token` (non-empty,
+    /// header-safe) or `fleet_token_file` (a regular file neither group nor others may read,
+    /// holding a non-empty header-safe token, surrounding whitespace trimmed), never both.
+    /// Opens the token file, nothing else. [`crate::MdmaClient::from_tool_config`] builds the
+    /// client from it.
+    ///
+    /// Errors: [`ConfigError::Invalid`] naming `fleet_token` or `fleet_token_file` (never
+    /// the token itself).
+    pub fn mdma_credentials(&self) -> Result<MdmaCredentials, ConfigError> {
+        Ok(MdmaCredentials {
+            token: resolve_token(
+                self.fleet_token.clone(),
+                self.fleet_token_file.as_deref(),
+                &self.path,
+            )?,
+            ca_file: self.mdma_ca_file.clone(),
+        })
+    }
+}
+
+/// Checks `[tdx]` as the daemon does; errors name `tdx.sources`.
+fn check_tdx(path: &Path, tdx: &TdxConfig) -> Result<(), ConfigError> {
+    tdx.validate().map_err(|e| {
+        let names: Vec<&str> = tdx.sources.iter().map(|s| s.as_str()).collect();
+        ConfigError::Invalid {
+            path: path.to_owned(),
+            key: "tdx.sources",
+            value: names.join(", "),
+            reason: e.to_string(),
+        }
+    })
+}
+
+/// Checks a set `mdma_url`: a base URL, `https://` or plain `http://` to a loopback host
+/// (which adds a warning). Errors: [`ConfigError::Invalid`] naming `mdma_url`.
+fn check_mdma_url(raw: &str, path: &Path, warnings: &mut Vec<String>) -> Result<Url, ConfigError> {
+    let invalid = |reason: String| ConfigError::Invalid {
+        path: path.to_owned(),
+        key: "mdma_url",
+        value: raw.to_owned(),
+        reason,
+    };
+    let mdma_url = parse_base_url(raw).map_err(|reason| invalid(reason.to_string()))?;
+    match mdma_url.scheme() {
+        "https" => {}
+        "http" if is_loopback(&mdma_url) => warnings.push(format!(
+            "mdma_url {mdma_url} is plain http: accepted only because the host is loopback"
+        )),
+        "http" => {
+            return Err(invalid(
+                "must be https:// (plain http:// is accepted only for a loopback host)".to_owned(),
+            ))
+        }
+        other => return Err(invalid(format!("scheme {other:?} is not https"))),
+    }
+    if let Some(tld) = placeholder_domain(&mdma_url) {
+        return Err(invalid(format!(
+            "the host is in the reserved .{tld} domain, a placeholder that never resolves: set the fleet's MDMA URL"
+        )));
+    }
+    Ok(mdma_url)
+}
+
+/// The fleet token from `fleet_token` or `fleet_token_file` (read here), with every check.
+/// Errors: [`ConfigError::Invalid`] naming the key, never holding the token.
+fn resolve_token(
+    token: Option<FleetToken>,
+    file: Option<&Path>,
+    path: &Path,
+) -> Result<Option<FleetToken>, ConfigError> {
+    let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
+        path: path.to_owned(),
+        key,
+        value,
+        reason,
+    };
+    if token.as_ref().is_some_and(|t| t.expose().is_empty()) {
+        return Err(invalid(
+            "fleet_token",
+            String::new(),
+            "is empty: leave the key out to send no token".to_owned(),
+        ));
+    }
+    if token.as_ref().is_some_and(|t| !header_safe(t.expose())) {
+        return Err(invalid(
+            "fleet_token",
+            String::new(),
+            "holds characters not allowed in an HTTP header (a control char or line break)"
+                .to_owned(),
+        ));
+    }
+    match (token, file) {
+        (Some(_), Some(file)) => Err(invalid(
+            "fleet_token_file",
+            file.display().to_string(),
+            "set together with fleet_token: keep one".to_owned(),
+        )),
+        (token, None) => Ok(token),
+        (None, Some(file)) => read_token_file(file).map(Some).map_err(|reason| {
+            invalid(
+                "fleet_token_file",
+                file.display().to_string(),
+                reason.to_string(),
+            )
+        }),
     }
 }
 
@@ -504,61 +660,7 @@ impl RawConfig {
                 })
             }
         };
-        let mdma_url = parse_base_url(&mdma_raw)
-            .map_err(|reason| invalid("mdma_url", mdma_raw.clone(), reason.to_string()))?;
-        match mdma_url.scheme() {
-            "https" => {}
-            "http" if is_loopback(&mdma_url) => warnings.push(format!(
-                "mdma_url {mdma_url} is plain http: accepted only because the host is loopback"
-            )),
-            "http" => {
-                return Err(invalid(
-                    "mdma_url",
-                    mdma_raw,
-                    "must be https:// (plain http:// is accepted only for a loopback host)"
-                        .to_owned(),
-                ))
-            }
-            other => {
-                return Err(invalid(
-                    "mdma_url",
-                    mdma_raw,
-                    format!("scheme {other:?} is not https"),
-                ))
-            }
-        }
-        if let Some(tld) = placeholder_domain(&mdma_url) {
-            return Err(invalid(
-                "mdma_url",
-                mdma_raw,
-                format!(
-                    "the host is in the reserved .{tld} domain, a placeholder that never resolves: set the fleet's MDMA URL"
-                ),
-            ));
-        }
-        if self
-            .fleet_token
-            .as_ref()
-            .is_some_and(|t| t.expose().is_empty())
-        {
-            return Err(invalid(
-                "fleet_token",
-                String::new(),
-                "is empty: leave the key out to send no token".to_owned(),
-            ));
-        }
-        if self
-            .fleet_token
-            .as_ref()
-            .is_some_and(|t| !header_safe(t.expose()))
-        {
-            return Err(invalid(
-                "fleet_token",
-                String::new(),
-                "holds characters not allowed in an HTTP header (a control char or line break)"
-                    .to_owned(),
-            ));
-        }
+        let mdma_url = check_mdma_url(&mdma_raw, path, &mut warnings)?;
         if self.fleet_token.is_some() {
             if let Some(mode) = group_or_world_readable(path) {
                 warnings.push(format!(
@@ -567,23 +669,7 @@ impl RawConfig {
                 ));
             }
         }
-        let fleet_token = match (self.fleet_token, &self.fleet_token_file) {
-            (Some(_), Some(file)) => {
-                return Err(invalid(
-                    "fleet_token_file",
-                    file.display().to_string(),
-                    "set together with fleet_token: keep one".to_owned(),
-                ))
-            }
-            (token, None) => token,
-            (None, Some(file)) => Some(read_token_file(file).map_err(|reason| {
-                invalid(
-                    "fleet_token_file",
-                    file.display().to_string(),
-                    reason.to_string(),
-                )
-            })?),
-        };
+        let fleet_token = resolve_token(self.fleet_token, self.fleet_token_file.as_deref(), path)?;
         let status_listen = match &self.status_listen {
             None => None,
             Some(raw) => Some(raw.parse::<SocketAddr>().map_err(|e| {
@@ -646,10 +732,7 @@ impl RawConfig {
                 ));
             }
         }
-        self.tdx.validate().map_err(|e| {
-            let names: Vec<&str> = self.tdx.sources.iter().map(|s| s.as_str()).collect();
-            invalid("tdx.sources", names.join(", "), e.to_string())
-        })?;
+        check_tdx(path, &self.tdx)?;
 
         Ok(Config {
             mdma_url,
@@ -1235,5 +1318,74 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             tool.state_file,
             PathBuf::from("/var/lib/calimero/fleet-confirmed.json")
         );
+    }
+
+    #[test]
+    fn a_tool_gets_tdx_mdma_url_and_the_credentials_with_the_daemons_checks() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = Path::new("/etc/calimero/fleet-sidecar.toml");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "  NEVER-LOGGED-TOKEN-tool\n").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let text = format!(
+            "mdma_url = \"https://mdma.example/fleet\"\nfleet_token_file = \"{}\"\n\
+             mdma_ca_file = \"/etc/ca.pem\"\n[tdx]\nsources = [\"tdreport\"]\n",
+            file.display()
+        );
+        // Loading never opens the token file: a readable one is refused only when asked for.
+        let tool = ToolConfig::from_toml(&text, path).unwrap();
+        assert_eq!(tool.tdx.sources, [crate::mrtd::MrtdSource::Tdreport]);
+        assert_eq!(
+            tool.mdma_url.as_ref().map(Url::as_str),
+            Some("https://mdma.example/fleet/")
+        );
+        let err = tool.mdma_credentials().unwrap_err().to_string();
+        assert!(
+            err.contains("fleet_token_file") && err.contains("chmod 600"),
+            "{err}"
+        );
+        assert!(!err.contains("NEVER-LOGGED-TOKEN"), "{err}");
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let credentials = tool.mdma_credentials().unwrap();
+        assert_eq!(
+            credentials.token.as_ref().map(FleetToken::expose),
+            Some("NEVER-LOGGED-TOKEN-tool")
+        );
+        assert_eq!(
+            credentials.ca_file.as_deref(),
+            Some(Path::new("/etc/ca.pem"))
+        );
+        assert!(!format!("{credentials:?}").contains("NEVER-LOGGED-TOKEN"));
+        // The daemon's other checks: one of the two keys, a usable inline token, a bad
+        // mdma_url or [tdx] refused at load.
+        let both = format!(
+            "fleet_token = \"a\"\nfleet_token_file = \"{}\"",
+            file.display()
+        );
+        let err = ToolConfig::from_toml(&both, path)
+            .unwrap()
+            .mdma_credentials();
+        assert!(err.unwrap_err().to_string().contains("keep one"));
+        let inline = ToolConfig::from_toml("fleet_token = \"NEVER-LOGGED-TOKEN-x\"", path).unwrap();
+        assert_eq!(
+            inline.mdma_credentials().unwrap().token.unwrap().expose(),
+            "NEVER-LOGGED-TOKEN-x"
+        );
+        let empty = ToolConfig::from_toml("fleet_token = \"\"", path).unwrap();
+        assert!(empty.mdma_credentials().is_err());
+        for (text, key) in [
+            ("mdma_url = \"http://mdma.example\"", "mdma_url"),
+            ("[tdx]\nsources = []", "tdx.sources"),
+            ("[tdx]\nsources = [\"sysfs\", \"sysfs\"]", "tdx.sources"),
+        ] {
+            let err = ToolConfig::from_toml(text, path).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::Invalid { key: k, .. } if *k == key),
+                "{text}: {err}"
+            );
+        }
+        let loopback = ToolConfig::from_toml("mdma_url = \"http://127.0.0.1:9/\"", path).unwrap();
+        assert!(loopback.mdma_url.is_some());
     }
 }

@@ -105,16 +105,17 @@ mod strict_json;
 mod telemetry;
 
 pub use config::{
-    Config, ConfigError, LogFormat, LogTarget, MerodConfig, ToolConfig, DEFAULT_ADMIN_URL,
-    DEFAULT_CONFIG_PATH,
+    Config, ConfigError, LogFormat, LogTarget, MdmaCredentials, MerodConfig, ToolConfig,
+    DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH,
 };
 pub use identity::{
     read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError, ListenAddrError,
 };
 pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
-    ConfirmError, ControlPlane, FleetToken, MalformedAnswer, MdmaClient, MdmaClientBuilder,
-    MdmaClientError, PollError, RequestError, ShouldJoin, MAX_POLL_BODY, MDMA_TIMEOUT,
+    CallError, ConfirmError, ControlPlane, FleetToken, MalformedAnswer, MdmaAnswer, MdmaClient,
+    MdmaClientBuilder, MdmaClientError, PollError, RequestError, ShouldJoin, MAX_POLL_BODY,
+    MDMA_TIMEOUT,
 };
 pub use merod::{
     Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp, Node, CHECK_TIMEOUT,

@@ -141,9 +141,72 @@ impl PollError {
 /// unconfirmed and is confirmed again later.
 pub type ConfirmError = RequestError;
 
+/// Why an [`MdmaClient::post_json`] call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// `path` does not name a place under the client's MDMA URL (an absolute URL, a `..`
+    /// climbing out of it, a query or fragment).
+    #[error("{path:?} is not an API path under the MDMA URL {base}")]
+    Path {
+        /// The client's base URL.
+        base: Url,
+        /// The path as given.
+        path: String,
+    },
+    /// No answer, a timeout, or a status other than 2xx (redirects included: never followed).
+    #[error(transparent)]
+    Request(#[from] RequestError),
+    /// A 2xx answer whose body could not be read whole within [`MAX_POLL_BODY`], or (from
+    /// [`MdmaAnswer::json`]) is not the JSON asked for.
+    #[error("POST {url}: HTTP {status} but {source}")]
+    Malformed {
+        /// The request URL.
+        url: Url,
+        /// The 2xx status.
+        status: u16,
+        /// What is wrong with the body.
+        #[source]
+        source: MalformedAnswer,
+    },
+}
+
+/// A 2xx answer to [`MdmaClient::post_json`]: its status and body, read whole (at most
+/// [`MAX_POLL_BODY`] bytes).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MdmaAnswer {
+    /// The request URL.
+    pub url: Url,
+    /// The HTTP status (200..=299).
+    pub status: u16,
+    /// The body as sent (may be empty, e.g. for a 204).
+    pub body: Vec<u8>,
+}
+
+impl MdmaAnswer {
+    /// The body read strictly as `T`: JSON with no object naming a key twice (at any
+    /// depth), then the shape of `T`.
+    ///
+    /// Errors: [`CallError::Malformed`] with [`MalformedAnswer::Ambiguous`] (not JSON, or a
+    /// key named twice) or [`MalformedAnswer::Shape`] (not the shape of `T`).
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, CallError> {
+        let malformed = |source| CallError::Malformed {
+            url: self.url.clone(),
+            status: self.status,
+            source,
+        };
+        crate::strict_json::reject_duplicate_keys(&self.body)
+            .map_err(|e| malformed(MalformedAnswer::Ambiguous(e)))?;
+        serde_json::from_slice(&self.body).map_err(|e| malformed(MalformedAnswer::Shape(e)))
+    }
+}
+
 /// Why the MDMA client could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum MdmaClientError {
+    /// [`MdmaClient::from_tool_config`]: the config has no `mdma_url`, or its token cannot
+    /// be read (see [`crate::ToolConfig::mdma_credentials`]).
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     /// The extra CA file could not be read.
     #[error("cannot read mdma_ca_file {path}: {source}")]
     CaRead {
@@ -248,6 +311,7 @@ pub trait ControlPlane: Send + Sync + 'static {
 #[derive(Clone, Debug)]
 pub struct MdmaClient {
     http: reqwest::Client,
+    base: Url,
     should_join_url: Url,
     confirm_url: Url,
     token: Option<FleetToken>,
@@ -385,6 +449,7 @@ impl MdmaClient {
         };
         Ok(Self {
             http,
+            base: base.clone(),
             should_join_url: join("api/fleet/should-join")?,
             confirm_url: join("api/fleet/confirm")?,
             token: b.token,
@@ -392,13 +457,151 @@ impl MdmaClient {
         })
     }
 
-    fn post<B: Serialize>(&self, url: &Url, body: &B) -> reqwest::RequestBuilder {
+    /// A client for the MDMA a tool's config names: `mdma_url`, the token
+    /// ([`crate::ToolConfig::mdma_credentials`]: `fleet_token` or `fleet_token_file`, with
+    /// the daemon's checks) and `mdma_ca_file`, with the daemon's HTTP rules and timeout.
+    ///
+    /// Errors: [`MdmaClientError::Config`] when `mdma_url` is not set
+    /// ([`crate::ConfigError::MissingMdmaUrl`]) or the token cannot be used, else as
+    /// [`MdmaClientBuilder::build`].
+    pub fn from_tool_config(cfg: &crate::ToolConfig) -> Result<Self, MdmaClientError> {
+        let url =
+            cfg.mdma_url
+                .clone()
+                .ok_or_else(|| crate::config::ConfigError::MissingMdmaUrl {
+                    path: cfg.path.clone(),
+                })?;
+        let credentials = cfg.mdma_credentials()?;
+        let mut builder = Self::builder(url);
+        if let Some(token) = credentials.token {
+            builder = builder.token(token);
+        }
+        if let Some(ca) = credentials.ca_file {
+            builder = builder.ca_file(ca);
+        }
+        builder.build()
+    }
+
+    /// The MDMA base URL the client was built for.
+    pub fn base_url(&self) -> &Url {
+        &self.base
+    }
+
+    /// POSTs `body` as JSON to `path` under the MDMA URL (e.g. `api/fleet/inventory`; a
+    /// leading `/` is allowed and the base's own path prefix is kept), with exactly the
+    /// daemon's rules: the request timeout, TLS verified against the system roots plus the
+    /// CA file, no redirect followed, no environment proxy for a loopback MDMA, the token
+    /// only in `X-Fleet-Token`. The answer is read whole, capped at [`MAX_POLL_BODY`].
+    /// `confirm` is sent this way.
+    ///
+    /// ```no_run
+    /// # async fn demo(mdma: fleet_sidecar::MdmaClient) -> Result<(), fleet_sidecar::CallError> {
+    /// let answer = mdma
+    ///     .post_json("api/fleet/inventory", &serde_json::json!({"namespaces": []}))
+    ///     .await?;
+    /// let ack: serde_json::Value = answer.json()?;
+    /// println!("HTTP {}: {ack}", answer.status);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// Errors: [`CallError::Path`] for a path that leaves the base URL,
+    /// [`CallError::Request`] for no answer, a timeout or a status outside 2xx,
+    /// [`CallError::Malformed`] for a 2xx body larger than the cap.
+    pub async fn post_json<B: Serialize + ?Sized>(
+        &self,
+        path: &str,
+        body: &B,
+    ) -> Result<MdmaAnswer, CallError> {
+        let url = self.api_url(path)?;
+        let resp = self.send(&url, body).await?;
+        let status = resp.status().as_u16();
+        let body = read_capped(resp).await.map_err(|e| match e {
+            BodyError::TooLarge => CallError::Malformed {
+                url: url.clone(),
+                status,
+                source: MalformedAnswer::TooLarge {
+                    limit: MAX_POLL_BODY,
+                },
+            },
+            BodyError::Transport(e) => RequestError::from_reqwest(&url, self.timeout, e).into(),
+        })?;
+        Ok(MdmaAnswer { url, status, body })
+    }
+
+    /// `path` joined to the base URL, refused unless the result stays under it.
+    fn api_url(&self, path: &str) -> Result<Url, CallError> {
+        let refused = || CallError::Path {
+            base: self.base.clone(),
+            path: path.to_owned(),
+        };
+        let relative = path.strip_prefix('/').unwrap_or(path);
+        if relative.is_empty() || relative.contains(['?', '#']) || relative.contains("..") {
+            return Err(refused());
+        }
+        let url = self.base.join(relative).map_err(|_| refused())?;
+        if !url.as_str().starts_with(self.base.as_str()) {
+            return Err(refused());
+        }
+        Ok(url)
+    }
+
+    /// Sends one POST of `body` to `url`; a 2xx answer is returned unread.
+    ///
+    /// Errors: [`RequestError`] for no answer, a timeout or a status outside 2xx.
+    async fn send<B: Serialize + ?Sized>(
+        &self,
+        url: &Url,
+        body: &B,
+    ) -> Result<reqwest::Response, RequestError> {
+        let resp = self
+            .post(url, body)
+            .send()
+            .await
+            .map_err(|e| RequestError::from_reqwest(url, self.timeout, e))?;
+        let status = resp.status();
+        if status.is_success() {
+            Ok(resp)
+        } else {
+            Err(RequestError::Status {
+                url: url.clone(),
+                status: status.as_u16(),
+            })
+        }
+    }
+
+    fn post<B: Serialize + ?Sized>(&self, url: &Url, body: &B) -> reqwest::RequestBuilder {
         let req = self.http.post(url.clone()).json(body);
         match &self.token {
             Some(t) => req.header("X-Fleet-Token", t.expose()),
             None => req,
         }
     }
+}
+
+/// Why an answer's body could not be read.
+enum BodyError {
+    /// Announced or found larger than [`MAX_POLL_BODY`]; refused unread.
+    TooLarge,
+    /// The connection failed while reading.
+    Transport(reqwest::Error),
+}
+
+/// Reads a body whole under [`MAX_POLL_BODY`]: one announced or found larger is refused
+/// without reading it whole. Room for the announced length (≤ the cap) is taken at once: no
+/// doubling and copying as the chunks arrive (a 1 MB poll answer at 10,000 namespaces).
+async fn read_capped(mut resp: reqwest::Response) -> Result<Vec<u8>, BodyError> {
+    let announced = resp.content_length();
+    if announced.is_some_and(|n| n > MAX_POLL_BODY as u64) {
+        return Err(BodyError::TooLarge);
+    }
+    let mut bytes = Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
+    while let Some(chunk) = resp.chunk().await.map_err(BodyError::Transport)? {
+        if bytes.len() + chunk.len() > MAX_POLL_BODY {
+            return Err(BodyError::TooLarge);
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok(bytes)
 }
 
 /// Whether `url`'s host is loopback: `localhost` (and `*.localhost`), 127.0.0.0/8, `::1`.
@@ -453,7 +656,7 @@ impl ControlPlane for MdmaClient {
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));
-        let mut resp = self.post(url, &body).send().await.map_err(fail)?;
+        let resp = self.post(url, &body).send().await.map_err(fail)?;
         let status = resp.status().as_u16();
         if status != 200 {
             return Err(RequestError::Status {
@@ -462,27 +665,15 @@ impl ControlPlane for MdmaClient {
             }
             .into());
         }
-        let too_large = || PollError::Malformed {
-            url: url.clone(),
-            source: MalformedAnswer::TooLarge {
-                limit: MAX_POLL_BODY,
+        let bytes = read_capped(resp).await.map_err(|e| match e {
+            BodyError::TooLarge => PollError::Malformed {
+                url: url.clone(),
+                source: MalformedAnswer::TooLarge {
+                    limit: MAX_POLL_BODY,
+                },
             },
-        };
-        // Streamed under the cap: a body announced or found larger is refused unread.
-        let announced = resp.content_length();
-        if announced.is_some_and(|n| n > MAX_POLL_BODY as u64) {
-            return Err(too_large());
-        }
-        // Room for the announced length (≤ the cap) at once: no doubling and copying as
-        // the chunks arrive (a 1 MB answer at 10,000 namespaces).
-        let mut bytes =
-            Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
-        while let Some(chunk) = resp.chunk().await.map_err(fail)? {
-            if bytes.len() + chunk.len() > MAX_POLL_BODY {
-                return Err(too_large());
-            }
-            bytes.extend_from_slice(&chunk);
-        }
+            BodyError::Transport(e) => fail(e),
+        })?;
         parse_should_join(&bytes).map_err(|source| PollError::Malformed {
             url: url.clone(),
             source,
@@ -490,25 +681,12 @@ impl ControlPlane for MdmaClient {
     }
 
     async fn confirm(&self, peer_id: &PeerId, group_id: GroupId) -> Result<(), ConfirmError> {
-        let url = &self.confirm_url;
         let body = ConfirmRequest {
             peer_id: peer_id.as_str(),
             group_id: group_id.to_string(),
         };
-        let resp = self
-            .post(url, &body)
-            .send()
-            .await
-            .map_err(|e| RequestError::from_reqwest(url, self.timeout, e))?;
-        let status = resp.status();
-        if status.is_success() {
-            Ok(())
-        } else {
-            Err(RequestError::Status {
-                url: url.clone(),
-                status: status.as_u16(),
-            })
-        }
+        // The answer's body is not read: any 2xx is the acknowledgement.
+        self.send(&self.confirm_url, &body).await.map(drop)
     }
 }
 
