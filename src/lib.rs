@@ -84,7 +84,7 @@ pub mod cli;
 mod config;
 #[cfg(feature = "daemon")]
 pub mod daemon;
-#[cfg(feature = "emulator")]
+#[cfg(feature = "testing")]
 pub mod emulator;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]

@@ -12,23 +12,24 @@
 //! - A poll is answered with the next queued [`PollReply`], else with the standing one
 //!   (default: no assignments). A confirm answers 200 `{}`, or 503 while failures are scripted
 //!   for its group with [`MdmaEmulator::fail_next_confirms`].
+//! - Any other path (a tool's own call, e.g. `POST /api/fleet/inventory`) is checked for the
+//!   token, recorded ([`MdmaEmulator::requests`]) and answered with what
+//!   [`MdmaEmulator::set_answer`] scripted for it, else 404 `{"error":"Not found"}`.
 
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::body::Bytes;
-use axum::extract::State;
-use axum::http::header::CONTENT_TYPE;
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
-use axum::Router;
+use hyper::body::Bytes;
+use hyper::{HeaderMap, Method, StatusCode};
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
 use url::Url;
 
-use super::{is_json_content_type, json_response, lock, serve, BadRequest, ServerHandle};
+use super::{
+    is_json_content_type, json_response, lock, raw_json_response, serve, Answer, BadRequest,
+    Received, ServerHandle,
+};
 
 /// The header carrying the fleet token.
 pub const TOKEN_HEADER: &str = "x-fleet-token";
@@ -120,8 +121,36 @@ pub struct ConfirmRecord {
     pub at: Instant,
 }
 
+/// How the emulator answers a request to a path other than should-join and confirm.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CallReply {
+    /// This status with this JSON body.
+    Json(u16, Value),
+    /// Never answers.
+    Hang,
+}
+
+/// One request to a path other than should-join and confirm, as received.
+#[derive(Clone, Debug)]
+pub struct RequestRecord {
+    /// The HTTP method.
+    pub method: String,
+    /// The path without the query string.
+    pub path: String,
+    /// The `X-Fleet-Token` header as sent.
+    pub token: Option<String>,
+    /// The body as text (lossy UTF-8).
+    pub body: String,
+    /// What was answered; 0 for [`CallReply::Hang`].
+    pub status: u16,
+    /// When the request arrived.
+    pub at: Instant,
+}
+
 struct Inner {
     token: Option<String>,
+    answers: HashMap<String, CallReply>,
+    requests: Vec<RequestRecord>,
     standing: PollReply,
     queue: VecDeque<PollReply>,
     /// Remaining scripted confirm failures, keyed by lowercase group id.
@@ -159,6 +188,8 @@ impl MdmaEmulator {
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 token,
+                answers: HashMap::new(),
+                requests: Vec::new(),
                 standing: PollReply::default(),
                 queue: VecDeque::new(),
                 confirm_failures: HashMap::new(),
@@ -167,12 +198,8 @@ impl MdmaEmulator {
             }),
             poll_count,
         });
-        let router = Router::new()
-            .route("/api/fleet/should-join", post(should_join))
-            .route("/api/fleet/confirm", post(confirm))
-            .fallback(not_found)
-            .with_state(shared.clone());
-        let server = Arc::new(serve(router).await?);
+        let handler_state = shared.clone();
+        let server = Arc::new(serve(move |request| route(handler_state.clone(), request)).await?);
         Ok(MdmaEmulator { shared, server })
     }
 
@@ -202,6 +229,18 @@ impl MdmaEmulator {
         lock(&self.shared.inner)
             .confirm_failures
             .insert(group_id.to_ascii_lowercase(), n);
+    }
+
+    /// Answers requests to `path` (e.g. `/api/fleet/inventory`; any method) with `reply`
+    /// from now on, once their token is right.
+    pub fn set_answer(&self, path: &str, reply: CallReply) {
+        let path = format!("/{}", path.trim_start_matches('/'));
+        lock(&self.shared.inner).answers.insert(path, reply);
+    }
+
+    /// Every request to a path other than should-join and confirm, in arrival order.
+    pub fn requests(&self) -> Vec<RequestRecord> {
+        lock(&self.shared.inner).requests.clone()
     }
 
     /// Every poll so far, in arrival order.
@@ -317,30 +356,76 @@ fn assign_body(assignments: &[String], retain: &Option<Vec<String>>) -> Value {
 }
 
 /// What a poll will be answered, decided under the lock.
-enum Answer {
+enum Planned {
     Json(u16, Value),
     Raw(String),
     Hang,
 }
 
-impl Answer {
+impl Planned {
     fn status(&self) -> u16 {
         match self {
-            Answer::Json(status, _) => *status,
-            Answer::Raw(_) => 200,
-            Answer::Hang => 0,
+            Planned::Json(status, _) => *status,
+            Planned::Raw(_) => 200,
+            Planned::Hang => 0,
         }
     }
 }
 
-async fn should_join(
-    State(shared): State<Arc<Shared>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+/// should-join and confirm (POST), then any scripted path.
+async fn route(shared: Arc<Shared>, request: Received) -> Answer {
+    let body = request.body.unwrap_or_default();
+    match (request.uri.path(), &request.method) {
+        ("/api/fleet/should-join", &Method::POST) => {
+            should_join(&shared, &request.headers, &body).await
+        }
+        ("/api/fleet/confirm", &Method::POST) => confirm(&shared, &request.headers, &body),
+        (path, method) => other(&shared, method, path, &request.headers, &body).await,
+    }
+}
+
+/// A request to any other path: recorded, then its scripted answer (404 without one).
+async fn other(
+    shared: &Shared,
+    method: &Method,
+    path: &str,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Answer {
+    let token = header(headers, TOKEN_HEADER);
+    let reply = {
+        let mut inner = lock(&shared.inner);
+        let reply = if !authorised(&inner.token, &token) {
+            CallReply::Json(401, error_body("missing or wrong X-Fleet-Token"))
+        } else {
+            let found = inner.answers.get(path).cloned();
+            found.unwrap_or_else(|| CallReply::Json(404, error_body("Not found")))
+        };
+        inner.requests.push(RequestRecord {
+            method: method.to_string(),
+            path: path.to_owned(),
+            token,
+            body: String::from_utf8_lossy(body).into_owned(),
+            status: match &reply {
+                CallReply::Json(status, _) => StatusCode::from_u16(*status)
+                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+                    .as_u16(),
+                CallReply::Hang => 0,
+            },
+            at: Instant::now(),
+        });
+        reply
+    };
+    match reply {
+        CallReply::Json(status, body) => json_response(status, body),
+        CallReply::Hang => std::future::pending().await,
+    }
+}
+
+async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
     let at = Instant::now();
-    let token = header(&headers, TOKEN_HEADER);
-    let parsed = json_object(&headers, &body);
+    let token = header(headers, TOKEN_HEADER);
+    let parsed = json_object(headers, body);
     let peer_id = string_field(&parsed, "peer_id");
     let mrtd = string_field(&parsed, "mrtd");
     let valid = check_fields(parsed, &["peer_id"], &["mrtd"]);
@@ -348,9 +433,9 @@ async fn should_join(
     let (answer, count) = {
         let mut inner = lock(&shared.inner);
         let answer = if !authorised(&inner.token, &token) {
-            Answer::Json(401, error_body("missing or wrong X-Fleet-Token"))
+            Planned::Json(401, error_body("missing or wrong X-Fleet-Token"))
         } else if let Err(message) = valid {
-            Answer::Json(400, error_body(&message.0))
+            Planned::Json(400, error_body(&message.0))
         } else {
             let reply = match inner.queue.pop_front() {
                 Some(reply) => reply,
@@ -360,16 +445,16 @@ async fn should_join(
                 PollReply::Assign {
                     assignments,
                     retain,
-                } => Answer::Json(200, assign_body(&assignments, &retain)),
+                } => Planned::Json(200, assign_body(&assignments, &retain)),
                 PollReply::Status(status) => {
                     // Record the status actually sent (an impossible one becomes 500).
                     let sent = StatusCode::from_u16(status)
                         .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
                         .as_u16();
-                    Answer::Json(sent, error_body("emulated"))
+                    Planned::Json(sent, error_body("emulated"))
                 }
-                PollReply::RawBody(body) => Answer::Raw(body),
-                PollReply::Hang => Answer::Hang,
+                PollReply::RawBody(body) => Planned::Raw(body),
+                PollReply::Hang => Planned::Hang,
             }
         };
         inner.polls.push(PollRecord {
@@ -384,18 +469,16 @@ async fn should_join(
     shared.poll_count.send_replace(count);
 
     match answer {
-        Answer::Json(status, body) => json_response(status, body),
-        Answer::Raw(body) => {
-            (StatusCode::OK, [(CONTENT_TYPE, "application/json")], body).into_response()
-        }
-        Answer::Hang => std::future::pending().await,
+        Planned::Json(status, body) => json_response(status, body),
+        Planned::Raw(body) => raw_json_response(200, body),
+        Planned::Hang => std::future::pending().await,
     }
 }
 
-async fn confirm(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
+fn confirm(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
     let at = Instant::now();
-    let token = header(&headers, TOKEN_HEADER);
-    let parsed = json_object(&headers, &body);
+    let token = header(headers, TOKEN_HEADER);
+    let parsed = json_object(headers, body);
     let peer_id = string_field(&parsed, "peer_id");
     let group_id = string_field(&parsed, "group_id");
     let valid = check_fields(parsed, &["peer_id", "group_id"], &[]);
@@ -426,13 +509,10 @@ async fn confirm(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: By
     json_response(status, body)
 }
 
-async fn not_found() -> Response {
-    json_response(404, error_body("Not found"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use hyper::header::CONTENT_TYPE;
 
     const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
     const B: &str = "abababababababababababababababababababababababababababababababab";

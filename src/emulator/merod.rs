@@ -10,7 +10,8 @@
 //!   camelCase field, id length, hex), then the namespace's [`JoinBehaviour`];
 //! - `POST /namespaces/{id}/leave` — then the namespace's [`LeaveBehaviour`];
 //! - `GET /namespaces/{id}` (200 member / 404 `No namespace identity found`),
-//!   `GET /namespaces` (`?offset=&limit=`, default 0/100) listing the held namespaces;
+//!   `GET /namespaces` (`?offset=&limit=`, default 0/100) listing the held namespaces page
+//!   by page, then the [`ListBehaviour`];
 //! - anything else 404 `{"error":"Not found"}`.
 //!
 //! Ids are compared case-insensitively, stored and answered lowercase. The effect of a join or a
@@ -21,23 +22,16 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
-use axum::extract::{Path, Request, State};
-use axum::http::{HeaderMap, StatusCode, Uri};
-use axum::middleware::{from_fn_with_state, Next};
-use axum::response::Response;
-use axum::routing::{get, post};
-use axum::Router;
+use hyper::body::Bytes;
+use hyper::{HeaderMap, Method, StatusCode, Uri};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use url::Url;
 
 use super::{
-    content_type, is_json_content_type, json_response, lock, serve, BadRequest, ServerHandle,
+    content_type, is_json_content_type, json_response, lock, serve, Answer, BadRequest, Received,
+    ServerHandle,
 };
-
-/// Largest request body the emulator reads.
-const BODY_LIMIT: usize = 1024 * 1024;
 
 /// How `POST /admin-api/tee/fleet-join` behaves for a well-formed request.
 #[derive(Clone, Debug, PartialEq)]
@@ -108,6 +102,25 @@ impl Default for LeaveBehaviour {
     }
 }
 
+/// How `GET /admin-api/namespaces` (the listing) behaves.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub enum ListBehaviour {
+    /// The recorded shape, `{"data": [<entry>, ...]}`, one page of the held namespaces per
+    /// `offset`/`limit`.
+    #[default]
+    Normal,
+    /// Never answers.
+    Hang,
+    /// Answer this status with `{"error": "Internal server error"}` (or the status's reason
+    /// phrase).
+    Error {
+        /// The HTTP status.
+        status: u16,
+    },
+    /// 200 with exactly this body (for wrong-shape tests).
+    RawBody(String),
+}
+
 /// One request as received by the emulator.
 #[derive(Clone, Debug)]
 pub struct CallRecord {
@@ -149,12 +162,12 @@ impl Recorded {
         Recorded { status, body }
     }
 
-    fn respond(&self) -> Response {
+    fn respond(&self) -> Answer {
         json_response(self.status, self.body.clone())
     }
 
     /// This answer with `body[pointer...]` string fields set to `id`.
-    fn with_id(&self, pointers: &[&str], id: &str) -> Response {
+    fn with_id(&self, pointers: &[&str], id: &str) -> Answer {
         let mut body = self.body.clone();
         for pointer in pointers {
             let field = body
@@ -247,6 +260,7 @@ struct Inner {
     join: HashMap<String, JoinBehaviour>,
     default_leave: LeaveBehaviour,
     leave: HashMap<String, LeaveBehaviour>,
+    list: ListBehaviour,
     /// Refusals already served under `RefuseThenAdmit`, per namespace.
     refused: HashMap<String, u32>,
     ready: bool,
@@ -287,6 +301,7 @@ impl MerodEmulator {
                 join: HashMap::new(),
                 default_leave: LeaveBehaviour::default(),
                 leave: HashMap::new(),
+                list: ListBehaviour::default(),
                 refused: HashMap::new(),
                 ready: true,
                 held: BTreeSet::new(),
@@ -296,30 +311,8 @@ impl MerodEmulator {
             }),
             fixtures: Fixtures::load(),
         });
-        let router = Router::new()
-            .route("/admin-api/health", get(health).fallback(not_found))
-            .route("/admin-api/ready", get(ready).fallback(not_found))
-            .route("/admin-api/peers", get(peers).fallback(not_found))
-            .route(
-                "/admin-api/tee/fleet-join",
-                post(fleet_join).fallback(not_found),
-            )
-            .route(
-                "/admin-api/namespaces",
-                get(list_namespaces).fallback(not_found),
-            )
-            .route(
-                "/admin-api/namespaces/:id",
-                get(get_namespace).fallback(not_found),
-            )
-            .route(
-                "/admin-api/namespaces/:id/leave",
-                post(leave_namespace).fallback(not_found),
-            )
-            .fallback(not_found)
-            .layer(from_fn_with_state(shared.clone(), record_call))
-            .with_state(shared.clone());
-        let server = Arc::new(serve(router).await?);
+        let handler_state = shared.clone();
+        let server = Arc::new(serve(move |request| handle(handler_state.clone(), request)).await?);
         Ok(MerodEmulator { shared, server })
     }
 
@@ -359,6 +352,11 @@ impl MerodEmulator {
         lock(&self.shared.inner)
             .leave
             .insert(group_id.to_ascii_lowercase(), behaviour);
+    }
+
+    /// How the namespace listing behaves from now on (default [`ListBehaviour::Normal`]).
+    pub fn set_list(&self, behaviour: ListBehaviour) {
+        lock(&self.shared.inner).list = behaviour;
     }
 
     /// While false, `/admin-api/peers` answers 503 `{"error":"starting"}` and
@@ -415,17 +413,17 @@ impl MerodEmulator {
     }
 }
 
-/// Records every request (status 0 until it is answered).
-async fn record_call(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
-    let (parts, body) = request.into_parts();
-    let bytes = axum::body::to_bytes(body, BODY_LIMIT).await;
+/// Records every request (status 0 until it is answered, or when the client gave up), then
+/// answers it.
+async fn handle(shared: Arc<Shared>, request: Received) -> Answer {
     let index = {
         let mut inner = lock(&shared.inner);
         inner.calls.push(CallRecord {
-            method: parts.method.to_string(),
-            path: parts.uri.path().to_owned(),
-            content_type: content_type(&parts.headers),
-            body: bytes
+            method: request.method.to_string(),
+            path: request.uri.path().to_owned(),
+            content_type: content_type(&request.headers),
+            body: request
+                .body
                 .as_ref()
                 .map(|bytes| String::from_utf8_lossy(bytes).into_owned())
                 .unwrap_or_default(),
@@ -434,29 +432,58 @@ async fn record_call(State(shared): State<Arc<Shared>>, request: Request, next: 
         });
         inner.calls.len() - 1
     };
-    let response = match bytes {
-        Ok(bytes) => {
-            next.run(Request::from_parts(parts, Body::from(bytes)))
-                .await
-        }
-        Err(err) => json_response(
-            400,
-            json!({ "error": format!("Failed to read body: {err}") }),
-        ),
-    };
+    let response = route(&shared, request).await;
     lock(&shared.inner).calls[index].status = response.status().as_u16();
     response
 }
 
-async fn not_found() -> Response {
+/// The admin routes; anything else is 404 `{"error":"Not found"}`.
+async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
+    let body = match request.body {
+        Ok(body) => body,
+        Err(err) => {
+            return json_response(
+                400,
+                json!({ "error": format!("Failed to read body: {err}") }),
+            )
+        }
+    };
+    let path = request.uri.path();
+    let Some(rest) = path.strip_prefix("/admin-api/") else {
+        return not_found();
+    };
+    let get = request.method == Method::GET;
+    let post = request.method == Method::POST;
+    match rest {
+        "health" if get => health(shared),
+        "ready" if get => ready(shared),
+        "peers" if get => peers(shared),
+        "tee/fleet-join" if post => fleet_join(shared, &request.headers, body).await,
+        "namespaces" if get => list_namespaces(shared, &request.uri).await,
+        _ => match rest
+            .strip_prefix("namespaces/")
+            .map(|id| id.split_once('/'))
+        {
+            Some(None) if get && rest.len() > "namespaces/".len() => {
+                get_namespace(shared, &rest["namespaces/".len()..])
+            }
+            Some(Some((id, "leave"))) if post && !id.is_empty() => {
+                leave_namespace(shared, id).await
+            }
+            _ => not_found(),
+        },
+    }
+}
+
+fn not_found() -> Answer {
     json_response(404, json!({ "error": "Not found" }))
 }
 
-async fn health(State(shared): State<Arc<Shared>>) -> Response {
+fn health(shared: &Shared) -> Answer {
     shared.fixtures.health.respond()
 }
 
-async fn ready(State(shared): State<Arc<Shared>>) -> Response {
+fn ready(shared: &Shared) -> Answer {
     if lock(&shared.inner).ready {
         shared.fixtures.ready.respond()
     } else {
@@ -464,7 +491,7 @@ async fn ready(State(shared): State<Arc<Shared>>) -> Response {
     }
 }
 
-async fn peers(State(shared): State<Arc<Shared>>) -> Response {
+fn peers(shared: &Shared) -> Answer {
     if lock(&shared.inner).ready {
         shared.fixtures.peers.respond()
     } else {
@@ -502,13 +529,9 @@ enum JoinPlan {
     Error { status: u16, message: String },
 }
 
-async fn fleet_join(
-    State(shared): State<Arc<Shared>>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
+async fn fleet_join(shared: &Arc<Shared>, headers: &HeaderMap, body: Bytes) -> Answer {
     let fixtures = &shared.fixtures;
-    if !is_json_content_type(&headers) {
+    if !is_json_content_type(headers) {
         return fixtures.join_no_content_type.respond();
     }
     let request: FleetJoinRequest = match serde_json::from_slice(&body) {
@@ -582,12 +605,22 @@ async fn fleet_join(
     }
 }
 
-fn internal_error() -> Response {
+/// `status` with `{"error": ...}`: "Internal server error" for 500 (and an impossible
+/// status), else the status's reason phrase.
+fn error_status(status: u16) -> Answer {
+    let message = match StatusCode::from_u16(status) {
+        Ok(StatusCode::INTERNAL_SERVER_ERROR) | Err(_) => "Internal server error",
+        Ok(code) => code.canonical_reason().unwrap_or("Internal server error"),
+    };
+    json_response(status, json!({ "error": message }))
+}
+
+fn internal_error() -> Answer {
     json_response(500, json!({ "error": "Internal server error" }))
 }
 
-async fn leave_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<String>) -> Response {
-    let Ok(id) = parse_id(&raw) else {
+async fn leave_namespace(shared: &Arc<Shared>, raw: &str) -> Answer {
+    let Ok(id) = parse_id(raw) else {
         return shared.fixtures.leave_bad_id.respond();
     };
     let (behaviour, held) = {
@@ -598,13 +631,7 @@ async fn leave_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<Stri
     };
     match behaviour {
         LeaveBehaviour::Hang => std::future::pending().await,
-        LeaveBehaviour::Error { status } => {
-            let message = match StatusCode::from_u16(status) {
-                Ok(StatusCode::INTERNAL_SERVER_ERROR) | Err(_) => "Internal server error",
-                Ok(code) => code.canonical_reason().unwrap_or("Internal server error"),
-            };
-            json_response(status, json!({ "error": message }))
-        }
+        LeaveBehaviour::Error { status } => error_status(status),
         LeaveBehaviour::Normal { .. } if !held => shared.fixtures.leave_again.respond(),
         LeaveBehaviour::Normal { delay } => {
             // Detached, so the leave completes even if the client stops waiting.
@@ -624,9 +651,9 @@ async fn leave_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<Stri
     }
 }
 
-async fn get_namespace(State(shared): State<Arc<Shared>>, Path(raw): Path<String>) -> Response {
+fn get_namespace(shared: &Shared, raw: &str) -> Answer {
     let fixtures = &shared.fixtures;
-    let Ok(id) = parse_id(&raw) else {
+    let Ok(id) = parse_id(raw) else {
         return fixtures.leave_bad_id.respond();
     };
     let held = lock(&shared.inner).held.contains(&id);
@@ -656,11 +683,18 @@ fn paging(uri: &Uri) -> Result<(usize, usize), BadRequest> {
     Ok((offset, limit))
 }
 
-async fn list_namespaces(State(shared): State<Arc<Shared>>, uri: Uri) -> Response {
-    let (offset, limit) = match paging(&uri) {
+async fn list_namespaces(shared: &Shared, uri: &Uri) -> Answer {
+    let (offset, limit) = match paging(uri) {
         Ok(paging) => paging,
         Err(message) => return json_response(400, json!({ "error": message.0 })),
     };
+    let behaviour = lock(&shared.inner).list.clone();
+    match behaviour {
+        ListBehaviour::Normal => {}
+        ListBehaviour::Hang => return std::future::pending().await,
+        ListBehaviour::Error { status } => return error_status(status),
+        ListBehaviour::RawBody(body) => return super::raw_json_response(200, body),
+    }
     let held = lock(&shared.inner).held.clone();
     let entries: Vec<Value> = held
         .iter()
@@ -678,7 +712,7 @@ async fn list_namespaces(State(shared): State<Arc<Shared>>, uri: Uri) -> Respons
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::header::CONTENT_TYPE;
+    use hyper::header::CONTENT_TYPE;
 
     const ID: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
     const OTHER: &str = "abababababababababababababababababababababababababababababababab";

@@ -6,7 +6,6 @@ use std::path::PathBuf;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Router;
-use fleet_sidecar::emulator::{serve, ServerHandle};
 use fleet_sidecar::GroupId;
 use fleet_sidecar::{Admission, MerodClient, Node};
 use serde_json::Value;
@@ -17,6 +16,33 @@ fn fixture(name: &str) -> Value {
         .join(format!("{name}.json"));
     let text = std::fs::read_to_string(&path).expect("fixture readable");
     serde_json::from_str(&text).expect("fixture is JSON")
+}
+
+/// A loopback server of `router`, stopped when dropped.
+struct ServerHandle {
+    addr: std::net::SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ServerHandle {
+    fn url(&self) -> url::Url {
+        format!("http://{}/", self.addr).parse().unwrap()
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve(router: Router) -> std::io::Result<ServerHandle> {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+    let addr = listener.local_addr()?;
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, router).await;
+    });
+    Ok(ServerHandle { addr, task })
 }
 
 /// A server answering every request with the fixture's recorded status and body.
