@@ -12,14 +12,29 @@
 //! The crate is also a library. With `default-features = false` it is only the pieces below
 //! (no HTTP listener, metrics, systemd notify, command line or log subscriber):
 //!
+//! ```toml
+//! [dependencies]
+//! fleet-sidecar = { version = "0.1", default-features = false }
+//! [dev-dependencies]
+//! # The loopback fakes of merod and MDMA, for your tests (still no daemon).
+//! fleet-sidecar = { version = "0.1", default-features = false, features = ["testing"] }
+//! ```
+//!
 //! | need | items |
 //! |---|---|
-//! | merod's admin API, every call with its own deadline | [`MerodClient`], [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
-//! | MDMA's fleet API (`should-join`, `confirm`) | [`MdmaClient`], [`ShouldJoin`], [`FleetToken`], [`PollError`] |
+//! | the sidecar's config | [`ToolConfig`] (`[merod]`, `state_file`, `[tdx]`, `mdma_url`; nothing required), [`ToolConfig::mdma_credentials`] (token and CA file, the daemon's checks), [`resolve_admin_url`], [`read_peer_id`]; [`Config`] is the daemon's (every check) |
+//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`], and through the [`Node`] trait `probe`, `fleet_join`, `leave_namespace`, `holds_namespace`), [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
+//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` and `confirm` |
+//! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
-//! | the TD's MRTD, live or from saved bytes | [`read_mrtd`], [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
-//! | the sidecar's config | [`Config`] (the daemon's, every check), [`ToolConfig`] (`[merod]` and `state_file` only), [`resolve_admin_url`], [`read_peer_id`] |
+//! | fakes for your tests (`testing` feature) | `emulator::merod::MerodEmulator`, `emulator::mdma::MdmaEmulator` (see below) |
+//!
+//! Every type a tool prints is `Display` and `Serialize` ([`GroupId`] and [`Mrtd`] as
+//! lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`StateFormat`] by name,
+//! [`MrtdReading`], [`StateReport`] and [`StateFile`] as JSON objects), so
+//! `serde_json::json!({"mrtd": reading.mrtd, "namespaces": held})` is a body to post.
+//! The daemon makes its merod and MDMA calls through these same clients.
 //!
 //! A tool that compares the state with what merod holds (the whole of
 //! `examples/fleet-inspect.rs` is built this way):
@@ -47,7 +62,72 @@
 //! # Ok(()) }
 //! ```
 //!
+//! A tool that posts an inventory to MDMA (the token from `fleet_token` or
+//! `fleet_token_file`, checked as the daemon checks it):
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::path::Path;
+//! use std::time::Duration;
+//! use fleet_sidecar::{read_mrtd_bounded, resolve_admin_url, MdmaClient, MerodClient, ToolConfig};
+//!
+//! let cfg = ToolConfig::load(Path::new("/etc/calimero/fleet-sidecar.toml"))?;
+//! let held = MerodClient::new(&resolve_admin_url(&cfg.merod).url)?.list_namespaces().await?;
+//! // Blocking, at most 5 s; looks only (no configfs-tsm quote).
+//! let tdx = cfg.tdx.without_side_effects();
+//! let mrtd = tokio::task::spawn_blocking(move || read_mrtd_bounded(&tdx, Duration::from_secs(5)))
+//!     .await?
+//!     .ok();
+//! let body = serde_json::json!({"mrtd": mrtd.map(|r| r.mrtd), "namespaces": held});
+//! let answer = MdmaClient::from_tool_config(&cfg)?
+//!     .post_json("api/fleet/inventory", &body)
+//!     .await?;
+//! println!("MDMA answered HTTP {}", answer.status);
+//! # Ok(()) }
+//! ```
+//!
 //! Never send `should-join` from a tool: MDMA counts it as the node's heartbeat.
+//!
+//! ## Testing a tool: the `testing` feature
+//!
+//! `emulator::merod::MerodEmulator` and `emulator::mdma::MdmaEmulator` are loopback fakes
+//! (`127.0.0.1`, a free port, in memory) that answer with the shapes recorded from a real
+//! merod 0.11 and the fleet's MDMA: the namespace listing in pages of `offset`/`limit`,
+//! fleet-join, leave, membership, readiness; should-join, confirm, and any path you script.
+//! They inject failures and hangs (`set_join`, `set_leave`, `set_list`, `set_ready`;
+//! `set_reply`, `fail_next_confirms`, `set_answer`) and record every call. They need a tokio
+//! runtime and nothing of the daemon. A test (the whole of it; `library-alone/tests/inventory.rs`
+//! in the repository goes further):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use fleet_sidecar::emulator::mdma::{CallReply, MdmaEmulator};
+//! use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+//! use fleet_sidecar::{MdmaClient, MerodClient};
+//!
+//! let merod = MerodEmulator::start().await.unwrap();
+//! for n in 0..150u32 {
+//!     merod.hold(&format!("{n:064x}")); // more than one page of the listing
+//! }
+//! let client = MerodClient::new(&merod.url()).unwrap();
+//! assert_eq!(client.list_namespaces().await.unwrap().len(), 150);
+//! merod.set_list(ListBehaviour::Error { status: 500 });
+//! assert!(client.list_namespaces().await.is_err());
+//!
+//! let mdma = MdmaEmulator::start(Some("NEVER-LOGGED-TOKEN".into())).await.unwrap();
+//! mdma.set_answer("api/fleet/inventory", CallReply::Json(200, serde_json::json!({"ok": true})));
+//! let posted = MdmaClient::builder(mdma.url())
+//!     .token(fleet_sidecar::FleetToken::new("NEVER-LOGGED-TOKEN"))
+//!     .build()
+//!     .unwrap()
+//!     .post_json("api/fleet/inventory", &serde_json::json!({"namespaces": []}))
+//!     .await
+//!     .unwrap();
+//! assert_eq!(posted.status, 200);
+//! assert_eq!(mdma.requests()[0].body, r#"{"namespaces":[]}"#);
+//! # }
+//! ```
 //!
 //! ## Embedding the loop
 //!
@@ -70,8 +150,10 @@ leave, for a tool that wants to show what the sidecar would do."
 //! ## Features
 //!
 //! * `daemon` (default): the loop, the `fleet-sidecar` binary and what only it needs.
-//! * `emulator`: loopback MDMA and merod stand-ins for the demo and the tests; never in a
-//!   production build.
+//! * `testing`: the loopback fakes of merod and MDMA (`emulator`) for tests; none of the
+//!   daemon's dependencies. Never in a production build.
+//! * `emulator`: `testing` plus the daemon and `emulator::sandbox` (a node layout the real
+//!   daemon runs in), for the demo and this crate's tests.
 //!
 //! The contracts the code relies on are written down in `docs/` of the repository
 //! (`docs/mdma.md`, `docs/merod-admin.md`, `docs/tdx.md`); ARCHITECTURE.md gives the
