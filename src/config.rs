@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use url::Url;
 
-use crate::mdma::FleetToken;
+use crate::mdma::{FleetToken, MdmaClient, MdmaClientError};
 use crate::mrtd::TdxConfig;
 use crate::reconcile::LeavePolicy;
 
@@ -329,6 +329,16 @@ pub enum ConfigError {
         /// The config file.
         path: PathBuf,
     },
+    /// [`MdmaClient::from_tool_config`]: the MDMA client cannot be built from the config
+    /// (`mdma_ca_file` unreadable or without a usable certificate, the TLS backend).
+    #[error("config file {path}: {source}")]
+    MdmaClient {
+        /// The config file.
+        path: PathBuf,
+        /// Why the client could not be built (boxed: it is large, and rare).
+        #[source]
+        source: Box<MdmaClientError>,
+    },
     /// A key holds a value that cannot be used.
     #[error("config file {path}: {key} = {value:?} is invalid: {reason}")]
     Invalid {
@@ -481,8 +491,8 @@ impl ToolConfig {
     /// The token and CA file for MDMA, with the daemon's checks: `fleet_token` (non-empty,
     /// header-safe) or `fleet_token_file` (a regular file neither group nor others may read,
     /// holding a non-empty header-safe token, surrounding whitespace trimmed), never both.
-    /// Opens the token file, nothing else. [`crate::MdmaClient::from_tool_config`] builds the
-    /// client from it.
+    /// Opens the token file, nothing else. [`MdmaClient::from_tool_config`] builds the client
+    /// from it.
     ///
     /// Errors: [`ConfigError::Invalid`] naming `fleet_token` or `fleet_token_file` (never
     /// the token itself).
@@ -494,6 +504,36 @@ impl ToolConfig {
                 &self.path,
             )?,
             ca_file: self.mdma_ca_file.clone(),
+        })
+    }
+}
+
+impl MdmaClient {
+    /// A client for the MDMA a tool's config names: `mdma_url`, the token
+    /// ([`ToolConfig::mdma_credentials`]: `fleet_token` or `fleet_token_file`, with the
+    /// daemon's checks) and `mdma_ca_file`, with the daemon's HTTP rules and timeout.
+    ///
+    /// Errors: [`ConfigError::MissingMdmaUrl`] when `mdma_url` is not set,
+    /// [`ConfigError::Invalid`] for a token that cannot be used, [`ConfigError::MdmaClient`]
+    /// when the client cannot be built (the CA file).
+    pub fn from_tool_config(cfg: &ToolConfig) -> Result<Self, ConfigError> {
+        let url = cfg
+            .mdma_url
+            .clone()
+            .ok_or_else(|| ConfigError::MissingMdmaUrl {
+                path: cfg.path.clone(),
+            })?;
+        let credentials = cfg.mdma_credentials()?;
+        let mut builder = Self::builder(url);
+        if let Some(token) = credentials.token {
+            builder = builder.token(token);
+        }
+        if let Some(ca) = credentials.ca_file {
+            builder = builder.ca_file(ca);
+        }
+        builder.build().map_err(|source| ConfigError::MdmaClient {
+            path: cfg.path.clone(),
+            source: Box::new(source),
         })
     }
 }

@@ -203,10 +203,6 @@ impl MdmaAnswer {
 /// Why the MDMA client could not be built.
 #[derive(Debug, thiserror::Error)]
 pub enum MdmaClientError {
-    /// [`MdmaClient::from_tool_config`]: the config has no `mdma_url`, or its token cannot
-    /// be read (see [`crate::ToolConfig::mdma_credentials`]).
-    #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
     /// The extra CA file could not be read.
     #[error("cannot read mdma_ca_file {path}: {source}")]
     CaRead {
@@ -455,31 +451,6 @@ impl MdmaClient {
             token: b.token,
             timeout: b.timeout,
         })
-    }
-
-    /// A client for the MDMA a tool's config names: `mdma_url`, the token
-    /// ([`crate::ToolConfig::mdma_credentials`]: `fleet_token` or `fleet_token_file`, with
-    /// the daemon's checks) and `mdma_ca_file`, with the daemon's HTTP rules and timeout.
-    ///
-    /// Errors: [`MdmaClientError::Config`] when `mdma_url` is not set
-    /// ([`crate::ConfigError::MissingMdmaUrl`]) or the token cannot be used, else as
-    /// [`MdmaClientBuilder::build`].
-    pub fn from_tool_config(cfg: &crate::ToolConfig) -> Result<Self, MdmaClientError> {
-        let url =
-            cfg.mdma_url
-                .clone()
-                .ok_or_else(|| crate::config::ConfigError::MissingMdmaUrl {
-                    path: cfg.path.clone(),
-                })?;
-        let credentials = cfg.mdma_credentials()?;
-        let mut builder = Self::builder(url);
-        if let Some(token) = credentials.token {
-            builder = builder.token(token);
-        }
-        if let Some(ca) = credentials.ca_file {
-            builder = builder.ca_file(ca);
-        }
-        builder.build()
     }
 
     /// The MDMA base URL the client was built for.

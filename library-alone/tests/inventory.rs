@@ -9,7 +9,7 @@ use std::time::Duration;
 use fleet_sidecar::emulator::mdma::{CallReply, MdmaEmulator};
 use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
 use fleet_sidecar::{
-    read_mrtd_bounded, resolve_admin_url, CallError, MdmaClient, MdmaClientError, MerodClient,
+    read_mrtd_bounded, resolve_admin_url, CallError, ConfigError, MdmaClient, MerodClient,
     RequestError, ToolConfig,
 };
 use serde_json::{json, Value};
@@ -167,6 +167,6 @@ async fn the_fakes_inject_failures_and_hangs_the_tool_sees_as_typed_errors() {
     let bare = ToolConfig::from_toml("", std::path::Path::new("t.toml")).unwrap();
     assert!(matches!(
         MdmaClient::from_tool_config(&bare),
-        Err(MdmaClientError::Config(_))
+        Err(ConfigError::MissingMdmaUrl { .. })
     ));
 }

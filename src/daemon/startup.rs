@@ -11,7 +11,9 @@ use crate::config::Config;
 use crate::identity::read_peer_id;
 use crate::ids::PeerId;
 use crate::merod::{Node, PROBE_TIMEOUT};
-use crate::mrtd::{read_mrtd_bounded, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig, MRTD_READ_TIMEOUT};
+use crate::mrtd::{
+    read_mrtd_bounded, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig, MRTD_READ_TIMEOUT,
+};
 use crate::state::{State, StateStore};
 use crate::telemetry::{Phase, Telemetry};
 
