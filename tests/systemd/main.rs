@@ -8,6 +8,10 @@
 //! `cargo test --locked --test systemd`. Each test boots its own systemd (about a second),
 //! so the three run in parallel.
 
+// A test binary has no audience: the harness's helpers are `pub` for this module, which the
+// crate's `unreachable_pub` lint (Cargo.toml) would otherwise ask to spell `pub(crate)`.
+#![allow(unreachable_pub)]
+
 mod harness;
 mod package;
 
