@@ -1369,7 +1369,7 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         std::fs::write(&file, "  NEVER-LOGGED-TOKEN-tool\n").unwrap();
         std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
         let text = format!(
-            "mdma_url = \"https://mdma.example/fleet\"\nfleet_token_file = \"{}\"\n\
+            "mdma_url = \"https://mdma.fleet.internal/fleet\"\nfleet_token_file = \"{}\"\n\
              mdma_ca_file = \"/etc/ca.pem\"\n[tdx]\nsources = [\"tdreport\"]\n",
             file.display()
         );
@@ -1378,7 +1378,7 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         assert_eq!(tool.tdx.sources, [crate::mrtd::MrtdSource::Tdreport]);
         assert_eq!(
             tool.mdma_url.as_ref().map(Url::as_str),
-            Some("https://mdma.example/fleet/")
+            Some("https://mdma.fleet.internal/fleet/")
         );
         let err = tool.mdma_credentials().unwrap_err().to_string();
         assert!(
@@ -1416,6 +1416,8 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         assert!(empty.mdma_credentials().is_err());
         for (text, key) in [
             ("mdma_url = \"http://mdma.example\"", "mdma_url"),
+            // A tool refuses the placeholder host as the daemon does (one check for both).
+            ("mdma_url = \"https://mdma.example\"", "mdma_url"),
             ("[tdx]\nsources = []", "tdx.sources"),
             ("[tdx]\nsources = [\"sysfs\", \"sysfs\"]", "tdx.sources"),
         ] {
