@@ -101,7 +101,9 @@ pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>>
                     .iter()
                     .filter_map(|r| match r {
                         Repair::ConfirmedNotAdmitted(id) => Some(*id),
-                        Repair::AbsentNotAdmitted(_) | Repair::JoiningAdmitted(_) => None,
+                        Repair::AbsentNotAdmitted(_)
+                        | Repair::JoiningAdmitted(_)
+                        | Repair::ReadingAfterClock(_) => None,
                     })
                     .collect();
                 let words = report.repairs.iter().map(ToString::to_string).collect();

@@ -81,15 +81,22 @@ pub(crate) struct RawConfig {
     /// Polls a namespace must be absent from before it is left (default 3; 1 = the reference).
     #[serde(default = "defaults::leave_after_polls")]
     pub leave_after_polls: u32,
+    /// Absence the daemon must observe before a withdrawn namespace is left (default 24 h;
+    /// 0 s to 30 days). Measured on the observed clock: no wall-clock step shortens it.
+    #[serde(default = "defaults::leave_grace", with = "humantime_serde")]
+    pub leave_grace: Duration,
     /// Withdrawals in one poll that, if also more than half of those held, hold every leave.
     #[serde(default = "defaults::mass_drop_min")]
     pub mass_drop_min: usize,
-    /// How long a mass withdrawal must persist before its leaves go ahead (default 10 min).
+    /// How long a mass withdrawal must persist before its leaves go ahead (default 24 h).
     #[serde(default = "defaults::mass_drop_hold", with = "humantime_serde")]
     pub mass_drop_hold: Duration,
     /// Upper bound on leaves started in any 60 s window (default 10).
     #[serde(default = "defaults::max_leaves_per_minute")]
     pub max_leaves_per_minute: u32,
+    /// Upper bound on leaves started in any 60 min window (default 4).
+    #[serde(default = "defaults::max_leaves_per_hour")]
+    pub max_leaves_per_hour: u32,
     /// Joins running at once (default 4).
     #[serde(default = "defaults::max_concurrent_joins")]
     pub max_concurrent_joins: usize,
@@ -148,11 +155,17 @@ mod defaults {
     pub(super) fn mass_drop_min() -> usize {
         3
     }
+    pub(super) fn leave_grace() -> Duration {
+        Duration::from_secs(24 * 3600)
+    }
     pub(super) fn mass_drop_hold() -> Duration {
-        Duration::from_secs(600)
+        Duration::from_secs(24 * 3600)
     }
     pub(super) fn max_leaves_per_minute() -> u32 {
         10
+    }
+    pub(super) fn max_leaves_per_hour() -> u32 {
+        4
     }
     pub(super) fn max_concurrent_joins() -> usize {
         4
@@ -272,6 +285,7 @@ impl MerodConfig {
 /// | `poll_interval` | 1 s | 10 min |
 /// | `max_backoff` | 1 s | 1 h |
 /// | `ready_max_poll_age` | 2 s | 1 h |
+/// | `leave_grace` | 0 s | 30 days |
 /// | `mass_drop_hold` | 1 s | 7 days |
 /// | `join_timeout` | 10 s | 1 h |
 /// | `leave_timeout` | 1 s | 1 h |
@@ -282,6 +296,7 @@ pub(crate) fn duration_bounds(key: &str) -> (Duration, Duration) {
     let (lo, hi) = match key {
         "poll_interval" => (S, 10 * MIN),
         "ready_max_poll_age" => (2 * S, H),
+        "leave_grace" => (0, 30 * 24 * H),
         "mass_drop_hold" => (S, 7 * 24 * H),
         "join_timeout" => (10 * S, H),
         _ => (S, H),
@@ -293,6 +308,7 @@ pub(crate) fn duration_bounds(key: &str) -> (Duration, Duration) {
 fn human(d: Duration) -> String {
     let s = d.as_secs();
     match s {
+        0 => "0s".to_owned(),
         s if s % 86_400 == 0 => format!("{}d", s / 86_400),
         s if s % 3600 == 0 => format!("{}h", s / 3600),
         s if s % 60 == 0 => format!("{}m", s / 60),
@@ -754,11 +770,17 @@ impl RawConfig {
         let ready_max_poll_age = bounded("ready_max_poll_age", self.ready_max_poll_age)?;
         let max_backoff = bounded("max_backoff", self.max_backoff)?;
         bounded("mass_drop_hold", self.mass_drop_hold)?;
+        bounded("leave_grace", self.leave_grace)?;
         for (key, value, why) in [
             ("leave_after_polls", self.leave_after_polls as usize, ""),
             (
                 "max_leaves_per_minute",
                 self.max_leaves_per_minute as usize,
+                " (0 would block every leave forever)",
+            ),
+            (
+                "max_leaves_per_hour",
+                self.max_leaves_per_hour as usize,
                 " (0 would block every leave forever)",
             ),
             ("max_concurrent_joins", self.max_concurrent_joins, ""),
@@ -790,9 +812,11 @@ impl RawConfig {
             dry_run: false,
             leave_policy: LeavePolicy {
                 leave_after_polls: self.leave_after_polls,
+                leave_grace: self.leave_grace,
                 mass_drop_min: self.mass_drop_min,
                 mass_drop_hold: self.mass_drop_hold,
                 max_leaves_per_minute: self.max_leaves_per_minute,
+                max_leaves_per_hour: self.max_leaves_per_hour,
             },
             max_concurrent_joins: self.max_concurrent_joins,
             join_timeout,
@@ -967,8 +991,11 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         );
         assert_eq!(cfg.leave_policy.leave_after_polls, 3);
         assert_eq!(cfg.leave_policy.mass_drop_min, 3);
-        assert_eq!(cfg.leave_policy.mass_drop_hold, Duration::from_secs(600));
+        assert_eq!(cfg.leave_policy.mass_drop_hold, Duration::from_secs(86_400));
         assert_eq!(cfg.leave_policy.max_leaves_per_minute, 10);
+        // At least as strict as the fleet's current sidecar: 24 h of absence, 4 an hour.
+        assert_eq!(cfg.leave_policy.leave_grace, Duration::from_secs(86_400));
+        assert_eq!(cfg.leave_policy.max_leaves_per_hour, 4);
         assert_eq!(cfg.max_concurrent_joins, 4);
         assert_eq!(cfg.join_timeout, Duration::from_secs(90));
         assert_eq!(cfg.leave_timeout, Duration::from_secs(60));
@@ -1047,6 +1074,40 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
                 }
             }
         }
+    }
+
+    #[test]
+    fn leave_grace_is_bounded_from_zero_to_thirty_days() {
+        for (value, ok) in [
+            ("0s", true),
+            ("12s", true),
+            ("30d", true),
+            ("2592001s", false),
+            ("100d", false),
+        ] {
+            let got = load(&format!(
+                "mdma_url = \"https://m\"\nleave_grace = \"{value}\""
+            ));
+            match (ok, got) {
+                (true, Ok(cfg)) => assert_eq!(
+                    cfg.leave_policy.leave_grace,
+                    humantime_serde::re::humantime::parse_duration(value).unwrap()
+                ),
+                (
+                    false,
+                    Err(
+                        e @ ConfigError::Invalid {
+                            key: "leave_grace", ..
+                        },
+                    ),
+                ) => {
+                    assert!(e.to_string().contains("between 0s and 30d"), "{e}");
+                }
+                (ok, got) => panic!("leave_grace = {value}: expected ok={ok}, got {got:?}"),
+            }
+        }
+        let err = load("mdma_url = \"https://m\"\nmax_leaves_per_hour = 0").unwrap_err();
+        assert!(err.to_string().contains("max_leaves_per_hour"), "{err}");
     }
 
     #[test]

@@ -209,8 +209,8 @@ pub use mrtd::{
     MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
 };
 pub use state::{
-    inspect_state, Repair, State, StateError, StateFile, StateFormat, StateReport, StateStore,
-    STATE_VERSION,
+    inspect_state, Absence, Repair, State, StateError, StateFile, StateFormat, StateReport,
+    StateStore, STATE_VERSION,
 };
 
 // The parsers and the state writer as pure functions, for the contract and schema tests and

@@ -14,17 +14,26 @@
 //!   left, and so is one a fleet-join was sent for whose outcome was never recorded (merod
 //!   may hold it: the daemon crashed, or the join timed out here and went through there).
 //! * A candidate is left only after it has been absent from `leave_after_polls`
-//!   consecutive successful polls; reappearing resets the count.
+//!   consecutive successful polls *and* for `leave_grace` on the observed clock
+//!   ([`State::observed_ms`]: monotonic time between successful polls, summed over runs, so
+//!   neither a wall-clock step nor a restart shortens it; downtime does not count).
+//!   Reappearing in `assignments` or `retain` resets both; failed polls reset nothing.
 //! * Mass-withdrawal guard: when one poll withdraws at least `mass_drop_min` namespaces and
-//!   more than half of those held, every leave is held until the withdrawal has persisted
-//!   for `mass_drop_hold`; then leaves go ahead, at most `max_leaves_per_minute`.
+//!   more than half of those held, or everything held whatever the count, every leave is
+//!   held until the withdrawal has persisted for `mass_drop_hold` (the grace runs
+//!   meanwhile); then leaves go ahead.
+//! * Rate limits: at most `max_leaves_per_minute` and `max_leaves_per_hour` leaves started
+//!   in any window of the observed clock, counted from the persisted
+//!   [`State::recent_leaves_ms`] (a restart does not reset them); the oldest absence first.
 //! * Nothing with a join or leave in flight is planned again, and nothing whose last join
 //!   (or leave) failed is joined (or left) again before its retry wait ends; a leave
 //!   backing off does not take from the rate limit.
-//! * Prune: `confirmed ← confirmed ∩ (assigned ∪ retain)`, so a re-added namespace is
-//!   confirmed anew. `admitted` shrinks only when merod no longer holds a namespace.
+//! * Prune: `confirmed ← confirmed ∩ assigned` (the reference's `confirmed ∩ desired`): a
+//!   retained namespace stays admitted, is never left, and is joined (idempotent) and
+//!   confirmed anew once assigned again. `admitted` shrinks only when merod no longer
+//!   holds a namespace.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::time::Duration;
 
@@ -32,19 +41,31 @@ use tokio::time::Instant;
 
 use crate::ids::GroupId;
 use crate::mdma::ShouldJoin;
-use crate::state::State;
+use crate::state::{Absence, State};
+
+/// The window of `max_leaves_per_minute`.
+pub const MINUTE: Duration = Duration::from_secs(60);
+/// The window of `max_leaves_per_hour`, and how long a started leave stays in
+/// [`State::recent_leaves_ms`].
+pub const HOUR: Duration = Duration::from_secs(3600);
 
 /// When a withdrawn namespace may be left (config keys of the same names).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct LeavePolicy {
     /// Consecutive successful polls a namespace must be absent from (≥ 1; 1 = reference).
     pub leave_after_polls: u32,
-    /// Withdrawals in one poll that can trigger the mass-withdrawal guard (≥ 1).
+    /// Absence the daemon must have observed (on its observed clock, see
+    /// [`State::observed_ms`]) before a withdrawn namespace is left.
+    pub leave_grace: Duration,
+    /// Withdrawals in one poll that can trigger the mass-withdrawal guard (≥ 1). A poll that
+    /// withdraws everything held is a mass withdrawal whatever this says.
     pub mass_drop_min: usize,
     /// How long a mass withdrawal must persist over successful polls before leaves go.
     pub mass_drop_hold: Duration,
-    /// Leaves started in any 60 s window (≥ 1).
+    /// Leaves started in any 60 s window of the observed clock (≥ 1).
     pub max_leaves_per_minute: u32,
+    /// Leaves started in any 60 min window of the observed clock (≥ 1).
+    pub max_leaves_per_hour: u32,
 }
 
 impl LeavePolicy {
@@ -57,12 +78,24 @@ impl LeavePolicy {
         })
     }
 
-    /// The reference sidecar's behaviour: leave on the first poll that withdraws, no guard.
+    /// The grace rule: a withdrawn namespace whose absence has been observed for `observed`
+    /// waits until `leave_grace`; `None` once the grace is over.
+    pub fn grace_wait(&self, observed: Duration) -> Option<LeaveWait> {
+        (observed < self.leave_grace).then_some(LeaveWait::Grace {
+            observed,
+            grace: self.leave_grace,
+        })
+    }
+
+    /// The first reference sidecar's behaviour (the seed's): leave on the first poll that
+    /// withdraws, no grace, no rate limit, and a mass withdrawal released at once.
     pub const REFERENCE: Self = Self {
         leave_after_polls: 1,
+        leave_grace: Duration::ZERO,
         mass_drop_min: usize::MAX,
         mass_drop_hold: Duration::ZERO,
         max_leaves_per_minute: u32::MAX,
+        max_leaves_per_hour: u32::MAX,
     };
 }
 
@@ -100,18 +133,36 @@ pub enum MassDrop {
     Released,
 }
 
-/// In-memory guard state: the mass-drop phase and the start times of recent leaves.
+/// In-memory state between polls of one run (a restart starts from the default).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Guard {
     /// The mass-withdrawal phase.
     pub mass_drop: MassDrop,
-    /// When the leaves of the last 60 s started, oldest first.
-    pub recent_leaves: VecDeque<Instant>,
+    /// The monotonic time of the previous successful poll of this run: the observed clock
+    /// advances by the time from it to the next one. `None` after a start, so the time the
+    /// daemon was down (or starting) is never counted as observed absence.
+    pub last_ok_poll: Option<Instant>,
+}
+
+/// Which leave rate limit holds a leave.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RateLimit {
+    /// `max_leaves_per_minute`.
+    PerMinute,
+    /// `max_leaves_per_hour`.
+    PerHour,
 }
 
 /// Why a leave candidate is not left in this cycle.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaveWait {
+    /// The absence observed so far is shorter than `leave_grace`.
+    Grace {
+        /// Absence observed so far.
+        observed: Duration,
+        /// `leave_grace`.
+        grace: Duration,
+    },
     /// Absent from `polls` successful polls so far; leaves at `needed`.
     NotStable {
         /// Consecutive successful polls it has been absent from, this one included.
@@ -127,8 +178,8 @@ pub enum LeaveWait {
     /// The last leave of it failed and its retry wait has not ended (the wait doubles from
     /// 2 s to 60 s per failure in a row); does not take from the rate limit.
     BackingOff,
-    /// `max_leaves_per_minute` reached; goes in a later cycle.
-    RateLimited,
+    /// A leave rate limit is reached; goes in a later cycle (the oldest absence first).
+    RateLimited(RateLimit),
     /// A join or leave of it is still running.
     InFlight,
 }
@@ -136,6 +187,12 @@ pub enum LeaveWait {
 impl fmt::Display for LeaveWait {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            LeaveWait::Grace { observed, grace } => write!(
+                f,
+                "waiting for leave_grace: absence observed for {} s of {} s",
+                observed.as_secs(),
+                grace.as_secs()
+            ),
             LeaveWait::NotStable { polls, needed } => {
                 write!(
                     f,
@@ -150,7 +207,12 @@ impl fmt::Display for LeaveWait {
             LeaveWait::BackingOff => {
                 f.write_str("its last leave failed; retried when the back-off ends")
             }
-            LeaveWait::RateLimited => f.write_str("waiting for the leave rate limit"),
+            LeaveWait::RateLimited(RateLimit::PerMinute) => {
+                f.write_str("waiting for the leave rate limit (max_leaves_per_minute)")
+            }
+            LeaveWait::RateLimited(RateLimit::PerHour) => {
+                f.write_str("waiting for the leave rate limit (max_leaves_per_hour)")
+            }
             LeaveWait::InFlight => f.write_str("a join or leave of it is running"),
         }
     }
@@ -175,17 +237,18 @@ pub enum MassDropEvent {
     Cleared,
 }
 
-/// What to do in this cycle, and the state to persist.
+/// What to do in this cycle, and how the state changes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Plan {
     /// Namespaces to `fleet-join` (then confirm), in id order.
     pub joins: Vec<GroupId>,
-    /// Namespaces to leave now, in id order.
+    /// Namespaces to leave now, the oldest absence first (ties in id order).
     pub leaves: Vec<GroupId>,
     /// Leave candidates not left now, and why.
     pub waiting: BTreeMap<GroupId, LeaveWait>,
-    /// The state after this poll: absent counts updated, `confirmed` pruned.
-    pub state: State,
+    /// How this poll changes the state the plan was made from: apply it with
+    /// [`StateChange::apply_to`].
+    pub state: StateChange,
     /// The guard after this poll.
     pub guard: Guard,
     /// Set when the mass-withdrawal guard changed phase.
@@ -210,62 +273,49 @@ pub struct PlanInput<'a> {
     pub leave_backoff: &'a BTreeSet<GroupId>,
     /// The guard state after the previous successful poll.
     pub guard: &'a Guard,
-    /// The time of this poll.
+    /// The monotonic time of this poll.
     pub now: Instant,
 }
 
-/// Plans one cycle from a successful poll.
-pub fn plan(input: PlanInput<'_>) -> Plan {
-    let change = plan_change(input);
-    let mut state = input.state.clone();
-    change.state.apply_to(&mut state);
-    Plan {
-        joins: change.joins,
-        leaves: change.leaves,
-        waiting: change.waiting,
-        state,
-        guard: change.guard,
-        mass_drop_event: change.mass_drop_event,
-    }
-}
-
-/// What [`plan`] decides, with the state given as the change to make to `input.state`
-/// rather than a copy of it (the daemon's path: an idle cycle at 10,000 namespaces then
-/// copies no set).
-pub(crate) struct PlanChange {
-    pub(crate) joins: Vec<GroupId>,
-    pub(crate) leaves: Vec<GroupId>,
-    pub(crate) waiting: BTreeMap<GroupId, LeaveWait>,
-    pub(crate) state: StateChange,
-    pub(crate) guard: Guard,
-    pub(crate) mass_drop_event: Option<MassDropEvent>,
-}
-
-/// How this poll changes the persisted state: new absence counts, and the confirmed
-/// namespaces pruned (neither assigned nor retained).
-pub(crate) struct StateChange {
-    absent_polls: BTreeMap<GroupId, u32>,
+/// How a poll changes the persisted state: the observed clock advanced, the absences
+/// updated, the leaves started stamped, the confirmed namespaces no longer assigned pruned.
+/// Given as a change rather than a copy of the state, so an idle cycle at 10,000
+/// namespaces copies no set.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateChange {
+    observed_ms: u64,
+    absent: BTreeMap<GroupId, Absence>,
+    recent_leaves_ms: Vec<u64>,
     unconfirmed: Vec<GroupId>,
 }
 
 impl StateChange {
     /// Makes the change to `state`, the state the plan was made from.
-    pub(crate) fn apply_to(self, state: &mut State) {
-        state.absent_polls = self.absent_polls;
+    pub fn apply_to(self, state: &mut State) {
+        state.observed_ms = self.observed_ms;
+        state.absent = self.absent;
+        state.recent_leaves_ms = self.recent_leaves_ms;
         for id in &self.unconfirmed {
             state.confirmed.remove(id);
         }
     }
 
-    /// Whether applying it leaves the state as it is.
+    /// Whether applying it leaves the sets of `state` as they are (the observed clock may
+    /// still advance).
     #[cfg(test)]
-    pub(crate) fn is_none(&self, state: &State) -> bool {
-        self.unconfirmed.is_empty() && self.absent_polls == state.absent_polls
+    pub(crate) fn keeps_sets(&self, state: &State) -> bool {
+        self.unconfirmed.is_empty()
+            && self.absent == state.absent
+            && self.recent_leaves_ms == state.recent_leaves_ms
     }
 }
 
-/// [`plan`] without copying the state: see [`PlanChange`].
-pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+/// Plans one cycle from a successful poll.
+pub fn plan(input: PlanInput<'_>) -> Plan {
     let PlanInput {
         policy,
         desired,
@@ -276,6 +326,13 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         guard,
         now,
     } = input;
+    // The observed clock: monotonic time between successful polls of this run, added to
+    // what earlier runs observed. The first poll of a run adds nothing (downtime is not
+    // observed), and a wall-clock step cannot reach it.
+    let elapsed = guard
+        .last_ok_poll
+        .map_or(Duration::ZERO, |t| now.saturating_duration_since(t));
+    let observed_ms = state.observed_ms.saturating_add(millis(elapsed));
     // The large sets are compared with `difference` (one merged walk over two sorted sets
     // of similar size) rather than a lookup per id; the small ones (`retain`, in flight,
     // backing off) are looked up.
@@ -305,16 +362,33 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
             .iter()
             .filter(|id| !state.admitted.contains(id))
             .count();
-    let absent_polls: BTreeMap<GroupId, u32> = withdrawn
+    // Absence: one more successful poll; the clock reading of the first one kept.
+    let absent: BTreeMap<GroupId, Absence> = withdrawn
         .iter()
         .map(|id| {
-            let before = state.absent_polls.get(id).copied().unwrap_or(0);
-            (*id, before.saturating_add(1))
+            let absence = match state.absent.get(id) {
+                Some(a) => Absence {
+                    polls: a.polls.saturating_add(1),
+                    since_ms: a.since_ms.min(observed_ms),
+                },
+                None => Absence {
+                    polls: 1,
+                    since_ms: observed_ms,
+                },
+            };
+            (*id, absence)
         })
         .collect();
 
-    let mut next_guard = guard.clone();
-    let mass = withdrawn.len() >= policy.mass_drop_min && withdrawn.len().saturating_mul(2) > held;
+    let mut next_guard = Guard {
+        mass_drop: guard.mass_drop,
+        last_ok_poll: Some(now),
+    };
+    // A mass withdrawal: at least `mass_drop_min` and more than half of what is held, or
+    // everything held (however little that is).
+    let mass = !withdrawn.is_empty()
+        && ((withdrawn.len() >= policy.mass_drop_min && withdrawn.len().saturating_mul(2) > held)
+            || withdrawn.len() >= held);
     let mut mass_drop_event = None;
     next_guard.mass_drop = match (mass, guard.mass_drop) {
         (false, MassDrop::Idle) => MassDrop::Idle,
@@ -347,24 +421,40 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
         (true, MassDrop::Released) => MassDrop::Released,
     };
 
-    let window = Duration::from_secs(60);
-    while next_guard
-        .recent_leaves
-        .front()
-        .is_some_and(|t| now.saturating_duration_since(*t) >= window)
-    {
-        next_guard.recent_leaves.pop_front();
-    }
-    let mut budget = usize::try_from(policy.max_leaves_per_minute)
-        .unwrap_or(usize::MAX)
-        .saturating_sub(next_guard.recent_leaves.len());
+    // Leaves started within the last hour of the observed clock (persisted: a restart, or
+    // a crash loop, does not reset the budgets).
+    let age = |t: u64| Duration::from_millis(observed_ms.saturating_sub(t));
+    let mut recent_leaves_ms: Vec<u64> = state
+        .recent_leaves_ms
+        .iter()
+        .copied()
+        .filter(|t| age(*t) < HOUR)
+        .collect();
+    let allowance = |max: u32, used: usize| {
+        usize::try_from(max)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(used)
+    };
+    let mut minute_budget = allowance(
+        policy.max_leaves_per_minute,
+        recent_leaves_ms
+            .iter()
+            .filter(|t| age(**t) < MINUTE)
+            .count(),
+    );
+    let mut hour_budget = allowance(policy.max_leaves_per_hour, recent_leaves_ms.len());
 
+    // The oldest absence first, so the rate limits let the longest-withdrawn go first.
+    let mut candidates: Vec<(&GroupId, &Absence)> = absent.iter().collect();
+    candidates.sort_by_key(|(id, a)| (a.since_ms, **id));
     let mut leaves = Vec::new();
     let mut waiting = BTreeMap::new();
-    for (id, polls) in &absent_polls {
+    for (id, absence) in candidates {
         let wait = if in_flight.contains(id) {
             Some(LeaveWait::InFlight)
-        } else if let Some(wait) = policy.stability_wait(*polls) {
+        } else if let Some(wait) = policy.grace_wait(age(absence.since_ms)) {
+            Some(wait)
+        } else if let Some(wait) = policy.stability_wait(absence.polls) {
             Some(wait)
         } else if let MassDrop::Holding { since } = next_guard.mass_drop {
             Some(LeaveWait::MassDropHold {
@@ -374,8 +464,10 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
             })
         } else if leave_backoff.contains(id) {
             Some(LeaveWait::BackingOff)
-        } else if budget == 0 {
-            Some(LeaveWait::RateLimited)
+        } else if minute_budget == 0 {
+            Some(LeaveWait::RateLimited(RateLimit::PerMinute))
+        } else if hour_budget == 0 {
+            Some(LeaveWait::RateLimited(RateLimit::PerHour))
         } else {
             None
         };
@@ -384,27 +476,30 @@ pub(crate) fn plan_change(input: PlanInput<'_>) -> PlanChange {
                 waiting.insert(*id, w);
             }
             None => {
-                budget -= 1;
-                next_guard.recent_leaves.push_back(now);
+                minute_budget -= 1;
+                hour_budget -= 1;
+                recent_leaves_ms.push(observed_ms);
                 leaves.push(*id);
             }
         }
     }
 
-    // Pruned: confirmed but neither assigned nor retained (none in an idle cycle).
+    // Pruned: confirmed but no longer assigned (retained ones included: they stay admitted,
+    // and are joined and confirmed again once assigned again). None in an idle cycle.
     let unconfirmed = state
         .confirmed
         .difference(&desired.assigned)
-        .filter(|id| !desired.retain.contains(id))
         .copied()
         .collect();
 
-    PlanChange {
+    Plan {
         joins,
         leaves,
         waiting,
         state: StateChange {
-            absent_polls,
+            observed_ms,
+            absent,
+            recent_leaves_ms,
             unconfirmed,
         },
         guard: next_guard,
@@ -449,7 +544,7 @@ pub fn apply(state: &mut State, outcome: Outcome) {
             state.admitted.remove(&id);
             state.joining.remove(&id);
             state.confirmed.remove(&id);
-            state.absent_polls.remove(&id);
+            state.absent.remove(&id);
         }
     }
 }

@@ -1,20 +1,32 @@
 //! The persisted state: which namespaces merod admitted, which of those MDMA acknowledged
 //! (confirmed), which a fleet-join was sent for without its admission recorded yet
-//! (joining), and how many successful polls each withdrawn one has been absent from.
+//! (joining), how long each withdrawn one has been seen absent, and when the last hour's
+//! leaves started.
 //!
 //! File: `/var/lib/calimero/fleet-confirmed.json` by default. A versioned JSON document:
 //!
 //! ```json
-//! {"version": 3,
+//! {"version": 4,
 //!  "admitted":  ["<64 hex>", ...],
 //!  "confirmed": ["<64 hex>", ...],
 //!  "joining":   ["<64 hex>", ...],
-//!  "absent_polls": {"<64 hex>": 1}}
+//!  "observed_ms": 93600000,
+//!  "absent": {"<64 hex>": {"polls": 3, "since_ms": 7200000}},
+//!  "recent_leaves_ms": [92000000]}
 //! ```
 //!
-//! Also read (never written): version 2 (the same without `joining`), version 1,
-//! `{"version": 1, "confirmed": [...]}`, and a bare JSON array of ids (the Bash sidecar's
-//! confirmed set); the last two load with `admitted = confirmed`.
+//! Time is read on the *observed clock*, `observed_ms`: the monotonic time between the
+//! daemon's successful polls, summed over all its runs (the time it was down is not in
+//! it). `absent.since_ms` and `recent_leaves_ms` are readings of that clock, so the absence
+//! observed so far is `observed_ms − since_ms` and a leave's age `observed_ms − t`: no
+//! wall-clock step reaches them, and a restart resumes them. What the file holds lags
+//! what the daemon knows by at most a minute (time-only changes are written once a
+//! minute), which only makes absences shorter and leaves younger: the safe side.
+//!
+//! Also read (never written): version 3 (`absent_polls: {id: polls}` instead of `absent`,
+//! no clock: each absence loads as observed for 0 s), version 2 (version 3 without
+//! `joining`), version 1, `{"version": 1, "confirmed": [...]}`, and a bare JSON array of ids
+//! (the Bash sidecar's confirmed set); the last two load with `admitted = confirmed`.
 //!
 //! Writes are atomic — temp file in the same directory, fsync, rename, fsync the directory —
 //! and happen only when the document changed. A missing file is a first start (empty
@@ -24,18 +36,35 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
 use crate::ids::GroupId;
 
 /// The version [`StateStore::save`] writes.
-pub const STATE_VERSION: u32 = 3;
+pub const STATE_VERSION: u32 = 4;
+
+/// While only time changes (the observed clock, absence poll counts), the daemon writes the
+/// state at most this often: see [`StateStore::is_recorded`].
+pub(crate) const TIME_ONLY_WRITE_INTERVAL: Duration = Duration::from_secs(60);
+
+/// How long a withdrawn namespace has been seen absent.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Absence {
+    /// Consecutive successful polls it has been absent from.
+    pub polls: u32,
+    /// The observed clock ([`State::observed_ms`]) at the first successful poll that showed
+    /// it absent.
+    pub since_ms: u64,
+}
 
 /// The sets the reconciler keeps between cycles and across restarts.
 ///
 /// Invariants (restored on load): `confirmed ⊆ admitted`, `joining` and `admitted` are
-/// disjoint, and every key of `absent_polls` is in `admitted` or `joining`.
+/// disjoint, every key of `absent` is in `admitted` or `joining`, and no clock reading
+/// (`absent.since_ms`, `recent_leaves_ms`) is after `observed_ms`.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct State {
@@ -49,13 +78,49 @@ pub struct State {
     /// the id to `admitted`; a leave (merod holding nothing counts) drops it.
     #[serde(default)]
     pub joining: BTreeSet<GroupId>,
-    /// For admitted or joining namespaces missing from the latest successful polls: how
-    /// many consecutive successful polls they have been absent from.
+    /// The observed clock, in milliseconds: monotonic time between successful polls,
+    /// summed over every run of the daemon (downtime excluded; see the module docs).
     #[serde(default)]
-    pub absent_polls: BTreeMap<GroupId, u32>,
+    pub observed_ms: u64,
+    /// For admitted or joining namespaces missing from the latest successful polls: how
+    /// many consecutive successful polls they have been absent from, and since when.
+    #[serde(default)]
+    pub absent: BTreeMap<GroupId, Absence>,
+    /// The observed clock when each leave of the last hour started, oldest first (the
+    /// `max_leaves_per_minute` and `max_leaves_per_hour` budgets).
+    #[serde(default)]
+    pub recent_leaves_ms: Vec<u64>,
 }
 
 impl State {
+    /// The absence of `id` observed so far (`None` when it is not absent).
+    pub fn absence_observed(&self, id: &GroupId) -> Option<Duration> {
+        self.absent
+            .get(id)
+            .map(|a| Duration::from_millis(self.observed_ms.saturating_sub(a.since_ms)))
+    }
+
+    /// Whether `self` and `other` differ at most in what time alone changes: the observed
+    /// clock and the poll counts of the same absences.
+    pub fn same_but_time(&self, other: &State) -> bool {
+        self.admitted == other.admitted
+            && self.confirmed == other.confirmed
+            && self.joining == other.joining
+            && self.recent_leaves_ms == other.recent_leaves_ms
+            && self.absent.len() == other.absent.len()
+            && self
+                .absent
+                .iter()
+                .zip(&other.absent)
+                .all(|((a, x), (b, y))| a == b && x.since_ms == y.since_ms)
+    }
+
+    /// Whether anything reads the observed clock (an absence or a recent leave): if not,
+    /// its advance alone need never be written.
+    fn time_matters(&self) -> bool {
+        !self.absent.is_empty() || !self.recent_leaves_ms.is_empty()
+    }
+
     /// Restores the invariants, returning what had to change.
     fn repair(&mut self) -> Vec<Repair> {
         let mut repairs: Vec<Repair> = self
@@ -73,19 +138,36 @@ impl State {
         self.joining.retain(|id| !admitted.contains(id));
         let held = |id: &GroupId| admitted.contains(id) || self.joining.contains(id);
         repairs.extend(
-            self.absent_polls
+            self.absent
                 .keys()
                 .filter(|id| !held(id))
                 .map(|&id| Repair::AbsentNotAdmitted(id)),
         );
-        self.absent_polls.retain(|id, _| held(id));
+        self.absent.retain(|id, _| held(id));
+        // A reading after the clock (a hand-edited file): read as "now", which makes the
+        // absence shorter and the leave younger, never the reverse.
+        let clock = self.observed_ms;
+        let ahead = self.absent.values().filter(|a| a.since_ms > clock).count()
+            + self.recent_leaves_ms.iter().filter(|t| **t > clock).count();
+        if ahead > 0 {
+            repairs.push(Repair::ReadingAfterClock(ahead));
+        }
+        for a in self.absent.values_mut() {
+            a.since_ms = a.since_ms.min(clock);
+        }
+        for t in &mut self.recent_leaves_ms {
+            *t = (*t).min(clock);
+        }
+        if !self.recent_leaves_ms.is_sorted() {
+            self.recent_leaves_ms.sort_unstable();
+        }
         repairs
     }
 }
 
 /// Which document format a state file holds.
 ///
-/// `Display` and `Serialize` (a JSON string): `bare-array`, `v1`, `v2`, `v3`.
+/// `Display` and `Serialize` (a JSON string): `bare-array`, `v1`, `v2`, `v3`, `v4`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum StateFormat {
@@ -95,18 +177,21 @@ pub enum StateFormat {
     V1,
     /// `{"version": 2, "admitted": [...], "confirmed": [...], "absent_polls": {...}}`.
     V2,
-    /// Version 2 plus `"joining": [...]`: what [`StateStore::save`] writes.
+    /// Version 2 plus `"joining": [...]`.
     V3,
+    /// The observed clock, `absent` and `recent_leaves_ms`: what [`StateStore::save`] writes.
+    V4,
 }
 
 impl StateFormat {
-    /// The name `Display` and `Serialize` give: `bare-array`, `v1`, `v2`, `v3`.
+    /// The name `Display` and `Serialize` give: `bare-array`, `v1`, `v2`, `v3`, `v4`.
     pub fn as_str(self) -> &'static str {
         match self {
             StateFormat::BareArray => "bare-array",
             StateFormat::V1 => "v1",
             StateFormat::V2 => "v2",
             StateFormat::V3 => "v3",
+            StateFormat::V4 => "v4",
         }
     }
 }
@@ -120,17 +205,21 @@ impl std::fmt::Display for StateFormat {
 /// Something loading had to change to restore the invariants of [`State`].
 ///
 /// `Display`: one sentence naming the id and what loading did. `Serialize`:
-/// `{"kind": "confirmed-not-admitted" | "absent-not-admitted" | "joining-admitted",
-/// "group_id": "<64 lowercase hex>", "text": "<the Display sentence>"}`.
+/// `{"kind": "confirmed-not-admitted" | "absent-not-admitted" | "joining-admitted" |
+/// "reading-after-clock", "group_id": "<64 lowercase hex>" (null for
+/// `reading-after-clock`), "text": "<the Display sentence>"}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Repair {
     /// Listed as confirmed but not as admitted (a v2 document only: the older formats have
     /// no admitted set). Must never happen; loading adds it to `admitted`, so the namespace
     /// stays protected from a leave that only `admitted` would allow.
     ConfirmedNotAdmitted(GroupId),
-    /// An `absent_polls` count for a namespace neither admitted nor joining; loading drops
-    /// the count.
+    /// An absence (`absent`, or v3's `absent_polls`) for a namespace neither admitted nor
+    /// joining; loading drops it.
     AbsentNotAdmitted(GroupId),
+    /// This many clock readings (`absent.since_ms`, `recent_leaves_ms`) were after
+    /// `observed_ms`; loading sets them to `observed_ms` (absences shorter, leaves younger).
+    ReadingAfterClock(usize),
     /// Listed as both joining and admitted: the recorded admission wins, loading drops it
     /// from `joining`.
     JoiningAdmitted(GroupId),
@@ -143,15 +232,17 @@ impl Repair {
             Repair::ConfirmedNotAdmitted(_) => "confirmed-not-admitted",
             Repair::AbsentNotAdmitted(_) => "absent-not-admitted",
             Repair::JoiningAdmitted(_) => "joining-admitted",
+            Repair::ReadingAfterClock(_) => "reading-after-clock",
         }
     }
 
     /// The namespace the repair is about.
-    pub fn group_id(&self) -> GroupId {
+    pub fn group_id(&self) -> Option<GroupId> {
         match self {
             Repair::ConfirmedNotAdmitted(id)
             | Repair::AbsentNotAdmitted(id)
-            | Repair::JoiningAdmitted(id) => *id,
+            | Repair::JoiningAdmitted(id) => Some(*id),
+            Repair::ReadingAfterClock(_) => None,
         }
     }
 }
@@ -161,7 +252,7 @@ impl Serialize for Repair {
         #[derive(Serialize)]
         struct Out {
             kind: &'static str,
-            group_id: GroupId,
+            group_id: Option<GroupId>,
             text: String,
         }
         Out {
@@ -185,7 +276,13 @@ impl std::fmt::Display for Repair {
             Repair::AbsentNotAdmitted(id) => {
                 write!(
                     f,
-                    "{id} has an absent_polls count but is neither admitted nor joining: dropped"
+                    "{id} has an absence recorded but is neither admitted nor joining: dropped"
+                )
+            }
+            Repair::ReadingAfterClock(n) => {
+                write!(
+                    f,
+                    "{n} clock readings were after observed_ms: set to observed_ms"
                 )
             }
             Repair::JoiningAdmitted(id) => {
@@ -213,7 +310,7 @@ pub struct StateReport {
     /// The document's format.
     pub format: StateFormat,
     /// The sets exactly as the file holds them. The bare and v1 formats hold no
-    /// `admitted` set (it is empty here) and no `absent_polls`.
+    /// `admitted` set (it is empty here) and no absences.
     pub on_disk: State,
     /// What the daemon runs on: the bare and v1 formats read with `admitted = confirmed`,
     /// then [`StateReport::repairs`] applied.
@@ -245,7 +342,7 @@ impl std::fmt::Display for StateReport {
             s.admitted.len(),
             s.confirmed.len(),
             s.joining.len(),
-            s.absent_polls.len()
+            s.absent.len()
         )?;
         for repair in &self.repairs {
             writeln!(f, "repaired on load: {repair}")?;
@@ -281,6 +378,27 @@ struct DocumentOut<'a> {
 enum DocumentIn {
     Bare(BTreeSet<GroupId>),
     Versioned(serde_json::Map<String, serde_json::Value>),
+}
+
+/// Version 3: absences as poll counts, no clock.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct V3 {
+    admitted: BTreeSet<GroupId>,
+    confirmed: BTreeSet<GroupId>,
+    #[serde(default)]
+    joining: BTreeSet<GroupId>,
+    #[serde(default)]
+    absent_polls: BTreeMap<GroupId, u32>,
+}
+
+/// An older document's poll counts as absences observed for 0 s: the grace starts at the
+/// upgrade (the older formats kept no time).
+fn absences_from_polls(absent_polls: BTreeMap<GroupId, u32>) -> BTreeMap<GroupId, Absence> {
+    absent_polls
+        .into_iter()
+        .map(|(id, polls)| (id, Absence { polls, since_ms: 0 }))
+        .collect()
 }
 
 /// Version 2: no `joining` set.
@@ -320,7 +438,7 @@ pub enum StateError {
         reason: String,
     },
     /// The file says a version this build does not know (written by a newer sidecar?).
-    #[error("state file {path} has version {version}, this sidecar reads versions 1 to 3")]
+    #[error("state file {path} has version {version}, this sidecar reads versions 1 to 4")]
     UnsupportedVersion {
         /// The state file.
         path: PathBuf,
@@ -397,7 +515,7 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
         }
     }
     if let Some(state) = parse_current(bytes) {
-        return Ok((StateFormat::V3, state));
+        return Ok((StateFormat::V4, state));
     }
     let doc: DocumentIn = match serde_json::from_slice(bytes) {
         Ok(doc) => doc,
@@ -448,13 +566,26 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
                 State {
                     admitted: v2.admitted,
                     confirmed: v2.confirmed,
-                    joining: BTreeSet::new(),
-                    absent_polls: v2.absent_polls,
+                    absent: absences_from_polls(v2.absent_polls),
+                    ..State::default()
                 },
             ))
         }
-        3 => Ok((
-            StateFormat::V3,
+        3 => {
+            let v3: V3 = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
+            Ok((
+                StateFormat::V3,
+                State {
+                    admitted: v3.admitted,
+                    confirmed: v3.confirmed,
+                    joining: v3.joining,
+                    absent: absences_from_polls(v3.absent_polls),
+                    ..State::default()
+                },
+            ))
+        }
+        4 => Ok((
+            StateFormat::V4,
             serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?,
         )),
         version => Err(StateError::UnsupportedVersion {
@@ -478,7 +609,11 @@ fn parse_current(bytes: &[u8]) -> Option<State> {
         #[serde(default)]
         joining: BTreeSet<GroupId>,
         #[serde(default)]
-        absent_polls: BTreeMap<GroupId, u32>,
+        observed_ms: u64,
+        #[serde(default)]
+        absent: BTreeMap<GroupId, Absence>,
+        #[serde(default)]
+        recent_leaves_ms: Vec<u64>,
     }
     // An object only: a derived reader would also take an array, in field order.
     if bytes.iter().find(|b| !b" \t\r\n".contains(b)) != Some(&b'{') {
@@ -489,7 +624,9 @@ fn parse_current(bytes: &[u8]) -> Option<State> {
         admitted: doc.admitted,
         confirmed: doc.confirmed,
         joining: doc.joining,
-        absent_polls: doc.absent_polls,
+        observed_ms: doc.observed_ms,
+        absent: doc.absent,
+        recent_leaves_ms: doc.recent_leaves_ms,
     })
 }
 
@@ -552,6 +689,8 @@ pub struct StateStore {
     /// The state the file holds in the current version's form, once known: an unchanged
     /// state is recognised by comparing sets, without rendering the document again.
     last_written: Option<State>,
+    /// When this store last wrote the file (monotonic; `None` before its first write).
+    written_at: Option<tokio::time::Instant>,
 }
 
 impl StateStore {
@@ -560,6 +699,7 @@ impl StateStore {
         Self {
             path: path.into(),
             last_written: None,
+            written_at: None,
         }
     }
 
@@ -666,6 +806,26 @@ impl StateStore {
         self.last_written.as_ref() == Some(state)
     }
 
+    /// Whether the file records `state` well enough that the daemon need not write now
+    /// (`now`: monotonic). Exactly as saved: yes. Differing only in time
+    /// ([`State::same_but_time`]): yes while nothing reads the clock, or while the last
+    /// write is younger than a minute — so a pending leave, a failing
+    /// leave or a running grace costs one write a minute, not one a poll, and what the file
+    /// holds only lags (absences shorter, leaves younger). Any other change: no.
+    pub fn is_recorded(&self, state: &State, now: tokio::time::Instant) -> bool {
+        let Some(last) = &self.last_written else {
+            return false;
+        };
+        if last == state {
+            return true;
+        }
+        last.same_but_time(state)
+            && (!state.time_matters()
+                || self
+                    .written_at
+                    .is_some_and(|at| now.saturating_duration_since(at) < TIME_ONLY_WRITE_INTERVAL))
+    }
+
     /// Writes `state` if its document differs from what the file holds; returns whether it
     /// wrote. Atomic: a crash at any point leaves either the old or the new document.
     ///
@@ -675,6 +835,7 @@ impl StateStore {
             return Ok(false);
         }
         write_atomically(&self.path, &render_state(state))?;
+        self.written_at = Some(tokio::time::Instant::now());
         match &mut self.last_written {
             Some(last) => last.clone_from(state),
             None => self.last_written = Some(state.clone()),
@@ -736,7 +897,25 @@ mod tests {
             admitted: [id(1), id(2), id(3)].into(),
             confirmed: [id(1), id(2)].into(),
             joining: [id(4)].into(),
-            absent_polls: [(id(3), 2), (id(4), 1)].into(),
+            observed_ms: 90_000,
+            absent: [
+                (
+                    id(3),
+                    Absence {
+                        polls: 2,
+                        since_ms: 1_000,
+                    },
+                ),
+                (
+                    id(4),
+                    Absence {
+                        polls: 1,
+                        since_ms: 89_000,
+                    },
+                ),
+            ]
+            .into(),
+            recent_leaves_ms: vec![10_000, 80_000],
         }
     }
 
@@ -761,8 +940,12 @@ mod tests {
                 false,
             ),
             (
-                format!(r#"{{"version":4,"admitted":{a},"confirmed":{c}}}"#),
+                format!(r#"{{"version":5,"admitted":{a},"confirmed":{c}}}"#),
                 false,
+            ),
+            (
+                format!(r#"{{"version":3,"admitted":{a},"confirmed":{c}}}"#),
+                true,
             ),
             (
                 format!(r#"{{"version":3,"admitted":{a},"confirmed":{c},"x":1}}"#),
@@ -854,8 +1037,15 @@ mod tests {
         let state = State {
             admitted: [id(1), id(2)].into(),
             confirmed: [id(1)].into(),
-            joining: BTreeSet::new(),
-            absent_polls: [(id(2), 1)].into(),
+            absent: [(
+                id(2),
+                Absence {
+                    polls: 1,
+                    since_ms: 0,
+                },
+            )]
+            .into(),
+            ..State::default()
         };
         assert!(!store.is_saved(&state));
         assert!(store.save(&state).unwrap());
@@ -874,7 +1064,7 @@ mod tests {
             "a loaded file counts as written"
         );
         let text = std::fs::read_to_string(&path).unwrap();
-        assert!(text.contains("\"version\": 3"), "{text}");
+        assert!(text.contains("\"version\": 4"), "{text}");
         let leftovers: Vec<_> = std::fs::read_dir(path.parent().unwrap())
             .unwrap()
             .map(|e| e.unwrap().file_name())
@@ -897,8 +1087,7 @@ mod tests {
             .save(&State {
                 admitted: [id(3)].into(),
                 confirmed: [id(3)].into(),
-                joining: BTreeSet::new(),
-                absent_polls: BTreeMap::new(),
+                ..State::default()
             })
             .unwrap();
         let after = std::fs::metadata(&path).unwrap().ino();
@@ -921,8 +1110,7 @@ mod tests {
         let old = State {
             admitted: [id(1)].into(),
             confirmed: [id(1)].into(),
-            joining: BTreeSet::new(),
-            absent_polls: BTreeMap::new(),
+            ..State::default()
         };
         store.save(&old).unwrap();
         let old_bytes = std::fs::read(&path).unwrap();
@@ -958,14 +1146,20 @@ mod tests {
         );
         let s = parse_state(text.as_bytes(), Path::new("s")).unwrap();
         assert_eq!(s.admitted, [id(1)].into(), "confirmed implies admitted");
-        assert!(s.absent_polls.is_empty(), "counts only for admitted ids");
+        assert!(s.absent.is_empty(), "counts only for admitted ids");
 
         // The report keeps what the file said and names each repair.
         let report = inspect_state(text.as_bytes(), Path::new("s")).unwrap();
         assert_eq!(report.format, StateFormat::V2);
         assert!(report.on_disk.admitted.is_empty());
         assert_eq!(report.on_disk.confirmed, [id(1)].into());
-        assert_eq!(report.on_disk.absent_polls.get(&id(2)), Some(&2));
+        assert_eq!(
+            report.on_disk.absent[&id(2)],
+            Absence {
+                polls: 2,
+                since_ms: 0
+            }
+        );
         assert_eq!(report.state, s);
         assert_eq!(
             report.repairs,
@@ -987,7 +1181,14 @@ mod tests {
         assert_eq!(report.format, StateFormat::V3);
         assert_eq!(report.on_disk.joining, [id(1), id(3)].into());
         assert_eq!(report.state.joining, [id(3)].into());
-        assert_eq!(report.state.absent_polls.get(&id(3)), Some(&1));
+        assert_eq!(
+            report.state.absent[&id(3)],
+            Absence {
+                polls: 1,
+                since_ms: 0
+            },
+            "v3 counts load as absences observed for 0 s"
+        );
         assert_eq!(report.repairs, vec![Repair::JoiningAdmitted(id(1))]);
     }
 
@@ -1017,13 +1218,31 @@ mod tests {
             admitted: [id(1), id(2)].into(),
             confirmed: [id(1)].into(),
             joining: [id(3)].into(),
-            absent_polls: [(id(2), 1), (id(3), 1)].into(),
+            observed_ms: 5_000,
+            absent: [
+                (
+                    id(2),
+                    Absence {
+                        polls: 1,
+                        since_ms: 4_000,
+                    },
+                ),
+                (
+                    id(3),
+                    Absence {
+                        polls: 1,
+                        since_ms: 5_000,
+                    },
+                ),
+            ]
+            .into(),
+            recent_leaves_ms: vec![1_000],
         };
         writer.save(&sound).unwrap();
         let StateFile::Present(report) = store.inspect().unwrap() else {
             panic!("a present file")
         };
-        assert_eq!(report.format, StateFormat::V3);
+        assert_eq!(report.format, StateFormat::V4);
         assert_eq!(report.on_disk, sound);
         assert_eq!(report.state, sound);
         assert!(report.repairs.is_empty());
@@ -1040,9 +1259,17 @@ mod tests {
         };
         assert_eq!(report.format, StateFormat::V2);
         let v2 = State {
-            joining: BTreeSet::new(),
-            absent_polls: [(id(2), 1)].into(),
-            ..sound
+            admitted: sound.admitted.clone(),
+            confirmed: sound.confirmed.clone(),
+            absent: [(
+                id(2),
+                Absence {
+                    polls: 1,
+                    since_ms: 0,
+                },
+            )]
+            .into(),
+            ..State::default()
         };
         assert_eq!(report.state, v2);
         assert!(report.repairs.is_empty());
@@ -1189,6 +1416,7 @@ mod tests {
             StateFormat::V1,
             StateFormat::V2,
             StateFormat::V3,
+            StateFormat::V4,
         ]
         .iter()
         .map(|f| format!("{f} {}", serde_json::to_string(f).unwrap()))
@@ -1199,8 +1427,59 @@ mod tests {
                 r#"bare-array "bare-array""#,
                 r#"v1 "v1""#,
                 r#"v2 "v2""#,
-                r#"v3 "v3""#
+                r#"v3 "v3""#,
+                r#"v4 "v4""#
             ]
         );
+    }
+
+    #[test]
+    fn time_alone_is_written_once_a_minute_and_only_when_something_reads_the_clock() {
+        let start = tokio::time::Instant::now();
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = StateStore::new(dir.path().join("fleet-confirmed.json"));
+        let mut s = State {
+            admitted: [id(1)].into(),
+            ..State::default()
+        };
+        assert!(!store.is_recorded(&s, start), "nothing written yet");
+        store.save(&s).unwrap();
+        // Nothing reads the clock: its advance alone is never due.
+        s.observed_ms += 3_600_000;
+        assert!(store.is_recorded(&s, start + Duration::from_secs(7200)));
+        // An absence starts: a change of facts, due at once.
+        s.absent.insert(
+            id(1),
+            Absence {
+                polls: 1,
+                since_ms: s.observed_ms,
+            },
+        );
+        assert!(!store.is_recorded(&s, start));
+        store.save(&s).unwrap();
+        let written = tokio::time::Instant::now();
+        // One more poll, a second later: time alone, not due within the minute...
+        s.observed_ms += 1_000;
+        s.absent.get_mut(&id(1)).unwrap().polls += 1;
+        assert!(s.same_but_time(store.last_written.as_ref().unwrap()));
+        assert!(store.is_recorded(&s, written + Duration::from_secs(59)));
+        // ...and due once it has passed.
+        assert!(!store.is_recorded(&s, written + TIME_ONLY_WRITE_INTERVAL));
+        // A leave started (a new reading) is a fact: due at once.
+        let mut leave = s.clone();
+        leave.recent_leaves_ms.push(leave.observed_ms);
+        assert!(!store.is_recorded(&leave, written));
+    }
+
+    #[test]
+    fn a_reading_after_the_clock_loads_as_now() {
+        let a = id(1);
+        let text = format!(
+            r#"{{"version":4,"admitted":["{a}"],"confirmed":[],"observed_ms":1000,"absent":{{"{a}":{{"polls":2,"since_ms":5000}}}},"recent_leaves_ms":[9000,500]}}"#
+        );
+        let report = inspect_state(text.as_bytes(), Path::new("s")).unwrap();
+        assert_eq!(report.repairs, vec![Repair::ReadingAfterClock(2)]);
+        assert_eq!(report.state.absence_observed(&a), Some(Duration::ZERO));
+        assert_eq!(report.state.recent_leaves_ms, vec![500, 1000]);
     }
 }

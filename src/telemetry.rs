@@ -290,6 +290,10 @@ pub struct Telemetry {
     /// `fleet_sidecar_mass_withdrawal_hold`: 1 while the mass-withdrawal guard holds every
     /// leave, else 0 (follows [`LiveStatus::mass_drop`]).
     pub(crate) mass_withdrawal_hold: Gauge,
+    /// `fleet_sidecar_pending_leave_oldest_absence_seconds`: the longest absence observed
+    /// among the withdrawn namespaces not left yet (0 when none): how far the oldest pending
+    /// leave is into `leave_grace`, or past it while a guard or rate limit holds it.
+    pub(crate) pending_leave_absence: Gauge<f64, AtomicU64>,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -366,6 +370,12 @@ impl Telemetry {
             "1 while the mass-withdrawal guard holds every leave",
             mass_withdrawal_hold.clone(),
         );
+        let pending_leave_absence = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "pending_leave_oldest_absence_seconds",
+            "longest absence observed (monotonic) among withdrawn namespaces not left yet",
+            pending_leave_absence.clone(),
+        );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
         for (family, outcomes) in [
@@ -397,6 +407,7 @@ impl Telemetry {
             call_seconds,
             mrtd_source,
             mass_withdrawal_hold,
+            pending_leave_absence,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),

@@ -3,7 +3,8 @@
 //!
 //! Scenario: two namespaces assigned, joined and confirmed; an MDMA outage (503, a non-JSON
 //! body, a body without `assignments`, a malformed id) during which nothing is left; one
-//! namespace withdrawn and left after `leave_after_polls` good polls; a new namespace whose
+//! namespace withdrawn and left after `leave_after_polls` good polls and a `leave_grace` of
+//! observed absence (a short one here; a node's default is 24 h); a new namespace whose
 //! admission fails once (`admitted: false`) and succeeds on the retry. Exits 0 when every
 //! step happened as it must, 1 otherwise.
 
@@ -68,8 +69,9 @@ async fn main() -> ExitCode {
 async fn scenario() -> DemoResult {
     let sb = Sandbox::start(None).await?;
     // The outage's failed polls back off up to max_backoff (default 10 s); 2 s keeps the
-    // demo short while still showing the backoff.
-    let cfg = sb.config("max_backoff = \"2s\"")?;
+    // demo short while still showing the backoff. Likewise a 4 s leave_grace (24 h by
+    // default) shows the grace without waiting a day.
+    let cfg = sb.config("max_backoff = \"2s\"\nleave_grace = \"4s\"")?;
     let deps = sb.deps(&cfg)?;
     info!(
         "demo: MDMA emulator at {}, merod emulator at {}, state in {}",
@@ -122,9 +124,19 @@ async fn scenario() -> DemoResult {
     }
     info!("demo: outage over: nothing was left during it");
 
-    info!("== phase 3: B stays withdrawn; it is left after 3 consecutive good polls");
+    info!("== phase 3: B stays withdrawn; it is left after 3 consecutive good polls and 4 s of observed absence (leave_grace)");
+    let withdrawn = Instant::now();
     until("B left", || !sb.merod.held().contains(B)).await?;
-    info!("demo: B left after {} polls without it", 3);
+    let waited = withdrawn.elapsed();
+    if waited < Duration::from_secs(3) {
+        return Err(
+            format!("B was left {waited:?} after its withdrawal, before its 4 s grace").into(),
+        );
+    }
+    info!(
+        "demo: B left {:.1} s after the outage ended, its grace over",
+        waited.as_secs_f64()
+    );
 
     info!(
         "== phase 4: MDMA assigns C={}; its first admission fails (admitted: false)",

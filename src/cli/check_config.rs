@@ -96,12 +96,14 @@ fn render(file: &Path, cfg: &Config) -> String {
     line(format!("max_backoff = {}", duration(cfg.max_backoff)));
     let p = &cfg.leave_policy;
     line(format!("leave_after_polls = {}", p.leave_after_polls));
+    line(format!("leave_grace = {}", duration(p.leave_grace)));
     line(format!("mass_drop_min = {}", p.mass_drop_min));
     line(format!("mass_drop_hold = {}", duration(p.mass_drop_hold)));
     line(format!(
         "max_leaves_per_minute = {}",
         p.max_leaves_per_minute
     ));
+    line(format!("max_leaves_per_hour = {}", p.max_leaves_per_hour));
     line(format!(
         "max_concurrent_joins = {}",
         cfg.max_concurrent_joins

@@ -46,17 +46,24 @@ pub(crate) async fn report(cfg: &Config) -> Report {
     let pending_leaves = state
         .as_ref()
         .map(|s| {
-            s.absent_polls
+            s.absent
                 .iter()
-                .map(|(id, polls)| {
-                    let why = if let Some(wait) = cfg.leave_policy.stability_wait(*polls) {
-                        wait.to_string()
-                    } else {
-                        format!(
-                            "absent from {polls} successful polls: due to leave (the live status tells whether the mass-withdrawal guard or the rate limit holds it)"
-                        )
+                .map(|(id, absence)| {
+                    let observed = s.absence_observed(id).unwrap_or_default();
+                    let policy = &cfg.leave_policy;
+                    let why = match policy
+                        .grace_wait(observed)
+                        .or_else(|| policy.stability_wait(absence.polls))
+                    {
+                        Some(wait) => wait.to_string(),
+                        None => "due to leave (the live status tells whether the mass-withdrawal guard or a rate limit holds it)".to_owned(),
                     };
-                    (id.to_string(), why)
+                    let line = format!(
+                        "absent {} s over {} successful polls (as last written); {why}",
+                        observed.as_secs(),
+                        absence.polls
+                    );
+                    (id.to_string(), line)
                 })
                 .collect()
         })
@@ -208,6 +215,7 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
 mod tests {
     use super::*;
     use crate::ids::GroupId;
+    use crate::state::Absence;
     use std::path::Path;
 
     #[tokio::test]
@@ -220,18 +228,47 @@ mod tests {
             admitted: [a, b].into(),
             confirmed: [a, b].into(),
             joining: [c].into(),
-            absent_polls: [(a, 1), (b, 3)].into(),
+            observed_ms: 20_000,
+            absent: [
+                (
+                    a,
+                    Absence {
+                        polls: 1,
+                        since_ms: 0,
+                    },
+                ),
+                (
+                    b,
+                    Absence {
+                        polls: 3,
+                        since_ms: 0,
+                    },
+                ),
+                (
+                    c,
+                    Absence {
+                        polls: 3,
+                        since_ms: 15_000,
+                    },
+                ),
+            ]
+            .into(),
+            recent_leaves_ms: Vec::new(),
         };
         StateStore::new(&state_file).save(&state).unwrap();
         let text = format!(
-            "mdma_url = \"https://m\"\nstate_file = \"{}\"",
+            "mdma_url = \"https://m\"\nstate_file = \"{}\"\nleave_grace = \"10s\"",
             state_file.display()
         );
         let cfg = Config::from_toml(&text, Path::new("c.toml")).unwrap();
         let r = report(&cfg).await;
         assert_eq!(
             r.pending_leaves[&a.to_string()],
-            "absent from 1 of the 3 successful polls needed"
+            "absent 20 s over 1 successful polls (as last written); absent from 1 of the 3 successful polls needed"
+        );
+        assert_eq!(
+            r.pending_leaves[&c.to_string()],
+            "absent 5 s over 3 successful polls (as last written); waiting for leave_grace: absence observed for 5 s of 10 s"
         );
         assert!(r.pending_leaves[&b.to_string()].contains("due to leave"));
         assert!(r.live.is_none() && r.live_error.is_some());

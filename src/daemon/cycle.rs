@@ -14,7 +14,7 @@ use crate::reconcile::{
 };
 use crate::telemetry::{unix_now, Phase, Telemetry};
 
-use super::tasks::{Calls, Counted, Event, Next};
+use super::tasks::{Calls, Counted, Event, JoinEnd, Next};
 use super::{publish, CycleOutcome, Sidecar, ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE};
 
 /// What planning works from besides the state: the last successful poll's answer, and what
@@ -103,7 +103,7 @@ impl Sidecar {
         while let Some(event) = self.work.try_event() {
             self.on_event(event);
         }
-        self.persist();
+        self.persist_all();
     }
 
     /// One cycle: poll; on success plan and start the joins and leaves, prune, persist.
@@ -172,7 +172,7 @@ impl Sidecar {
         let leave_backoff = work.leave_retry.waiting(now);
         let in_flight = work.in_flight();
         let policy = &self.planner.policy;
-        let plan = reconcile::plan_change(PlanInput {
+        let plan = reconcile::plan(PlanInput {
             policy,
             desired,
             state: self.record.state(),
@@ -210,7 +210,7 @@ impl Sidecar {
             joins: plan.joins.len(),
             leaves: plan.leaves.len(),
         };
-        let started_before = std::mem::replace(&mut self.planner.guard, plan.guard).recent_leaves;
+        self.planner.guard = plan.guard;
         // The plan (absence counts and joins included) is recorded before anything starts:
         // no join or leave starts while it could not be recorded, and a leave
         // (irreversible) only while its outcome can be recorded too.
@@ -245,7 +245,7 @@ impl Sidecar {
                 }
             } else {
                 // Held leaves did not start: they use none of the rate limit.
-                self.planner.guard.recent_leaves = started_before;
+                self.record.unstamp_leaves(plan.leaves.len());
                 debug!(
                     held = plan.leaves.len(),
                     "leaves held: the state file cannot be written, so their outcome could not be recorded"
@@ -264,10 +264,11 @@ impl Sidecar {
         }
     }
 
-    /// Writes the state if it changed (see `Record::persist`).
-    fn persist(&mut self) -> bool {
+    /// Writes the state if it changed in anything, time included (see
+    /// `Record::persist_all`): at shutdown.
+    fn persist_all(&mut self) -> bool {
         self.record
-            .persist(|state| publish(&self.deps, &self.planner, &self.work, state))
+            .persist_all(|state| publish(&self.deps, &self.planner, &self.work, state))
     }
 
     /// Folds `outcome` into the state and persists it (see `Record::record`).
@@ -298,7 +299,10 @@ impl Sidecar {
                 Telemetry::count(&t.joins, "admitted");
                 info!(namespace_id = %id, "admitted by merod and listed by it");
                 if self.record(Outcome::Admitted(id)) {
-                    let _ = ack.send(());
+                    // Confirmed to MDMA only while the latest poll assigns it: one withdrawn
+                    // (or moved to retain) meanwhile stays admitted, unconfirmed, and goes
+                    // through the grace like any withdrawn namespace.
+                    let _ = ack.send(self.planner.desired.assigned.contains(&id));
                 }
             }
             Event::JoinEnded { id, end, took } => {
@@ -315,7 +319,13 @@ impl Sidecar {
                     // finds the line (a log-rotating test relies on it).
                     end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
                     self.work.join_retry.succeed(id);
-                    self.record(Outcome::Confirmed(id));
+                    // `confirmed` follows what MDMA assigns: a poll that withdrew it while
+                    // the confirm ran has pruned it, and it stays pruned.
+                    if matches!(end, JoinEnd::Confirmed)
+                        && self.planner.desired.assigned.contains(&id)
+                    {
+                        self.record(Outcome::Confirmed(id));
+                    }
                 } else {
                     let retry = self.work.back_off_join(id);
                     end.log(id, took.as_secs_f64(), retry);

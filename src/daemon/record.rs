@@ -112,11 +112,30 @@ impl Record {
         }
     }
 
+    /// Drops the last `n` leave stamps of the plan just recorded: those leaves were held
+    /// (not started), so they use none of the rate limits.
+    pub(super) fn unstamp_leaves(&mut self, n: usize) {
+        let kept = self.state.recent_leaves_ms.len().saturating_sub(n);
+        self.state.recent_leaves_ms.truncate(kept);
+    }
+
     /// Writes the state if it changed (atomically; `false` when it could not be written or
-    /// in a dry run). Before a write `publish` brings the live status up to date, so it
-    /// never lags the file: whoever sees the file change and then asks `/status` finds the
-    /// change there. Nothing to write (an idle cycle): neither is done.
+    /// in a dry run). A change of time alone (the observed clock, poll counts) is written at
+    /// most once a minute ([`StateStore::is_recorded`]): a pending leave costs no write per
+    /// poll. Before a write `publish` brings the live status up to date, so it never lags
+    /// the file: whoever sees the file change and then asks `/status` finds the change
+    /// there. Nothing to write (an idle cycle): neither is done.
     pub(super) fn persist(&mut self, publish: impl FnOnce(&State)) -> bool {
+        self.write(publish, false)
+    }
+
+    /// [`Record::persist`], time-only changes included (at shutdown, so the observed clock
+    /// is kept up to the last poll).
+    pub(super) fn persist_all(&mut self, publish: impl FnOnce(&State)) -> bool {
+        self.write(publish, true)
+    }
+
+    fn write(&mut self, publish: impl FnOnce(&State), time_too: bool) -> bool {
         if self.dry_run {
             return false;
         }
@@ -125,7 +144,12 @@ impl Record {
         if self.failure.is_some() {
             self.store.forget_written();
         }
-        if self.store.is_saved(&self.state) {
+        let recorded = if time_too {
+            self.store.is_saved(&self.state)
+        } else {
+            self.store.is_recorded(&self.state, Instant::now())
+        };
+        if recorded {
             return true;
         }
         publish(&self.state);

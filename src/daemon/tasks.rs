@@ -92,6 +92,8 @@ pub(super) enum JoinEnd {
     NotHeld,
     /// The admission could not be recorded: not confirmed.
     NotPersisted,
+    /// Admitted and recorded, but the latest poll no longer assigns it: not confirmed.
+    NotAssigned,
     /// MDMA refused the confirm or gave no answer in time.
     ConfirmFailed(ConfirmError),
     /// The confirm gave no answer within the loop's deadline.
@@ -120,13 +122,13 @@ impl JoinEnd {
             JoinEnd::Failed(f) if f.is_timeout() => (Counted::Joins, "timeout"),
             JoinEnd::Failed(_) => (Counted::Joins, "error"),
             JoinEnd::NotHeld => (Counted::Joins, "not_held"),
-            JoinEnd::NotPersisted => return None,
+            JoinEnd::NotPersisted | JoinEnd::NotAssigned => return None,
         })
     }
 
     /// Whether the join succeeded (else it backs off before the next attempt).
     pub(super) fn succeeded(&self) -> bool {
-        matches!(self, JoinEnd::Confirmed)
+        matches!(self, JoinEnd::Confirmed | JoinEnd::NotAssigned)
     }
 
     /// Its log line, with the journal fields NAMESPACE_ID, OUTCOME and DURATION (s);
@@ -156,6 +158,9 @@ impl JoinEnd {
             }
             JoinEnd::NotHeld => {
                 warn!(namespace_id = %id, outcome = "not_held", duration, "merod said admitted: true but does not list the namespace; not recorded, retrying later");
+            }
+            JoinEnd::NotAssigned => {
+                info!(namespace_id = %id, outcome = "not_assigned", duration, "admitted, but MDMA no longer assigns it: recorded as admitted, not confirmed; it is left after leave_grace unless assigned again");
             }
             JoinEnd::NotPersisted => {
                 warn!(namespace_id = %id, outcome = "not_persisted", error_kind = "state", duration, "admission could not be persisted; not confirmed, retrying later");
@@ -271,11 +276,11 @@ impl LeaveEnd {
 
 #[derive(Debug)]
 pub(super) enum Event {
-    /// merod admitted `id` and lists it: the task waits for `ack` (sent once the admission
-    /// is on disk) before it confirms.
+    /// merod admitted `id` and lists it; the loop answers once it is recorded, with whether
+    /// to confirm it (the latest poll still assigns it).
     Admitted {
         id: GroupId,
-        ack: oneshot::Sender<()>,
+        ack: oneshot::Sender<bool>,
     },
     JoinEnded {
         id: GroupId,
@@ -361,8 +366,13 @@ async fn join_task(
         Err(why) => return JoinEnd::Failed(JoinFailed::Unchecked(why)),
     }
     let (ack, acked) = oneshot::channel();
-    if events.send(Event::Admitted { id, ack }).is_err() || acked.await.is_err() {
+    if events.send(Event::Admitted { id, ack }).is_err() {
         return JoinEnd::NotPersisted;
+    }
+    match acked.await {
+        Ok(true) => {}
+        Ok(false) => return JoinEnd::NotAssigned,
+        Err(_) => return JoinEnd::NotPersisted,
     }
     match timed(
         t,

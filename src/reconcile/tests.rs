@@ -2,7 +2,34 @@
 //! rules, then properties over random sequences of polls and outcomes.
 
 use super::*;
+use crate::state::Absence;
 use proptest::prelude::*;
+
+/// [`super::plan`] with its change applied to a copy of the state, as most rules are
+/// easiest to state about the state after the poll.
+#[derive(Debug)]
+struct Planned {
+    joins: Vec<GroupId>,
+    leaves: Vec<GroupId>,
+    waiting: BTreeMap<GroupId, LeaveWait>,
+    state: State,
+    guard: Guard,
+    mass_drop_event: Option<MassDropEvent>,
+}
+
+fn plan(input: PlanInput<'_>) -> Planned {
+    let p = super::plan(input);
+    let mut state = input.state.clone();
+    p.state.apply_to(&mut state);
+    Planned {
+        joins: p.joins,
+        leaves: p.leaves,
+        waiting: p.waiting,
+        state,
+        guard: p.guard,
+        mass_drop_event: p.mass_drop_event,
+    }
+}
 
 fn id(n: u8) -> GroupId {
     GroupId::from_bytes([n; 32])
@@ -23,23 +50,28 @@ fn state(admitted: &[u8], confirmed: &[u8]) -> State {
     State {
         admitted: ids(admitted),
         confirmed: ids(confirmed),
-        joining: BTreeSet::new(),
-        absent_polls: BTreeMap::new(),
+        ..State::default()
     }
+}
+
+fn absence(polls: u32, since_ms: u64) -> Absence {
+    Absence { polls, since_ms }
 }
 
 const POLICY: LeavePolicy = LeavePolicy {
     leave_after_polls: 3,
+    leave_grace: Duration::ZERO,
     mass_drop_min: 3,
     mass_drop_hold: Duration::from_secs(600),
     max_leaves_per_minute: 10,
+    max_leaves_per_hour: u32::MAX,
 };
 
 fn none() -> BTreeSet<GroupId> {
     BTreeSet::new()
 }
 
-fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Plan {
+fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Planned {
     plan(PlanInput {
         policy,
         desired: d,
@@ -53,7 +85,7 @@ fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Plan {
 }
 
 #[test]
-fn the_daemons_change_leaves_an_idle_state_untouched_and_prunes_like_plan() {
+fn an_idle_poll_changes_no_set_and_the_change_applied_prunes() {
     let (empty, guard) = (none(), Guard::default());
     let input = |d, s| PlanInput {
         policy: &POLICY,
@@ -67,18 +99,17 @@ fn the_daemons_change_leaves_an_idle_state_untouched_and_prunes_like_plan() {
     };
     // Idle: everything assigned is admitted and confirmed: nothing to change.
     let (d, s) = (desired(&[1, 2, 3], &[]), state(&[1, 2, 3], &[1, 2, 3]));
-    let change = plan_change(input(&d, &s));
+    let change = super::plan(input(&d, &s));
     assert!(change.joins.is_empty() && change.leaves.is_empty());
-    assert!(change.state.is_none(&s));
-    // Withdrawn, retained and re-assigned ones: the change applied gives plan's state.
+    assert!(change.state.keeps_sets(&s));
+    // Withdrawn, retained and re-assigned ones: the change applied prunes and counts.
     let (d, s) = (desired(&[1, 4], &[2]), state(&[1, 2, 3], &[1, 2, 3]));
-    let change = plan_change(input(&d, &s));
-    assert!(!change.state.is_none(&s));
+    let change = super::plan(input(&d, &s));
+    assert!(!change.state.keeps_sets(&s));
     let mut changed = s.clone();
     change.state.apply_to(&mut changed);
-    assert_eq!(changed, plan(input(&d, &s)).state);
-    assert_eq!(changed.confirmed, ids(&[1, 2]));
-    assert_eq!(changed.absent_polls, [(id(3), 1)].into());
+    assert_eq!(changed.confirmed, ids(&[1]), "confirmed ∩ assigned");
+    assert_eq!(changed.absent, [(id(3), absence(1, 0))].into());
 }
 
 #[test]
@@ -115,9 +146,10 @@ fn retain_is_neither_joined_nor_left() {
     assert_eq!(p.leaves, vec![id(2)], "1 is retained, never left");
     assert_eq!(
         p.state.confirmed,
-        ids(&[1]),
-        "a retained namespace stays confirmed"
+        ids(&[]),
+        "a retained namespace drops out of confirmed"
     );
+    assert_eq!(p.state.admitted, ids(&[1, 2]), "and stays admitted");
 }
 
 #[test]
@@ -179,20 +211,20 @@ fn withdrawal_must_be_stable_for_leave_after_polls() {
 #[test]
 fn reappearing_resets_the_count() {
     let mut s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
-    s.absent_polls.insert(id(4), 2);
+    s.absent.insert(id(4), absence(2, 0));
     let p = simple(&POLICY, &desired(&[1, 2, 3, 4], &[]), &s);
-    assert!(p.state.absent_polls.is_empty());
+    assert!(p.state.absent.is_empty());
     let p = simple(&POLICY, &desired(&[1, 2, 3], &[]), &p.state);
-    assert_eq!(p.state.absent_polls.get(&id(4)), Some(&1));
+    assert_eq!(p.state.absent.get(&id(4)).map(|a| a.polls), Some(1));
     assert!(p.leaves.is_empty());
 }
 
 #[test]
 fn retained_resets_the_count_too() {
     let mut s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
-    s.absent_polls.insert(id(4), 2);
+    s.absent.insert(id(4), absence(2, 0));
     let p = simple(&POLICY, &desired(&[1, 2, 3], &[4]), &s);
-    assert!(p.state.absent_polls.is_empty() && p.leaves.is_empty());
+    assert!(p.state.absent.is_empty() && p.leaves.is_empty());
 }
 
 #[test]
@@ -272,7 +304,7 @@ fn leave_backoff_delays_only_that_leave_and_takes_none_of_the_rate_limit() {
         !p.waiting.contains_key(&id(1)),
         "1 is assigned, not withdrawn"
     );
-    assert_eq!(p.guard.recent_leaves.len(), 2);
+    assert_eq!(p.state.recent_leaves_ms.len(), 2);
     assert_eq!(
         LeaveWait::BackingOff.to_string(),
         "its last leave failed; retried when the back-off ends"
@@ -442,9 +474,10 @@ fn the_guard_needs_both_the_minimum_and_more_than_half() {
     );
     assert_eq!(p.leaves.len(), 3);
     assert_eq!(p.mass_drop_event, None);
-    // 2 of 2 withdrawn: more than half, but fewer than mass_drop_min: no hold.
-    let p = simple(&policy, &desired(&[], &[]), &state(&[1, 2], &[]));
+    // 2 of 3 withdrawn: more than half, but fewer than mass_drop_min: no hold.
+    let p = simple(&policy, &desired(&[3], &[]), &state(&[1, 2, 3], &[]));
     assert_eq!(p.leaves.len(), 2);
+    assert_eq!(p.mass_drop_event, None);
     // 3 of 5: held.
     let p = simple(
         &policy,
@@ -485,13 +518,16 @@ fn leaves_are_rate_limited_per_minute() {
         now: t0,
     });
     assert_eq!(p.leaves, vec![id(1), id(2)]);
-    assert_eq!(p.waiting.get(&id(3)), Some(&LeaveWait::RateLimited));
+    assert_eq!(
+        p.waiting.get(&id(3)),
+        Some(&LeaveWait::RateLimited(RateLimit::PerMinute))
+    );
     // Leaves 1 and 2 run (in flight) a while later: still no budget inside the minute.
     let t1 = t0 + Duration::from_secs(59);
     let p = plan(PlanInput {
         policy: &policy,
         desired: &d,
-        state: &s,
+        state: &p.state,
         in_flight: &ids(&[1, 2]),
         join_backoff: &none(),
         leave_backoff: &none(),
@@ -500,10 +536,13 @@ fn leaves_are_rate_limited_per_minute() {
     });
     assert!(p.leaves.is_empty());
     let t2 = t0 + Duration::from_secs(60);
+    let mut s = p.state;
+    apply(&mut s, Outcome::Left(id(1)));
+    apply(&mut s, Outcome::Left(id(2)));
     let p = plan(PlanInput {
         policy: &policy,
         desired: &d,
-        state: &state(&[3, 4, 5], &[]),
+        state: &s,
         in_flight: &none(),
         join_backoff: &none(),
         leave_backoff: &none(),
@@ -511,6 +550,343 @@ fn leaves_are_rate_limited_per_minute() {
         now: t2,
     });
     assert_eq!(p.leaves, vec![id(3), id(4)]);
+}
+
+/// One successful poll at `now` after the one `guard` remembers.
+fn poll(policy: &LeavePolicy, d: &Desired, s: &State, guard: &Guard, now: Instant) -> Planned {
+    plan(PlanInput {
+        policy,
+        desired: d,
+        state: s,
+        in_flight: &none(),
+        join_backoff: &none(),
+        leave_backoff: &none(),
+        guard,
+        now,
+    })
+}
+
+fn graced(grace: u64) -> LeavePolicy {
+    LeavePolicy {
+        leave_grace: Duration::from_secs(grace),
+        mass_drop_hold: Duration::ZERO,
+        ..no_stability()
+    }
+}
+
+#[test]
+fn a_withdrawn_namespace_is_left_only_after_leave_grace_of_observed_absence() {
+    let policy = graced(12);
+    let d = desired(&[1, 2, 3], &[]);
+    let t0 = Instant::now();
+    let mut p = poll(
+        &policy,
+        &d,
+        &state(&[1, 2, 3, 4], &[]),
+        &Guard::default(),
+        t0,
+    );
+    for secs in 1..12 {
+        assert!(p.leaves.is_empty(), "left {secs} s into a 12 s grace");
+        assert!(matches!(
+            p.waiting.get(&id(4)),
+            Some(LeaveWait::Grace { grace, .. }) if *grace == Duration::from_secs(12)
+        ));
+        p = poll(
+            &policy,
+            &d,
+            &p.state,
+            &p.guard,
+            t0 + Duration::from_secs(secs),
+        );
+    }
+    assert!(p.leaves.is_empty(), "11 s observed");
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        t0 + Duration::from_secs(12),
+    );
+    assert_eq!(p.leaves, vec![id(4)], "12 s observed");
+    assert_eq!(
+        LeaveWait::Grace {
+            observed: Duration::from_secs(8),
+            grace: Duration::from_secs(12)
+        }
+        .to_string(),
+        "waiting for leave_grace: absence observed for 8 s of 12 s"
+    );
+}
+
+#[test]
+fn both_the_grace_and_the_poll_count_must_be_met() {
+    let policy = LeavePolicy {
+        leave_after_polls: 3,
+        ..graced(1)
+    };
+    let d = desired(&[1, 2, 3], &[]);
+    let t0 = Instant::now();
+    // Two polls 10 s apart: the grace is over, the count is not.
+    let p = poll(
+        &policy,
+        &d,
+        &state(&[1, 2, 3, 4], &[]),
+        &Guard::default(),
+        t0,
+    );
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        t0 + Duration::from_secs(10),
+    );
+    assert_eq!(
+        p.waiting.get(&id(4)),
+        Some(&LeaveWait::NotStable {
+            polls: 2,
+            needed: 3
+        })
+    );
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        t0 + Duration::from_secs(11),
+    );
+    assert_eq!(p.leaves, vec![id(4)]);
+}
+
+#[test]
+fn the_grace_survives_a_restart_and_the_downtime_is_not_counted() {
+    let policy = graced(12);
+    let d = desired(&[1, 2, 3], &[]);
+    let t0 = Instant::now();
+    let mut p = poll(
+        &policy,
+        &d,
+        &state(&[1, 2, 3, 4], &[]),
+        &Guard::default(),
+        t0,
+    );
+    for secs in 1..=8 {
+        p = poll(
+            &policy,
+            &d,
+            &p.state,
+            &p.guard,
+            t0 + Duration::from_secs(secs),
+        );
+    }
+    assert_eq!(
+        p.state.absence_observed(&id(4)),
+        Some(Duration::from_secs(8))
+    );
+    // Restarted (the guard is memory) an hour later: the first poll adds nothing.
+    let back = t0 + Duration::from_secs(3600);
+    let p = poll(&policy, &d, &p.state, &Guard::default(), back);
+    assert!(p.leaves.is_empty(), "downtime is not observed absence");
+    assert_eq!(
+        p.state.absence_observed(&id(4)),
+        Some(Duration::from_secs(8))
+    );
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        back + Duration::from_secs(3),
+    );
+    assert!(p.leaves.is_empty(), "11 s observed");
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        back + Duration::from_secs(4),
+    );
+    assert_eq!(p.leaves, vec![id(4)], "8 s before the restart and 4 after");
+}
+
+#[test]
+fn reappearing_or_being_retained_resets_the_grace() {
+    let policy = graced(10);
+    let t0 = Instant::now();
+    let gone = desired(&[1, 2, 3], &[]);
+    let p = poll(
+        &policy,
+        &gone,
+        &state(&[1, 2, 3, 4], &[]),
+        &Guard::default(),
+        t0,
+    );
+    let p = poll(
+        &policy,
+        &gone,
+        &p.state,
+        &p.guard,
+        t0 + Duration::from_secs(9),
+    );
+    for back in [desired(&[1, 2, 3, 4], &[]), desired(&[1, 2, 3], &[4])] {
+        let q = poll(
+            &policy,
+            &back,
+            &p.state,
+            &p.guard,
+            t0 + Duration::from_secs(10),
+        );
+        assert!(q.leaves.is_empty() && q.state.absent.is_empty());
+        let q = poll(
+            &policy,
+            &gone,
+            &q.state,
+            &q.guard,
+            t0 + Duration::from_secs(11),
+        );
+        assert_eq!(q.state.absence_observed(&id(4)), Some(Duration::ZERO));
+        let q = poll(
+            &policy,
+            &gone,
+            &q.state,
+            &q.guard,
+            t0 + Duration::from_secs(20),
+        );
+        assert!(q.leaves.is_empty(), "9 s since it went again");
+    }
+}
+
+#[test]
+fn the_grace_runs_during_a_mass_withdrawal_hold() {
+    let policy = LeavePolicy {
+        mass_drop_hold: Duration::from_secs(30),
+        ..graced(20)
+    };
+    let t0 = Instant::now();
+    let d = desired(&[], &[]);
+    let p = poll(&policy, &d, &state(&[1, 2, 3], &[]), &Guard::default(), t0);
+    assert!(matches!(
+        p.mass_drop_event,
+        Some(MassDropEvent::HoldStarted { .. })
+    ));
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        t0 + Duration::from_secs(25),
+    );
+    assert!(matches!(
+        p.waiting.get(&id(1)),
+        Some(LeaveWait::MassDropHold { .. })
+    ));
+    let p = poll(
+        &policy,
+        &d,
+        &p.state,
+        &p.guard,
+        t0 + Duration::from_secs(30),
+    );
+    assert_eq!(
+        p.leaves,
+        vec![id(1), id(2), id(3)],
+        "the grace was over at the release"
+    );
+}
+
+#[test]
+fn leaves_are_rate_limited_per_hour_the_oldest_absence_first_across_restarts() {
+    let policy = LeavePolicy {
+        max_leaves_per_hour: 2,
+        ..graced(0)
+    };
+    let t0 = Instant::now();
+    // 5 withdrawn at once: its absence began earlier than the others'.
+    let mut s = state(&[1, 2, 3, 4, 5, 6, 7, 8, 9], &[]);
+    s.observed_ms = 100_000;
+    s.absent.insert(id(5), absence(1, 10_000));
+    let d = desired(&[6, 7, 8, 9], &[]);
+    let p = poll(&policy, &d, &s, &Guard::default(), t0);
+    assert_eq!(
+        p.leaves,
+        vec![id(5), id(1)],
+        "oldest absence first, then id order"
+    );
+    assert_eq!(
+        p.waiting.get(&id(2)),
+        Some(&LeaveWait::RateLimited(RateLimit::PerHour))
+    );
+    let mut s = p.state;
+    apply(&mut s, Outcome::Left(id(5)));
+    apply(&mut s, Outcome::Left(id(1)));
+    // A crash loop: restarted again and again, each first poll with a fresh guard.
+    for n in 1..=5u64 {
+        let p = poll(
+            &policy,
+            &d,
+            &s,
+            &Guard::default(),
+            t0 + Duration::from_secs(n * 600),
+        );
+        assert!(
+            p.leaves.is_empty(),
+            "restart {n}: the hour's budget is persisted"
+        );
+        s = p.state;
+    }
+    // An observed hour after the two leaves: two more go.
+    let g = Guard {
+        last_ok_poll: Some(t0),
+        ..Guard::default()
+    };
+    let p = poll(&policy, &d, &s, &g, t0 + HOUR);
+    assert_eq!(p.leaves, vec![id(2), id(3)]);
+    assert_eq!(
+        LeaveWait::RateLimited(RateLimit::PerHour).to_string(),
+        "waiting for the leave rate limit (max_leaves_per_hour)"
+    );
+}
+
+#[test]
+fn withdrawing_everything_held_is_a_mass_withdrawal_whatever_the_count() {
+    let policy = LeavePolicy {
+        mass_drop_min: 3,
+        ..no_stability()
+    };
+    for held in [&[1u8][..], &[1, 2]] {
+        let p = simple(&policy, &desired(&[], &[]), &state(held, held));
+        assert!(p.leaves.is_empty(), "{held:?}");
+        assert_eq!(
+            p.mass_drop_event,
+            Some(MassDropEvent::HoldStarted {
+                withdrawn: held.len(),
+                held: held.len()
+            })
+        );
+    }
+    // Nothing held, nothing withdrawn: no hold.
+    let p = simple(&policy, &desired(&[1], &[]), &State::default());
+    assert_eq!(p.mass_drop_event, None);
+}
+
+#[test]
+fn a_retained_namespace_is_unconfirmed_kept_and_confirmed_again_once_reassigned() {
+    let s = state(&[1, 2], &[1, 2]);
+    let p = simple(&POLICY, &desired(&[1], &[2]), &s);
+    assert_eq!(p.state.confirmed, ids(&[1]));
+    assert_eq!(p.state.admitted, ids(&[1, 2]));
+    assert!(
+        p.leaves.is_empty() && p.waiting.is_empty(),
+        "never left while retained"
+    );
+    assert!(p.joins.is_empty(), "not joined while retained");
+    let p = simple(&POLICY, &desired(&[1, 2], &[]), &p.state);
+    assert_eq!(
+        p.joins,
+        vec![id(2)],
+        "joined again (idempotent), then confirmed"
+    );
 }
 
 #[test]
@@ -524,7 +900,7 @@ fn apply_keeps_confirmed_within_admitted() {
     apply(&mut s, Outcome::Admitted(id(1)));
     apply(&mut s, Outcome::Confirmed(id(1)));
     assert_eq!(s, state(&[1], &[1]));
-    s.absent_polls.insert(id(1), 2);
+    s.absent.insert(id(1), absence(2, 0));
     apply(&mut s, Outcome::Left(id(1)));
     assert_eq!(s, State::default());
 }
@@ -538,6 +914,9 @@ enum Step {
     Good(Vec<u8>, Vec<u8>),
     /// A failed poll (any kind: the loop never calls `plan`).
     Failed,
+    /// The daemon restarts: the state goes through its file, the guard and the tasks are
+    /// lost, and no time of the downtime is observed.
+    Restart,
 }
 
 /// What merod and MDMA do with a started join.
@@ -565,6 +944,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (prop::collection::vec(0u8..6, 0..6), prop::collection::vec(0u8..6, 0..2))
             .prop_map(|(a, r)| Step::Good(a, r)),
         1 => Just(Step::Failed),
+        1 => Just(Step::Restart),
     ]
 }
 
@@ -614,6 +994,12 @@ fn simulate(
     let mut hung: BTreeMap<GroupId, (u32, Task)> = BTreeMap::new();
     let (mut join_retry, mut leave_retry) = (Retries::default(), Retries::default());
     let mut now = Instant::now();
+    // The model of observed absence: monotonic time between successful polls of one run
+    // that both showed the namespace absent; and the observed clock, for the leave budgets.
+    let mut observed_absence: BTreeMap<GroupId, Duration> = BTreeMap::new();
+    let mut last_good_at: Option<Instant> = None;
+    let mut clock = Duration::ZERO;
+    let mut leave_times: Vec<Duration> = Vec::new();
     let (mut ji, mut li) = (0usize, 0usize);
     let mut last_good: Option<Desired> = None;
     let final_step = last_good_step(steps);
@@ -648,11 +1034,40 @@ fn simulate(
                 Task::Leave => leave_retry.fail(id, now, JITTER),
             };
         }
-        let Step::Good(a, r) = st else {
+        let (a, r) = match st {
+            Step::Good(a, r) => (a, r),
             // A failed poll: the loop does not call plan; nothing may change.
-            continue;
+            Step::Failed => continue,
+            Step::Restart => {
+                let file = crate::state::render_state(&s);
+                let loaded = crate::state::parse_state(&file, std::path::Path::new("s"));
+                prop_assert_eq!(loaded.as_ref().ok(), Some(&s), "the state file round-trips");
+                guard = Guard::default();
+                hung.clear();
+                join_retry = Retries::default();
+                leave_retry = Retries::default();
+                last_good_at = None;
+                continue;
+            }
         };
         let d = desired(&a, &r);
+        let elapsed = last_good_at.map_or(Duration::ZERO, |t| now - t);
+        last_good_at = Some(now);
+        clock += elapsed;
+        let withdrawn: BTreeSet<GroupId> = s
+            .admitted
+            .iter()
+            .chain(&s.joining)
+            .filter(|id| !d.assigned.contains(id) && !d.retain.contains(id))
+            .copied()
+            .collect();
+        observed_absence.retain(|id, _| withdrawn.contains(id));
+        for id in &withdrawn {
+            observed_absence
+                .entry(*id)
+                .and_modify(|o| *o += elapsed)
+                .or_insert(Duration::ZERO);
+        }
         join_retry.keep_only(|id| d.assigned.contains(id));
         leave_retry.keep_only(|id| !d.assigned.contains(id) && !d.retain.contains(id));
         let in_flight: BTreeSet<GroupId> = hung.keys().copied().collect();
@@ -674,6 +1089,22 @@ fn simulate(
             );
             prop_assert!(!in_flight.contains(l));
             prop_assert!(!leave_backoff.contains(l), "left while backing off");
+            prop_assert!(
+                observed_absence[l] >= policy.leave_grace,
+                "left {l} after {:?} of observed absence, before leave_grace",
+                observed_absence[l]
+            );
+            leave_times.push(clock);
+        }
+        for (window, max) in [
+            (MINUTE, policy.max_leaves_per_minute),
+            (HOUR, policy.max_leaves_per_hour),
+        ] {
+            let in_window = leave_times.iter().filter(|t| clock - **t < window).count();
+            prop_assert!(
+                in_window <= max as usize,
+                "{in_window} leaves in a {window:?} window of the observed clock (max {max}), restarts included"
+            );
         }
         for j in &p.joins {
             prop_assert!(!in_flight.contains(j));
@@ -762,8 +1193,12 @@ fn settle_bound(policy: &LeavePolicy, cycle: usize) -> usize {
     // The longest gap between two attempts: the retry cap plus a hung attempt's 2 cycles
     // and 1 of alignment, or the rate limit's spacing if that is longer.
     let retry_gap = crate::backoff::RETRY_MAX.as_secs() as usize + 3;
-    let rate_gap = 60 / policy.max_leaves_per_minute.max(1) as usize;
-    6 * cycle * retry_gap.max(rate_gap) + policy.leave_after_polls as usize + 60
+    let rate_gap = (60 / policy.max_leaves_per_minute.max(1) as usize)
+        .max(3600 / policy.max_leaves_per_hour.max(1) as usize);
+    6 * cycle * retry_gap.max(rate_gap)
+        + policy.leave_after_polls as usize
+        + policy.leave_grace.as_secs() as usize
+        + 60
 }
 
 fn last_good_step(steps: &[Step]) -> Step {
@@ -784,6 +1219,7 @@ proptest! {
         joins in prop::collection::vec(join_result(), 1..8),
         leaves in prop::collection::vec(leave_result(), 1..8),
         leave_after in 1u32..4,
+        grace in 0u64..6,
     ) {
         // Leaves that fail forever would never converge: make the settle phase's leaves
         // eventually succeed by appending a success to the cycle of outcomes.
@@ -791,9 +1227,11 @@ proptest! {
         leaves.push(LeaveResult::Left);
         let policy = LeavePolicy {
             leave_after_polls: leave_after,
+            leave_grace: Duration::from_secs(grace),
             mass_drop_min: 3,
             mass_drop_hold: Duration::from_secs(5),
             max_leaves_per_minute: 2,
+            max_leaves_per_hour: 30,
         };
         simulate(&policy, &steps, &joins, &leaves, settle_bound(&policy, leaves.len()))?;
     }
@@ -859,8 +1297,8 @@ fn leave_waits_say_why_in_words_and_the_stability_rule_has_one_home() {
         "held by the mass-withdrawal guard for 42 s more"
     );
     assert_eq!(
-        LeaveWait::RateLimited.to_string(),
-        "waiting for the leave rate limit"
+        LeaveWait::RateLimited(RateLimit::PerMinute).to_string(),
+        "waiting for the leave rate limit (max_leaves_per_minute)"
     );
     assert_eq!(
         LeaveWait::InFlight.to_string(),

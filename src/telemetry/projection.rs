@@ -48,6 +48,13 @@ impl Telemetry {
                 .get_or_create(&SetLabel { set })
                 .set(i64::try_from(n).unwrap_or(i64::MAX));
         }
+        let oldest = p
+            .waiting
+            .keys()
+            .filter_map(|id| p.state.absence_observed(id))
+            .max()
+            .unwrap_or_default();
+        self.pending_leave_absence.set(oldest.as_secs_f64());
         self.update(|st| {
             refill(&mut st.desired, &p.desired.assigned);
             refill(&mut st.retain, &p.desired.retain);
@@ -60,12 +67,12 @@ impl Telemetry {
                     .pending_leaves
                     .iter()
                     .zip(p.waiting)
-                    .all(|((a, text), (b, w))| a == b && *text == w.to_string());
+                    .all(|((a, text), (b, w))| a == b && *text == pending_line(p.state, b, w));
             if !same_waits {
                 st.pending_leaves = p
                     .waiting
                     .iter()
-                    .map(|(id, w)| (*id, w.to_string()))
+                    .map(|(id, w)| (*id, pending_line(p.state, id, w)))
                     .collect();
             }
             match p.mass_drop {
@@ -75,6 +82,17 @@ impl Telemetry {
             }
         });
     }
+}
+
+/// A pending leave as the live status shows it: the absence seen so far, then what it
+/// waits for, e.g. `absent 8 s over 8 successful polls; waiting for leave_grace: …`.
+pub(crate) fn pending_line(state: &State, id: &GroupId, wait: &LeaveWait) -> String {
+    let observed = state.absence_observed(id).unwrap_or_default();
+    let polls = state.absent.get(id).map_or(0, |a| a.polls);
+    format!(
+        "absent {} s over {polls} successful polls; {wait}",
+        observed.as_secs()
+    )
 }
 
 /// The live status's `mass_drop` line: `idle`, `released`, or
@@ -144,6 +162,71 @@ mod tests {
         // Published again unchanged: the same status.
         t.publish(&p);
         assert_eq!(t.snapshot(), st);
+        assert!(
+            metrics.contains("fleet_sidecar_pending_leave_oldest_absence_seconds 0.0"),
+            "{metrics}"
+        );
+    }
+
+    #[test]
+    fn each_pending_leave_shows_its_absence_and_the_oldest_is_a_gauge() {
+        use crate::state::Absence;
+        let t = Telemetry::new();
+        let state = State {
+            admitted: [gid(1), gid(2)].into(),
+            observed_ms: 50_000,
+            absent: [
+                (
+                    gid(1),
+                    Absence {
+                        polls: 9,
+                        since_ms: 42_000,
+                    },
+                ),
+                (
+                    gid(2),
+                    Absence {
+                        polls: 40,
+                        since_ms: 5_000,
+                    },
+                ),
+            ]
+            .into(),
+            ..State::default()
+        };
+        let waiting = BTreeMap::from([
+            (
+                gid(1),
+                LeaveWait::Grace {
+                    observed: Duration::from_secs(8),
+                    grace: Duration::from_secs(12),
+                },
+            ),
+            (gid(2), LeaveWait::BackingOff),
+        ]);
+        let none = BTreeSet::new();
+        t.publish(&Projection {
+            desired: &Desired::default(),
+            state: &state,
+            joining: &none,
+            leaving: &none,
+            waiting: &waiting,
+            mass_drop: MassDrop::Idle,
+            mass_drop_hold: Duration::from_secs(600),
+            now: Instant::now(),
+        });
+        let st = t.snapshot();
+        assert_eq!(
+            st.pending_leaves[&gid(1)],
+            "absent 8 s over 9 successful polls; waiting for leave_grace: absence observed for 8 s of 12 s"
+        );
+        assert!(st.pending_leaves[&gid(2)]
+            .starts_with("absent 45 s over 40 successful polls; its last leave failed"));
+        let metrics = t.encode_metrics();
+        assert!(
+            metrics.contains("fleet_sidecar_pending_leave_oldest_absence_seconds 45.0"),
+            "{metrics}"
+        );
     }
 
     #[test]

@@ -61,7 +61,9 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
         "poll_interval = \"1s\"",
         "state_file = \"/var/lib/calimero/fleet-confirmed.json\"",
         "leave_after_polls = 3",
-        "mass_drop_hold = \"10m\"",
+        "leave_grace = \"1day\"",
+        "mass_drop_hold = \"1day\"",
+        "max_leaves_per_hour = 4",
         "node = \"default\"",
         "sources = [\"sysfs\", \"sysfs-legacy\", \"tdreport\", \"quote\"]",
     ] {

@@ -18,9 +18,11 @@ pub const B: &str = "abababababababababababababababababababababababababababababa
 pub const C: &str = "c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00c0ffee00";
 pub const D: &str = "d00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00d";
 
-/// Leave on the first withdrawing poll, no mass-withdrawal guard: the reference's rules,
-/// so a poll misread as "nothing assigned" would leave at once.
-pub const REFERENCE: &str = "leave_after_polls = 1\nmass_drop_min = 1000";
+/// Leave on the first withdrawing poll, no grace, no mass-withdrawal guard (a withdrawal of
+/// everything held is one whatever `mass_drop_min` says: then a hold of 1 s, the least the
+/// config allows), no hourly limit: the first reference's rules, so a poll misread as
+/// "nothing assigned" would leave at once.
+pub const REFERENCE: &str = "leave_after_polls = 1\nleave_grace = \"0s\"\nmass_drop_min = 1000\nmass_drop_hold = \"1s\"\nmax_leaves_per_hour = 1000";
 
 pub fn gid(s: &str) -> GroupId {
     s.parse().expect("test ids are valid")
@@ -136,8 +138,7 @@ pub fn save_state(
         .save(&State {
             admitted: admitted.clone(),
             confirmed: confirmed.clone(),
-            joining: Default::default(),
-            absent_polls: Default::default(),
+            ..State::default()
         })
         .expect("seed state");
 }

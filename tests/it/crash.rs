@@ -190,7 +190,7 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     let sb = Arc::new(Sandbox::start(None).await.unwrap());
     let cfg = sb
         .write_config(
-            "leave_after_polls = 1\nmass_drop_min = 1000\njoin_timeout = \"10s\"\nleave_timeout = \"3s\"\nmax_backoff = \"2s\"",
+            "leave_after_polls = 1\nleave_grace = \"0s\"\nmass_drop_min = 1000\nmass_drop_hold = \"1s\"\nmax_leaves_per_hour = 1000\njoin_timeout = \"10s\"\nleave_timeout = \"3s\"\nmax_backoff = \"2s\"",
         )
         .unwrap();
     let state_dir = sb.state_file().parent().unwrap().to_owned();

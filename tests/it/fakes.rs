@@ -37,6 +37,8 @@ pub enum Poll {
 pub enum Join {
     /// `admitted: true`; merod holds the namespace from then on.
     Admitted,
+    /// As `Admitted`, answered after this many seconds.
+    AdmittedAfter(u64),
     /// `admitted: false`, answered at once.
     NotAdmitted,
     /// The call failed.
@@ -85,6 +87,8 @@ pub struct World {
     pub joins: Vec<(GroupId, Instant)>,
     /// Every leave call (failed ones too), with when it started.
     pub leaves: Vec<(GroupId, Instant)>,
+    /// Every confirm call, in order.
+    pub confirms: Vec<GroupId>,
     /// Leaves that broke a safety rule: after a failed poll, before any poll, or of a
     /// namespace the latest poll wants.
     pub violations: Vec<String>,
@@ -168,9 +172,11 @@ impl ControlPlane for Fake {
         result
     }
 
-    async fn confirm(&self, _: &PeerId, _: GroupId) -> Result<(), ConfirmError> {
-        let ok =
-            self.with(|w| w.settled || cycled(&w.confirm_script, &mut w.confirms_answered, true));
+    async fn confirm(&self, _: &PeerId, g: GroupId) -> Result<(), ConfirmError> {
+        let ok = self.with(|w| {
+            w.confirms.push(g);
+            w.settled || cycled(&w.confirm_script, &mut w.confirms_answered, true)
+        });
         if ok {
             Ok(())
         } else {
@@ -202,8 +208,11 @@ impl Node for Fake {
             }
             cycled(&w.join_script, &mut w.join_answered, Join::Admitted)
         });
+        if let Join::AdmittedAfter(secs) = answer {
+            tokio::time::sleep(std::time::Duration::from_secs(secs)).await;
+        }
         match answer {
-            Join::Admitted => {
+            Join::Admitted | Join::AdmittedAfter(_) => {
                 self.with(|w| w.held.insert(g));
                 Ok(Admission {
                     admitted: true,

@@ -17,7 +17,10 @@ async fn a_hanging_join_delays_neither_polls_nor_another_leave() {
     sb.merod.hold(C);
     seed(&sb, &[C], &[C]);
     sb.mdma.set_reply(PollReply::assign([A, B]));
-    let d = start(&sb, "leave_after_polls = 1\njoin_timeout = \"10m\"");
+    let d = start(
+        &sb,
+        "leave_after_polls = 1\nleave_grace = \"0s\"\njoin_timeout = \"10m\"",
+    );
     eventually("B confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(B))
     })
@@ -51,7 +54,10 @@ async fn admitted_but_unconfirmed_then_withdrawn_is_left() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.fail_next_confirms(A, 1000);
     sb.mdma.set_reply(PollReply::assign([A]));
-    let d = start(&sb, "leave_after_polls = 2");
+    let d = start(
+        &sb,
+        "leave_after_polls = 2\nleave_grace = \"0s\"\nmass_drop_hold = \"1s\"",
+    );
     eventually("A admitted", LIMIT, || load(&sb).admitted.contains(&gid(A))).await;
     assert!(!load(&sb).confirmed.contains(&gid(A)));
     sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
@@ -83,7 +89,9 @@ async fn retain_is_kept_and_not_joined() {
         0,
         "retained but not held: never newly joined"
     );
-    assert_eq!(load(&sb).confirmed, set(&[A, B]));
+    // Retained: kept (admitted), but out of `confirmed`, which follows what MDMA assigns.
+    assert_eq!(load(&sb).confirmed, set(&[B]));
+    assert_eq!(load(&sb).admitted, set(&[A, B]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -95,7 +103,10 @@ async fn a_mass_drop_is_held_then_honoured_after_the_hold() {
     seed(&sb, &[A, B, C, D], &[A, B, C, D]);
     sb.mdma.set_reply(PollReply::assign([A]));
     let started = std::time::Instant::now();
-    let d = start(&sb, "leave_after_polls = 1\nmass_drop_hold = \"4s\"");
+    let d = start(
+        &sb,
+        "leave_after_polls = 1\nleave_grace = \"0s\"\nmass_drop_hold = \"4s\"",
+    );
     assert!(sb.mdma.wait_for_polls(3, LIMIT).await);
     assert_eq!(
         sb.merod.held(),
@@ -120,7 +131,10 @@ async fn a_reverted_mass_drop_leaves_nothing() {
     sb.mdma
         .queue_replies([PollReply::assign([A]), PollReply::assign([A])]);
     sb.mdma.set_reply(PollReply::assign([A, B, C, D]));
-    let d = start(&sb, "leave_after_polls = 1\nmass_drop_hold = \"3s\"");
+    let d = start(
+        &sb,
+        "leave_after_polls = 1\nleave_grace = \"0s\"\nmass_drop_hold = \"3s\"",
+    );
     assert!(sb.mdma.wait_for_polls(7, LIMIT).await);
     d.stop().await;
     assert_eq!(sb.merod.held(), strings(&[A, B, C, D]));
@@ -137,7 +151,7 @@ async fn a_leave_that_times_out_is_retried() {
     seed(&sb, &[A], &[A]);
     sb.merod.set_leave(A, LeaveBehaviour::Hang);
     sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
-    let d = start(&sb, "leave_after_polls = 1\nleave_timeout = \"1s\"");
+    let d = start(&sb, "leave_after_polls = 1\nleave_grace = \"0s\"\nmass_drop_hold = \"1s\"\nleave_timeout = \"1s\"");
     eventually("two leave attempts", LIMIT, || sb.merod.leaves(A) >= 2).await;
     assert!(
         load(&sb).admitted.contains(&gid(A)),
@@ -163,7 +177,9 @@ async fn the_binary_keeps_polling_and_leaving_while_a_join_hangs() {
     seed(&sb, &[C], &[C]);
     sb.mdma.set_reply(PollReply::assign([A]));
     let cfg = sb
-        .write_config("leave_after_polls = 1\njoin_timeout = \"10m\"")
+        .write_config(
+            "leave_after_polls = 1\nleave_grace = \"0s\"\nmass_drop_hold = \"1s\"\njoin_timeout = \"10m\"",
+        )
         .unwrap();
     let mut child = spawn_daemon(&cfg, false, &[]);
     eventually("the join hangs", LIMIT, || sb.merod.joins(A) == 1).await;

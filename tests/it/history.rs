@@ -50,7 +50,7 @@ fn history(
         .unwrap();
     let node = NodeDir::new();
     let cfg = node.config(&format!(
-        "leave_after_polls = {leave_after}\nmass_drop_hold = \"30s\"\njoin_timeout = \"20s\""
+        "leave_after_polls = {leave_after}\nleave_grace = \"0s\"\nmass_drop_hold = \"30s\"\nmax_leaves_per_hour = 1000\njoin_timeout = \"20s\""
     ));
     let fake = Fake::default();
     let scripted = polls.len();

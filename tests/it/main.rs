@@ -7,6 +7,7 @@
 
 mod check_config;
 mod cli;
+mod clock_step;
 mod common;
 mod contract;
 mod crash;
@@ -18,6 +19,7 @@ mod history;
 mod idle;
 mod inspect;
 mod journald;
+mod leave_policy;
 mod monitoring;
 mod operability;
 mod packaging;

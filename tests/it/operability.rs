@@ -262,7 +262,7 @@ async fn the_status_command_shows_state_and_live_status() {
         .port();
     let cfg = sb
         .write_config(&format!(
-            "status_listen = \"127.0.0.1:{port}\"\nleave_after_polls = 1000"
+            "status_listen = \"127.0.0.1:{port}\"\nleave_after_polls = 1000\nleave_grace = \"0s\""
         ))
         .unwrap();
     let mut child = spawn_daemon(&cfg, false, &[]);
@@ -291,6 +291,7 @@ async fn the_status_command_shows_state_and_live_status() {
         text.contains("of the 1000 successful polls needed"),
         "{text}"
     );
+    assert!(text.contains(&format!("{B}  absent ")), "{text}");
     assert!(text.contains("live: running: 1 confirmed"), "{text}");
     let c = cfg.clone();
     let out = tokio::task::spawn_blocking(move || {
@@ -337,8 +338,10 @@ async fn the_status_command_shows_state_and_live_status() {
 async fn dry_run_polls_and_logs_the_plan_without_touching_merod() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.merod.hold(B);
-    let before = seed(&sb, &[B], &[B]);
-    sb.mdma.set_reply(PollReply::assign([A]));
+    sb.merod.hold(C);
+    // C stays: withdrawing everything held would be a mass withdrawal, held.
+    let before = seed(&sb, &[B, C], &[B, C]);
+    sb.mdma.set_reply(PollReply::assign([A, C]));
     let cfg = sb.write_config(REFERENCE).unwrap();
     let out = tokio::task::spawn_blocking(move || {
         Command::new(BIN)

@@ -77,7 +77,7 @@ async fn a_join_that_never_returns_is_abandoned_at_its_deadline_and_retried() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_mass_drop_waits_the_full_default_hold_then_leaves_rate_limited() {
+async fn a_mass_drop_waits_the_full_hold_then_leaves_rate_limited() {
     let node = NodeDir::new();
     let fake = Fake::default();
     let all = ids(25);
@@ -88,7 +88,11 @@ async fn a_mass_drop_waits_the_full_default_hold_then_leaves_rate_limited() {
         w.assignments = [keep].into();
     });
     let start = Instant::now();
-    let running = fake.run(node.config(""));
+    // The defaults' 24 h hold is pinned in leave_policy.rs; here a 10 min one, no grace
+    // and no hourly limit, to see the per-minute limit.
+    let running = fake.run(
+        node.config("mass_drop_hold = \"10m\"\nleave_grace = \"0s\"\nmax_leaves_per_hour = 1000"),
+    );
     tokio::time::sleep(Duration::from_secs(599)).await;
     assert!(
         fake.with(|w| w.leaves.is_empty()),
@@ -132,12 +136,13 @@ async fn absence_counts_survive_a_restart() {
         w.held = [a, b].into();
         w.assignments = [a].into();
     });
-    let running = fake.run(node.config("leave_after_polls = 3"));
+    let cfg = "leave_after_polls = 3\nleave_grace = \"0s\"";
+    let running = fake.run(node.config(cfg));
     until_polls(&fake, 2).await;
     running.stop().await;
-    assert_eq!(node.state().absent_polls.get(&b), Some(&2));
+    assert_eq!(node.state().absent.get(&b).map(|a| a.polls), Some(2));
     assert!(fake.with(|w| w.leaves.is_empty()));
-    let running = fake.run(node.config("leave_after_polls = 3"));
+    let running = fake.run(node.config(cfg));
     until_polls(&fake, 3).await; // the third poll overall
     running.stop().await;
     assert_eq!(

@@ -31,8 +31,8 @@ fn the_should_join_answer_parses() {
 
 #[test]
 fn the_state_example_is_the_current_format() {
-    let text = proto("state-v3.json");
-    let state = parse_state(text.as_bytes(), std::path::Path::new("state-v3.json")).unwrap();
+    let text = proto("state-v4.json");
+    let state = parse_state(text.as_bytes(), std::path::Path::new("state-v4.json")).unwrap();
     assert_eq!(
         json(&String::from_utf8(render_state(&state)).unwrap()),
         json(&text)

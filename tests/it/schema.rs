@@ -39,7 +39,7 @@ fn state_validator() -> jsonschema::Validator {
 }
 
 /// Panics unless `bytes` (a state file the daemon wrote) is valid against
-/// proto/state.schema.json, as version 3.
+/// proto/state.schema.json, as version 4.
 pub fn assert_state_valid(bytes: &[u8]) {
     let doc: Value = serde_json::from_slice(bytes).expect("the state file is JSON");
     let found = errors(&state_validator(), &doc);
@@ -47,7 +47,7 @@ pub fn assert_state_valid(bytes: &[u8]) {
         found.is_empty(),
         "state file {doc} breaks the schema:\n{found}"
     );
-    assert_eq!(doc["version"], 3, "the daemon writes version 3");
+    assert_eq!(doc["version"], 4, "the daemon writes version 4");
 }
 
 /// A validator for `#/components/schemas/{name}` of an OpenAPI 3.1 document (whose schema
@@ -128,7 +128,12 @@ fn escape(segment: &str) -> String {
 #[test]
 fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses() {
     let v = state_validator();
-    for file in ["state-v3.json", "state-v2.json", "state-v1.json"] {
+    for file in [
+        "state-v4.json",
+        "state-v3.json",
+        "state-v2.json",
+        "state-v1.json",
+    ] {
         let text = std::fs::read(root().join("proto").join(file)).unwrap();
         let found = errors(&v, &serde_json::from_slice(&text).unwrap());
         assert!(found.is_empty(), "{file}:\n{found}");
@@ -140,6 +145,9 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
         json!({"version": 1, "confirmed": []}),
         json!({"version": 2, "admitted": [], "confirmed": []}),
         json!({"version": 3, "admitted": [], "confirmed": []}),
+        json!({"version": 4, "admitted": [], "confirmed": []}),
+        json!({"version": 4, "admitted": [id], "confirmed": [], "observed_ms": 5000,
+               "absent": {(id): {"polls": 2, "since_ms": 1000}}, "recent_leaves_ms": [4000]}),
     ];
     for doc in accepted {
         assert!(v.is_valid(&doc), "{doc}");
@@ -147,8 +155,14 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
     // What parse_state refuses, the schema refuses too.
     let refused = [
         json!({}),
-        json!({"version": 4, "admitted": [], "confirmed": []}),
+        json!({"version": 5, "admitted": [], "confirmed": []}),
         json!({"version": 2, "admitted": [], "confirmed": [], "joining": []}),
+        json!({"version": 4, "admitted": [], "confirmed": [], "absent_polls": {}}),
+        json!({"version": 3, "admitted": [], "confirmed": [], "absent": {}}),
+        json!({"version": 4, "admitted": [], "confirmed": [], "observed_ms": -1}),
+        json!({"version": 4, "admitted": [], "confirmed": [], "absent": {(id): 1}}),
+        json!({"version": 4, "admitted": [], "confirmed": [], "absent": {(id): {"polls": 1}}}),
+        json!({"version": 4, "admitted": [], "confirmed": [], "recent_leaves_ms": [1.5]}),
         json!({"version": 3, "admitted": [], "confirmed": [], "joining": ["abcd"]}),
         json!({"version": 2, "confirmed": []}),
         json!({"version": 2, "admitted": [], "confirmed": [], "extra": 1}),

@@ -140,7 +140,7 @@ async fn soak_the_loop_with_random_faults() {
     });
     let sb = Sandbox::start(None).await.unwrap();
     let cfg = sb
-        .write_config("leave_after_polls = 2\nmass_drop_min = 1000\nmax_leaves_per_minute = 1000\njoin_timeout = \"10s\"\nleave_timeout = \"1s\"")
+        .write_config("leave_after_polls = 2\nleave_grace = \"0s\"\nmass_drop_min = 1000\nmass_drop_hold = \"1s\"\nmax_leaves_per_minute = 1000\nmax_leaves_per_hour = 1000\njoin_timeout = \"10s\"\nleave_timeout = \"1s\"")
         .unwrap();
     let phases: Phases = Arc::new(Mutex::new(vec![(Instant::now(), Some(BTreeSet::new()))]));
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())

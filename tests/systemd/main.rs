@@ -88,7 +88,7 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
     node.merod.set_ready(false);
     node.mdma.set_reply(PollReply::assign([A, B]));
     let config = node.config(&format!(
-        "fleet_token_file = \"{CREDENTIAL_PATH}\"\nmax_backoff = \"2s\""
+        "fleet_token_file = \"{CREDENTIAL_PATH}\"\nmax_backoff = \"2s\"\nleave_grace = \"0s\""
     ));
     let probe = node.path("probe.sh");
     std::fs::write(&probe, probe_script(&node)).expect("probe script");
@@ -167,7 +167,8 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         brief(&p)
     );
 
-    // A leave (B withdrawn, left after leave_after_polls good polls), then a SIGHUP reopen.
+    // A leave (B withdrawn, left after leave_after_polls good polls; no grace in this
+    // config), then a SIGHUP reopen.
     node.mdma.set_reply(PollReply::assign([A]));
     sysd.until_file(STATE_FILE, SOON, |s| s.contains(A) && !s.contains(B))
         .await;

@@ -1,0 +1,96 @@
+//! A forward step of the wall clock by days under the real binary (Debian's `faketime`
+//! package: libfaketime, preloaded, steps `CLOCK_REALTIME` when its control file changes
+//! and leaves the monotonic clock alone, as NTP correcting a wrong clock does). The
+//! `leave_grace` must still wait for the absence the daemon observed. SKIPPED (and passes)
+//! where libfaketime is not installed; `.ci/run` installs it.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant, SystemTime};
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::sandbox::Sandbox;
+
+use crate::common::*;
+
+/// libfaketime's preload library, where Debian and Ubuntu install it.
+fn libfaketime() -> Option<PathBuf> {
+    let multiarch = format!("/usr/lib/{}-linux-gnu", std::env::consts::ARCH);
+    [
+        format!("{multiarch}/faketime/libfaketimeMT.so.1"),
+        format!("{multiarch}/faketime/libfaketime.so.1"),
+        "/usr/lib/faketime/libfaketime.so.1".to_owned(),
+    ]
+    .into_iter()
+    .map(PathBuf::from)
+    .find(|p| p.exists())
+}
+
+/// The `YYYY-MM-DD` of `t` (UTC).
+fn day(t: SystemTime) -> String {
+    humantime_serde::re::humantime::format_rfc3339_seconds(t).to_string()[..10].to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forward_wall_clock_step_of_two_days_does_not_shorten_leave_grace() {
+    let Some(lib) = libfaketime() else {
+        println!("SKIPPED: libfaketime not installed (apt-get install faketime)");
+        return;
+    };
+    let sb = Sandbox::start(None).await.unwrap();
+    seed(&sb, &[A, B, C], &[A, B, C]);
+    for id in [A, B, C] {
+        sb.merod.hold(id);
+    }
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    let cfg = sb
+        .write_config("leave_grace = \"8s\"\nleave_after_polls = 1")
+        .unwrap();
+    let control = sb.dir().join("faketime.rc");
+    std::fs::write(&control, "+0\n").unwrap();
+    let _daemon = spawn_daemon(
+        &cfg,
+        false,
+        &[
+            ("LD_PRELOAD", lib.as_os_str()),
+            ("FAKETIME_TIMESTAMP_FILE", control.as_os_str()),
+            ("FAKETIME_NO_CACHE", "1".as_ref()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC", "1".as_ref()),
+        ],
+    );
+    eventually("the first poll", Duration::from_secs(20), || {
+        !sb.mdma.polls().is_empty()
+    })
+    .await;
+    let first_poll = Instant::now();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // NTP, or a VM resumed: the wall clock jumps two days ahead.
+    std::fs::write(&control, "+2d\n").unwrap();
+    let polls = sb.mdma.polls().len();
+    eventually("polls after the step", Duration::from_secs(10), || {
+        sb.mdma.polls().len() >= polls + 2
+    })
+    .await;
+    assert_eq!(sb.merod.leaves(C), 0, "left right after the step");
+    eventually("C left", Duration::from_secs(30), || sb.merod.leaves(C) > 0).await;
+    let waited = first_poll.elapsed();
+    assert!(
+        waited >= Duration::from_secs(7),
+        "left {waited:?} after the first poll that withdrew it: before its 8 s grace"
+    );
+    // The leave's own log line carries the stepped wall clock: the step did happen.
+    let stepped = day(SystemTime::now() + Duration::from_secs(2 * 86_400));
+    eventually("the leave logged", Duration::from_secs(10), || {
+        std::fs::read_to_string(sb.log_file()).is_ok_and(|l| l.contains("left: merod"))
+    })
+    .await;
+    let log = std::fs::read_to_string(sb.log_file()).unwrap();
+    let line = log.lines().find(|l| l.contains("left: merod")).unwrap();
+    assert!(
+        line.starts_with(&stepped),
+        "the daemon's wall clock stepped to {stepped}: {line}"
+    );
+    eventually("C recorded as left", Duration::from_secs(10), || {
+        load(&sb).admitted.len() == 2
+    })
+    .await;
+}
