@@ -54,7 +54,9 @@ pid=$!
 echo "left $(left_after) ms after the withdrawal"
 kill -TERM "$pid"; wait "$pid" || true
 pid=
+emu=$EMU_PID
 exec {EMU[1]}>&-
+wait "$emu" 2>/dev/null || true
 
 lib=
 for l in "/usr/lib/$(uname -m)-linux-gnu/faketime/libfaketimeMT.so.1" /usr/lib/faketime/libfaketimeMT.so.1; do
