@@ -236,7 +236,8 @@ impl Repair {
         }
     }
 
-    /// The namespace the repair is about.
+    /// The namespace the repair is about (`None` for [`Repair::ReadingAfterClock`], which
+    /// is about the clock readings of the file).
     pub fn group_id(&self) -> Option<GroupId> {
         match self {
             Repair::ConfirmedNotAdmitted(id)
