@@ -1,0 +1,411 @@
+//! The unmodified daemon binary against a real merod pair on loopback.
+//!
+//! Runs only when `MEROD_BIN` names a merod built with the `mock-attestation` feature (see
+//! the README's "Checking against a new merod"); without it the test prints SKIPPED and
+//! passes. `scripts/merod-lab.py` boots node A (owner and verifier) and node B (a mock-TEE
+//! replica, the node the daemon manages) on free loopback ports and creates three
+//! namespaces whose admission policy accepts B's mock quote. The MDMA side is the loopback
+//! emulator. In order, against B:
+//! 1. two assigned namespaces are joined through merod's real fleet-join, held by merod and
+//!    confirmed to MDMA;
+//! 2. an MDMA outage (error statuses, then an unreadable body) leaves nothing;
+//! 3. a withdrawn namespace is left once its policy allows, merod no longer holds it, and
+//!    the state file is exactly the one namespace still assigned;
+//! 4. the quote registration would send: merod answers `registration-attest` 404, and the
+//!    fallback `/admin-api/tee/attest` yields a mock quote over the nonce.
+//!
+//! Needs `python3` (for the lab tool) when it runs; it takes about a minute.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
+use fleet_sidecar::emulator::sandbox::MRTD_HEX;
+use fleet_sidecar::{GroupId, MerodClient, Node, State, StateStore};
+use serde_json::Value;
+
+/// The withdrawal's leave policy: left after two successful polls without it.
+const LEAVE_POLICY: &str = "leave_after_polls = 2";
+/// Failed polls back off up to 2 s, so an outage of 8 polls takes seconds, not a minute.
+const BACKOFF: &str = "max_backoff = \"2s\"";
+
+/// A two-node lab started by `scripts/merod-lab.py`; stopped when dropped.
+struct Lab {
+    dir: tempfile::TempDir,
+    script: PathBuf,
+    info: Value,
+}
+
+impl Lab {
+    fn up(merod_bin: &std::ffi::OsStr, namespaces: usize) -> Lab {
+        let dir = tempfile::Builder::new()
+            .prefix("fleet-sidecar-real-merod-")
+            .tempdir()
+            .expect("temp dir");
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/merod-lab.py");
+        let lab_dir = dir.path().join("lab");
+        let out = Command::new("python3")
+            .arg(&script)
+            .arg("up")
+            .arg(&lab_dir)
+            .args(["--namespaces", &namespaces.to_string(), "--ports", "auto"])
+            .env("MEROD_BIN", merod_bin)
+            .stdin(Stdio::null())
+            .output()
+            .expect("python3 runs scripts/merod-lab.py");
+        // From here on a drop stops whatever was started.
+        let mut lab = Lab {
+            dir,
+            script,
+            info: Value::Null,
+        };
+        assert!(
+            out.status.success(),
+            "merod-lab.py up failed:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(lab_dir.join("lab.json")).expect("lab.json");
+        lab.info = serde_json::from_str(&text).expect("lab.json is JSON");
+        lab
+    }
+
+    fn lab_dir(&self) -> PathBuf {
+        self.dir.path().join("lab")
+    }
+
+    fn namespaces(&self) -> Vec<String> {
+        self.info["namespaces"]
+            .as_array()
+            .expect("namespaces")
+            .iter()
+            .map(|v| v.as_str().expect("an id").to_owned())
+            .collect()
+    }
+
+    fn str(&self, key: &str) -> &str {
+        self.info[key]
+            .as_str()
+            .unwrap_or_else(|| panic!("lab.{key}"))
+    }
+
+    /// The last warnings, errors and fleet-join / leave lines of node `node`'s log (colour
+    /// codes removed), for a failure message.
+    fn log_tail(&self, node: &str) -> String {
+        let text =
+            std::fs::read_to_string(self.lab_dir().join(format!("{node}.log"))).unwrap_or_default();
+        let mut plain = String::with_capacity(text.len());
+        let mut chars = text.chars();
+        while let Some(c) = chars.next() {
+            if c == '\u{1b}' {
+                // An escape sequence: ESC [ ... letter.
+                for c in chars.by_ref() {
+                    if c.is_ascii_alphabetic() {
+                        break;
+                    }
+                }
+            } else {
+                plain.push(c);
+            }
+        }
+        let wanted: Vec<&str> = plain
+            .lines()
+            .filter(|l| {
+                l.contains(" WARN ")
+                    || l.contains(" ERROR ")
+                    || l.contains("fleet_join")
+                    || l.contains("leave")
+            })
+            .collect();
+        wanted[wanted.len().saturating_sub(30)..].join("\n")
+    }
+}
+
+impl Drop for Lab {
+    fn drop(&mut self) {
+        let _ = Command::new("python3")
+            .arg(&self.script)
+            .arg("down")
+            .arg(self.lab_dir())
+            .stdin(Stdio::null())
+            .output();
+    }
+}
+
+/// The daemon binary, killed when dropped.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+fn gid(s: &str) -> GroupId {
+    s.parse().expect("merod's ids are group ids")
+}
+
+/// Waits until `f` holds, checking every 250 ms; panics naming `what` after `limit`.
+async fn eventually<F, Fut>(what: &str, limit: Duration, why: impl Fn() -> String, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let start = Instant::now();
+    while !f().await {
+        assert!(
+            start.elapsed() < limit,
+            "timed out after {limit:?} waiting for: {what}\n{}",
+            why()
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_merod() {
+    let Some(merod_bin) = std::env::var_os("MEROD_BIN") else {
+        println!("SKIPPED: MEROD_BIN is not set (a merod built with mock-attestation)");
+        return;
+    };
+    let started = Instant::now();
+    let step = |what: &str| println!("[{:>5.1} s] {what}", started.elapsed().as_secs_f64());
+
+    let lab = tokio::task::spawn_blocking(move || Lab::up(&merod_bin, 3))
+        .await
+        .expect("lab task");
+    let ns = lab.namespaces();
+    let (kept, withdrawn, _never) = (ns[0].clone(), ns[1].clone(), ns[2].clone());
+    step(&format!("lab up: B at {}", lab.str("b_admin_url")));
+
+    let merod = MerodClient::new(&lab.str("b_admin_url").parse().expect("a URL")).expect("client");
+    let mdma = MdmaEmulator::start(None).await.expect("MDMA emulator");
+    mdma.set_reply(PollReply::assign([kept.clone(), withdrawn.clone()]));
+
+    let work = lab.dir.path();
+    // The MRTD the daemon reports to MDMA (read from a sysfs-style file; the mock quote's
+    // all-zero one would be refused as a wrong read).
+    let mrtd: Vec<u8> = (0u8..48).collect();
+    std::fs::write(work.join("mrtd"), mrtd).expect("mrtd");
+    let state_file = work.join("state.json");
+    let log_file = work.join("fleet-sidecar.log");
+    let config = work.join("fleet-sidecar.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n",
+            mdma = mdma.url(),
+            state = state_file.display(),
+            log = log_file.display(),
+            home = lab.str("home"),
+            mrtd = work.join("mrtd").display(),
+        ),
+    )
+    .expect("config");
+    let daemon = Daemon(
+        Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"))
+            .arg("--config")
+            .arg(&config)
+            .arg("run")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("the daemon starts"),
+    );
+    let why = || {
+        format!(
+            "--- daemon log ---\n{}\n--- node B log ---\n{}",
+            tail(&log_file, 60),
+            lab.log_tail("b")
+        )
+    };
+    let state = || {
+        StateStore::new(&state_file)
+            .load()
+            .expect("the state file reads")
+            .unwrap_or_default()
+    };
+    let held = || async {
+        merod
+            .list_namespaces()
+            .await
+            .expect("merod lists its namespaces")
+    };
+    let both: BTreeSet<GroupId> = [gid(&kept), gid(&withdrawn)].into();
+
+    // 1. Joins through merod's real fleet-join, then confirms.
+    eventually(
+        "both namespaces confirmed to MDMA",
+        Duration::from_secs(120),
+        why,
+        || async { mdma.confirmed().len() == 2 },
+    )
+    .await;
+    step("joined and confirmed two");
+    assert_eq!(mdma.confirmed(), [kept.clone(), withdrawn.clone()].into());
+    for c in mdma.confirms() {
+        assert_eq!(c.peer_id.as_deref(), Some(lab.str("b_peer_id")), "{c:?}");
+    }
+    assert_eq!(held().await, both, "merod holds what was confirmed");
+    for poll in mdma.polls() {
+        assert_eq!(poll.peer_id.as_deref(), Some(lab.str("b_peer_id")));
+        assert_eq!(poll.mrtd.as_deref(), Some(MRTD_HEX));
+    }
+    let s = state();
+    assert_eq!((&s.admitted, &s.confirmed), (&both, &both), "{s:?}");
+    assert!(s.joining.is_empty(), "{s:?}");
+
+    // 2. An MDMA outage: failed polls, then an answer that cannot be read. Nothing is left.
+    let before = mdma.polls().len();
+    mdma.set_reply(PollReply::Status(503));
+    assert!(
+        mdma.wait_for_polls(before + 4, Duration::from_secs(60))
+            .await,
+        "the daemon keeps polling through the outage\n{}",
+        why()
+    );
+    mdma.set_reply(PollReply::RawBody("<html>bad gateway</html>".into()));
+    assert!(
+        mdma.wait_for_polls(before + 8, Duration::from_secs(60))
+            .await,
+        "the daemon keeps polling through the outage\n{}",
+        why()
+    );
+    assert_eq!(held().await, both, "an outage leaves nothing\n{}", why());
+    let s = state();
+    assert_eq!((&s.admitted, &s.confirmed), (&both, &both), "{s:?}");
+    step("an MDMA outage of 8 polls left nothing");
+
+    // 3. A withdrawal is left once the policy allows, and the state is exact.
+    let withdrawn_at = Instant::now();
+    mdma.set_reply(PollReply::assign([kept.clone()]));
+    eventually(
+        "the withdrawn namespace left and forgotten",
+        Duration::from_secs(90),
+        why,
+        || async {
+            let s = state();
+            !s.admitted.contains(&gid(&withdrawn)) && !s.joining.contains(&gid(&withdrawn))
+        },
+    )
+    .await;
+    step(&format!(
+        "withdrawal left after {:.1} s",
+        withdrawn_at.elapsed().as_secs_f64()
+    ));
+    assert!(
+        !merod.holds_namespace(gid(&withdrawn)).await.expect("check"),
+        "merod holds nothing of the withdrawn namespace"
+    );
+    assert_eq!(held().await, [gid(&kept)].into());
+    let only: BTreeSet<GroupId> = [gid(&kept)].into();
+    assert_eq!(
+        state(),
+        State {
+            admitted: only.clone(),
+            confirmed: only.clone(),
+            ..State::default()
+        },
+        "the state is exactly the namespace still assigned"
+    );
+    // Left through merod's own leave: B's account is in the kept namespace's member list,
+    // and the withdrawn one no longer lists it (merod answers 500 to a non-member).
+    let members = |id: &str| {
+        let url = format!(
+            "{}admin-api/groups/{id}/members?offset=0&limit=1000",
+            lab.str("b_admin_url")
+        );
+        async move {
+            let r = reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .expect("client")
+                .get(url)
+                .send()
+                .await
+                .expect("merod answers");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, body) = members(&kept).await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["members"]
+            .as_array()
+            .expect("members")
+            .iter()
+            .any(|m| m["role"] == "ReadOnlyTee"),
+        "{body}"
+    );
+    assert_eq!(members(&withdrawn).await.0, 500);
+
+    // 4. The quote registration would send: `registration-attest` is absent (404) on this
+    //    core, so the fallback `/admin-api/tee/attest` is asked, and yields a mock quote
+    //    whose report data is the nonce followed by 32 zero bytes.
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client");
+    let nonce = "5a".repeat(32);
+    let attest = |route: &'static str| {
+        let url = format!("{}admin-api/tee/{route}", lab.str("b_admin_url"));
+        let http = http.clone();
+        let nonce = nonce.clone();
+        async move {
+            let r = http
+                .post(url)
+                .json(&serde_json::json!({ "nonce": nonce }))
+                .send()
+                .await
+                .expect("merod answers");
+            let status = r.status().as_u16();
+            (status, r.json::<Value>().await.unwrap_or(Value::Null))
+        }
+    };
+    let (status, _) = attest("registration-attest").await;
+    assert_eq!(status, 404, "registration-attest is newer than this core");
+    let (status, body) = attest("attest").await;
+    assert_eq!(status, 200, "{body}");
+    let quote = body["data"]["quoteB64"].as_str().expect("quoteB64");
+    assert!(quote.len() > 100, "a quote, not a stub: {quote}");
+    assert_eq!(
+        body["data"]["quote"]["body"]["reportdata"].as_str(),
+        Some(format!("{nonce}{}", "0".repeat(64)).as_str()),
+        "{body}"
+    );
+    step("the attest fallback yields a quote over the nonce");
+
+    // The daemon stops cleanly on SIGTERM.
+    let mut daemon = daemon;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.0.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .expect("signal the daemon");
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(status) = daemon.0.try_wait().expect("daemon status") {
+            break status;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(20),
+            "the daemon stops"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(status.success(), "{status}\n{}", why());
+    step("done");
+}
