@@ -12,7 +12,10 @@
 //! - `GET /namespaces/{id}` (200 member / 404 `No namespace identity found`),
 //!   `GET /namespaces` (`?offset=&limit=`, default 0/100) listing the held namespaces page
 //!   by page, then the [`ListBehaviour`];
-//! - anything else 404 `{"error":"Not found"}`.
+//! - `GET /groups/{id}/members` (`?offset=&limit=`): the recorded member list (an `Admin` and
+//!   this node as `ReadOnlyTee`, with the account fleet-join answers) while held, else 500;
+//! - a known route with another method: 405, an unknown route: 404, both with an empty body
+//!   and no content type, as merod answers them.
 //!
 //! Ids are compared case-insensitively, stored and answered lowercase. The effect of a join or a
 //! leave (the namespace becoming held / no longer held) happens after its delay even if the
@@ -204,6 +207,10 @@ struct Fixtures {
     leave_member: Recorded,
     leave_again: Recorded,
     leave_bad_id: Recorded,
+    /// `GET /groups/{id}/members` of a namespace held, this node's row carrying `account`.
+    members: Recorded,
+    /// `GET /groups/{id}/members` of a namespace not held.
+    members_not_held: Recorded,
     /// One entry of `GET /admin-api/namespaces`.
     list_entry: Value,
 }
@@ -216,11 +223,12 @@ impl Fixtures {
             list_entry.is_object(),
             "fixture namespaces-list-member has no data[0] object"
         );
+        let join_admitted = fixture!("fleet-join-admitted");
         let fixtures = Fixtures {
             health: fixture!("health"),
             ready: fixture!("ready"),
             peers: fixture!("peers"),
-            join_admitted: fixture!("fleet-join-admitted"),
+            join_admitted: join_admitted.clone(),
             join_unknown: fixture!("fleet-join-unknown-namespace"),
             join_no_content_type: fixture!("fleet-join-no-content-type"),
             join_snake_case: fixture!("fleet-join-snake-case-body"),
@@ -231,6 +239,8 @@ impl Fixtures {
             leave_member: fixture!("namespace-leave-member"),
             leave_again: fixture!("namespace-leave-again"),
             leave_bad_id: fixture!("namespace-leave-bad-id"),
+            members: own_member_row(fixture!("group-members-member"), &join_admitted),
+            members_not_held: fixture!("group-members-never-joined"),
             list_entry,
         };
         // Fail at start, not in a request, if a body lacks a field the emulator substitutes.
@@ -250,6 +260,25 @@ impl Fixtures {
         assert!(fixtures.list_entry.get("namespaceId").is_some());
         fixtures
     }
+}
+
+/// The recorded member list with this node's row (`ReadOnlyTee`) naming the `account` of
+/// the recorded admission, so the emulator's answers agree with each other.
+fn own_member_row(mut members: Recorded, join_admitted: &Recorded) -> Recorded {
+    let account = join_admitted.body["account"].clone();
+    assert!(
+        account.is_string(),
+        "fixture fleet-join-admitted has no account"
+    );
+    let rows = members.body["members"]
+        .as_array_mut()
+        .expect("fixture group-members-member has a members array");
+    let own = rows
+        .iter_mut()
+        .find(|row| row["role"] == "ReadOnlyTee")
+        .expect("fixture group-members-member lists this node as ReadOnlyTee");
+    own["identity"] = account;
+    members
 }
 
 const JOIN_ID_FIELDS: &[&str] = &["/group_id", "/namespace_id"];
@@ -437,7 +466,7 @@ async fn handle(shared: Arc<Shared>, request: Received) -> Answer {
     response
 }
 
-/// The admin routes; anything else is 404 `{"error":"Not found"}`.
+/// The admin routes; another method on one of them is 405, anything else 404 (both empty).
 async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
     let body = match request.body {
         Ok(body) => body,
@@ -455,28 +484,83 @@ async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
     let get = request.method == Method::GET;
     let post = request.method == Method::POST;
     match rest {
-        "health" if get => health(shared),
-        "ready" if get => ready(shared),
-        "peers" if get => peers(shared),
-        "tee/fleet-join" if post => fleet_join(shared, &request.headers, body).await,
-        "namespaces" if get => list_namespaces(shared, &request.uri).await,
-        _ => match rest
-            .strip_prefix("namespaces/")
-            .map(|id| id.split_once('/'))
-        {
-            Some(None) if get && rest.len() > "namespaces/".len() => {
-                get_namespace(shared, &rest["namespaces/".len()..])
+        "health" | "ready" | "peers" | "namespaces" if !get => method_not_allowed(),
+        "tee/fleet-join" if !post => method_not_allowed(),
+        "health" => health(shared),
+        "ready" => ready(shared),
+        "peers" => peers(shared),
+        "tee/fleet-join" => fleet_join(shared, &request.headers, body).await,
+        "namespaces" => list_namespaces(shared, &request.uri).await,
+        _ => {
+            if let Some(id) = rest
+                .strip_prefix("groups/")
+                .and_then(|r| r.strip_suffix("/members"))
+                .filter(|id| !id.is_empty() && !id.contains('/'))
+            {
+                return if get {
+                    group_members(shared, id, &request.uri)
+                } else {
+                    method_not_allowed()
+                };
             }
-            Some(Some((id, "leave"))) if post && !id.is_empty() => {
-                leave_namespace(shared, id).await
+            match rest
+                .strip_prefix("namespaces/")
+                .map(|id| id.split_once('/'))
+            {
+                Some(None) if rest.len() > "namespaces/".len() => {
+                    if get {
+                        get_namespace(shared, &rest["namespaces/".len()..])
+                    } else {
+                        method_not_allowed()
+                    }
+                }
+                Some(Some((id, "leave"))) if !id.is_empty() => {
+                    if post {
+                        leave_namespace(shared, id).await
+                    } else {
+                        method_not_allowed()
+                    }
+                }
+                _ => not_found(),
             }
-            _ => not_found(),
-        },
+        }
     }
 }
 
+/// An empty answer with this status and no content type.
+fn empty(status: StatusCode) -> Answer {
+    let mut answer = hyper::Response::new(http_body_util::Full::new(Bytes::new()));
+    *answer.status_mut() = status;
+    answer
+}
+
+/// An unknown route: merod answers 404 with an empty body and no content type.
 fn not_found() -> Answer {
-    json_response(404, json!({ "error": "Not found" }))
+    empty(StatusCode::NOT_FOUND)
+}
+
+/// A known route with another method: 405, empty, as merod answers it.
+fn method_not_allowed() -> Answer {
+    empty(StatusCode::METHOD_NOT_ALLOWED)
+}
+
+fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
+    let fixtures = &shared.fixtures;
+    let Ok(id) = parse_id(raw) else {
+        return fixtures.leave_bad_id.respond();
+    };
+    let (offset, limit) = match paging(uri) {
+        Ok(paging) => paging,
+        Err(message) => return json_response(400, json!({ "error": message.0 })),
+    };
+    if !lock(&shared.inner).held.contains(&id) {
+        return fixtures.members_not_held.respond();
+    }
+    let rows: Vec<Value> = fixtures.members.body["members"]
+        .as_array()
+        .map(|rows| rows.iter().skip(offset).take(limit).cloned().collect())
+        .unwrap_or_default();
+    json_response(fixtures.members.status, json!({ "members": rows }))
 }
 
 fn health(shared: &Shared) -> Answer {
@@ -1177,22 +1261,72 @@ mod tests {
         assert_eq!(body["data"].as_array().unwrap().len(), 1);
     }
 
+    /// Status, content type and body text of a GET.
+    async fn get_raw(emu: &MerodEmulator, path: &str) -> (u16, Option<String>, String) {
+        let response = client().get(endpoint(emu, path)).send().await.unwrap();
+        let status = response.status().as_u16();
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_owned());
+        (status, content_type, response.text().await.unwrap())
+    }
+
+    /// merod (recorded: `registration-attest` on rc.25; a GET of fleet-join) answers an
+    /// unknown route 404 and a known route with another method 405, both empty.
     #[tokio::test]
-    async fn unknown_routes_answer_404_and_are_recorded() {
+    async fn unknown_routes_answer_404_other_methods_405_empty_and_are_recorded() {
         let emu = MerodEmulator::start().await.unwrap();
         assert_eq!(
-            get_json(&emu, "admin-api/contexts").await,
-            (404, error("Not found"))
+            get_raw(&emu, "admin-api/contexts").await,
+            (404, None, String::new())
         );
         assert_eq!(
-            get_json(&emu, "admin-api/tee/fleet-join").await,
-            (404, error("Not found"))
+            get_raw(&emu, "admin-api/tee/fleet-join").await,
+            (405, None, String::new())
         );
         let calls = emu.calls();
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].method, "GET");
         assert_eq!(calls[0].path, "/admin-api/contexts");
         assert_eq!(calls[0].status, 404);
+        assert_eq!(calls[1].status, 405);
         assert!(calls[0].at <= calls[1].at);
+    }
+
+    #[tokio::test]
+    async fn group_members_list_this_node_while_it_holds_the_namespace() {
+        let emu = MerodEmulator::start().await.unwrap();
+        let path = format!("admin-api/groups/{ID}/members?offset=0&limit=1000");
+        assert_eq!(
+            get_json(&emu, &path).await,
+            (500, error("Internal server error"))
+        );
+        assert_eq!(join(&emu, ID).await.0, 200);
+        let (status, body) = get_json(&emu, &path).await;
+        assert_eq!(status, 200);
+        let rows = body["members"].as_array().unwrap();
+        assert_eq!(rows.len(), 2);
+        let account = Fixtures::load().join_admitted.body["account"].clone();
+        assert!(rows
+            .iter()
+            .any(|r| r["role"] == "ReadOnlyTee" && r["identity"] == account));
+        assert!(rows.iter().any(|r| r["role"] == "Admin"));
+        let (_, page) = get_json(
+            &emu,
+            &format!("admin-api/groups/{ID}/members?offset=1&limit=1"),
+        )
+        .await;
+        assert_eq!(page["members"].as_array().unwrap().len(), 1);
+        assert_eq!(page["members"][0], rows[1]);
+        assert_eq!(
+            get_json(&emu, "admin-api/groups/xyz/members").await,
+            (
+                400,
+                error("Invalid group id format: expected hex-encoded 32 bytes")
+            )
+        );
+        assert_eq!(leave(&emu, ID).await.0, 200);
+        assert_eq!(get_json(&emu, &path).await.0, 500);
     }
 }

@@ -81,6 +81,7 @@ async fn fleet_join_answers() {
     for (name, want) in [
         ("fleet-join-admitted", (true, "joined")),
         ("fleet-join-already-admitted", (true, "joined")),
+        ("fleet-join-admitter-addrs", (true, "joined")),
         ("fleet-join-unknown-namespace", (false, "announced")),
     ] {
         let (_s, client, f) = replay(name).await;
@@ -196,9 +197,23 @@ fn every_copied_fixture_is_covered() {
         "peers",
         "namespaces-list-member",
         "namespaces-list-empty",
+        "namespaces-list-after-leave",
+        "fleet-join-admitter-addrs",
     ];
-    // Served by the merod emulator only (the sidecar does not call these routes).
-    let emulator_only = ["health", "ready"];
+    // Served by the merod emulator only, checked against it by
+    // the_emulator_answers_every_recorded_request_in_the_recorded_shape (the sidecar does not
+    // call these routes, or not with these parameters).
+    let emulator_only = [
+        "health",
+        "ready",
+        "group-members-never-joined",
+        "group-members-member",
+        "group-members-after-leave",
+        "namespaces-list-page-1",
+        "namespaces-list-page-2",
+        "namespaces-list-page-end",
+        "registration-attest",
+    ];
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/merod");
     for entry in std::fs::read_dir(dir).unwrap() {
         let name = entry.unwrap().file_name().into_string().unwrap();
@@ -226,6 +241,15 @@ async fn namespace_listings() {
 
     let (_s, client, _f) = replay("namespaces-list-empty").await;
     assert!(client.list_namespaces().await.unwrap().is_empty());
+
+    // After leaving one of two: the other, as recorded.
+    let (_s, client, f) = replay("namespaces-list-after-leave").await;
+    let want: GroupId = f["response"]["body"]["data"][0]["namespaceId"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(client.list_namespaces().await.unwrap(), [want].into());
 }
 
 /// The client bounds its own calls: a tool that reuses it cannot hang on a stuck merod.
@@ -299,4 +323,154 @@ async fn a_listing_longer_than_a_page_is_read_whole() {
         .filter(|c| c.path == "/admin-api/namespaces")
         .count();
     assert_eq!(pages, 3, "100 + 100 + 50");
+}
+
+/// A JSON value's shape: object keys with their shapes, the distinct shapes of an array's
+/// elements, the type of a scalar (the rule `scripts/record-merod.py` compares by).
+fn shape(v: &Value) -> Value {
+    match v {
+        Value::Object(map) => {
+            Value::Object(map.iter().map(|(k, v)| (k.clone(), shape(v))).collect())
+        }
+        Value::Array(items) => {
+            let mut shapes: Vec<Value> = Vec::new();
+            for s in items.iter().map(shape) {
+                if !shapes.contains(&s) {
+                    shapes.push(s);
+                }
+            }
+            Value::Array(shapes)
+        }
+        Value::Bool(_) => "bool".into(),
+        Value::Number(_) => "number".into(),
+        Value::String(_) => "string".into(),
+        Value::Null => "null".into(),
+    }
+}
+
+/// Whether `got` has the recorded shape `want`; an empty array on either side matches any
+/// array (it has no element to take a shape from).
+fn same_shape(want: &Value, got: &Value) -> bool {
+    match (want, got) {
+        (Value::Object(w), Value::Object(g)) => {
+            w.len() == g.len()
+                && w.iter()
+                    .all(|(k, v)| g.get(k).is_some_and(|h| same_shape(v, h)))
+        }
+        (Value::Array(w), Value::Array(g)) if w.is_empty() || g.is_empty() => true,
+        (Value::Array(w), Value::Array(g)) => {
+            w.len() == g.len() && w.iter().all(|v| g.iter().any(|h| same_shape(v, h)))
+        }
+        _ => want == got,
+    }
+}
+
+/// The merod emulator put in the state the node was in when `name` was recorded.
+fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f: &Value) {
+    use fleet_sidecar::emulator::merod::JoinBehaviour;
+    let id = || id_of(f).to_string();
+    match name {
+        "fleet-join-already-admitted"
+        | "namespace-get-member"
+        | "group-members-member"
+        | "namespace-leave-member" => merod.hold(&id()),
+        // Held: what the recorded listing names.
+        "namespaces-list-member" | "namespaces-list-after-leave" => {
+            for entry in f["response"]["body"]["data"].as_array().unwrap() {
+                merod.hold(entry["namespaceId"].as_str().unwrap());
+            }
+        }
+        // Recorded holding two namespaces, asking one a page.
+        "namespaces-list-page-1" | "namespaces-list-page-2" | "namespaces-list-page-end" => {
+            merod.hold(&"1".repeat(64));
+            merod.hold(&"2".repeat(64));
+        }
+        "fleet-join-unknown-namespace" => merod.set_join(
+            &id(),
+            JoinBehaviour::RefuseThenAdmit {
+                refusals: 1,
+                delay: std::time::Duration::ZERO,
+            },
+        ),
+        // Everything else was recorded on a node holding nothing of the namespace asked.
+        _ => {}
+    }
+}
+
+/// Item 3 of issue 24: the emulator answers each recorded request with the recorded
+/// status, content type and body shape, so a shape a new core records (and a maintainer
+/// commits) fails here until the emulator learns it.
+#[tokio::test]
+async fn the_emulator_answers_every_recorded_request_in_the_recorded_shape() {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/merod");
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .filter_map(|e| {
+            e.unwrap()
+                .file_name()
+                .into_string()
+                .unwrap()
+                .strip_suffix(".json")
+                .map(str::to_owned)
+        })
+        .collect();
+    names.sort();
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let mut wrong = Vec::new();
+    for name in &names {
+        let f = fixture(name);
+        let merod = fleet_sidecar::emulator::merod::MerodEmulator::start()
+            .await
+            .unwrap();
+        prepare(&merod, name, &f);
+        let req = &f["request"];
+        let url = merod.url().join(req["path"].as_str().unwrap()).unwrap();
+        let method: reqwest::Method = req["method"].as_str().unwrap().parse().unwrap();
+        let mut call = http.request(method, url);
+        if let Some(ct) = req["content_type"].as_str() {
+            call = call.header("content-type", ct);
+        }
+        call = match &req["body"] {
+            Value::Null => call,
+            Value::String(text) => call.body(text.clone()),
+            body => call.body(body.to_string()),
+        };
+        let answer = call.send().await.unwrap();
+        let status = answer.status().as_u16();
+        let content_type = answer.headers().get("content-type").map(|v| {
+            v.to_str()
+                .unwrap()
+                .split(';')
+                .next()
+                .unwrap()
+                .trim()
+                .to_owned()
+        });
+        let text = answer.text().await.unwrap();
+        let body: Value = if text.is_empty() {
+            Value::Null
+        } else {
+            serde_json::from_str(&text).unwrap_or(Value::String(text))
+        };
+        let recorded = &f["response"];
+        let want_ct = recorded["content_type"]
+            .as_str()
+            .map(|c| c.split(';').next().unwrap().trim().to_owned());
+        if status != recorded["status"].as_u64().unwrap() as u16
+            || content_type != want_ct
+            || !same_shape(&shape(&recorded["body"]), &shape(&body))
+        {
+            wrong.push(format!(
+                "{name}: recorded {} {want_ct:?} {}, emulator {status} {content_type:?} {}",
+                recorded["status"],
+                shape(&recorded["body"]),
+                shape(&body)
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "answers of another shape:\n{}",
+        wrong.join("\n")
+    );
 }
