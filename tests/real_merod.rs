@@ -9,8 +9,9 @@
 //! 1. two assigned namespaces are joined through merod's real fleet-join, held by merod and
 //!    confirmed to MDMA;
 //! 2. an MDMA outage (error statuses, then an unreadable body) leaves nothing;
-//! 3. a withdrawn namespace is left once its policy allows, merod no longer holds it, and
-//!    the state file is exactly the one namespace still assigned;
+//! 3. a withdrawn namespace is left once its `leave_grace` (3 s) has passed, merod no longer
+//!    holds it, and the state file is exactly the one namespace still assigned (and the one
+//!    leave, stamped);
 //! 4. the quote registration would send: merod answers `registration-attest` 404, and the
 //!    fallback `/admin-api/tee/attest` yields a mock quote over the nonce.
 //!
@@ -23,11 +24,14 @@ use std::time::{Duration, Instant};
 
 use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::emulator::sandbox::MRTD_HEX;
-use fleet_sidecar::{GroupId, MerodClient, Node, State, StateStore};
+use fleet_sidecar::{GroupId, MerodClient, Node, StateStore};
 use serde_json::Value;
 
-/// The withdrawal's leave policy: left after two successful polls without it.
-const LEAVE_POLICY: &str = "leave_after_polls = 2";
+/// The withdrawal's leave policy: left after 3 s of absence and two successful polls
+/// without it.
+const LEAVE_POLICY: &str = "leave_grace = \"3s\"\nleave_after_polls = 2";
+/// `leave_grace` above.
+const LEAVE_GRACE: Duration = Duration::from_secs(3);
 /// Failed polls back off up to 2 s, so an outage of 8 polls takes seconds, not a minute.
 const BACKOFF: &str = "max_backoff = \"2s\"";
 
@@ -301,25 +305,29 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
         },
     )
     .await;
+    let took = withdrawn_at.elapsed();
     step(&format!(
         "withdrawal left after {:.1} s",
-        withdrawn_at.elapsed().as_secs_f64()
+        took.as_secs_f64()
     ));
+    assert!(
+        took >= LEAVE_GRACE,
+        "left after {took:?}, before leave_grace"
+    );
     assert!(
         !merod.holds_namespace(gid(&withdrawn)).await.expect("check"),
         "merod holds nothing of the withdrawn namespace"
     );
     assert_eq!(held().await, [gid(&kept)].into());
     let only: BTreeSet<GroupId> = [gid(&kept)].into();
+    let s = state();
     assert_eq!(
-        state(),
-        State {
-            admitted: only.clone(),
-            confirmed: only.clone(),
-            ..State::default()
-        },
-        "the state is exactly the namespace still assigned"
+        (&s.admitted, &s.confirmed, s.joining.len(), s.absent.len()),
+        (&only, &only, 0, 0),
+        "the state is exactly the namespace still assigned: {s:?}"
     );
+    assert_eq!(s.recent_leaves_ms.len(), 1, "one leave, stamped: {s:?}");
+    assert!(s.recent_leaves_ms[0] <= s.observed_ms, "{s:?}");
     // Left through merod's own leave: B's account is in the kept namespace's member list,
     // and the withdrawn one no longer lists it (merod answers 500 to a non-member).
     let members = |id: &str| {
