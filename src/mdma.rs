@@ -25,8 +25,16 @@ mod answer;
 
 /// Bound of one MDMA request, connect to last byte (docs/mdma.md).
 pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
-/// Largest poll answer read; a longer one fails the poll (a sane answer is a few KiB).
-pub const MAX_POLL_BODY: usize = 4 * 1024 * 1024;
+/// Largest poll answer read, in bytes (16 MiB); a longer one fails the poll.
+///
+/// Sized for a fleet: 10,000 assignments, each with 8 `admitter_addrs` of the longest
+/// common form (`/ip6/<39 chars>/udp/65535/quic-v1/p2p/<52-char PeerId>`, 119 bytes),
+/// are about 1,075 bytes an entry compact, 10.8 MB in all, and about 11.8 MB indented
+/// one value a line. 16 MiB (16.8 MB) leaves over 40 % for longer (DNS) addresses and
+/// other fields. It is also the bound of the memory one answer can take: the body is read
+/// into one buffer of at most this size (bench/RESULTS.md: peak RSS parsing such an
+/// answer).
+pub const MAX_POLL_BODY: usize = 16 * 1024 * 1024;
 
 /// A request to MDMA that got no usable answer.
 #[derive(Debug, thiserror::Error)]

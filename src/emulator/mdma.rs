@@ -82,6 +82,32 @@ impl PollReply {
     }
 }
 
+/// A fleet-sized `should-join` body: `entries` assignments (ids `{i:064x}`), each with
+/// `addrs` admitter addresses of the longest common form
+/// (`/ip6/<full address>/udp/65535/quic-v1/p2p/<PeerId>`, 119 bytes each), compact.
+pub fn fleet_answer(entries: usize, addrs: usize) -> String {
+    let mut body = String::from(r#"{"assignments":["#);
+    for i in 0..entries {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(&format!(r#"{{"group_id":"{i:064x}","admitter_addrs":["#));
+        for a in 0..addrs {
+            if a > 0 {
+                body.push(',');
+            }
+            body.push_str(&format!(
+                r#""/ip6/2001:0db8:85a3:0000:0000:8a2e:{:04x}:{a:04x}/udp/65535/quic-v1/p2p/{}""#,
+                i % 0x1_0000,
+                crate::emulator::sandbox::PEER_ID
+            ));
+        }
+        body.push_str("]}");
+    }
+    body.push_str(r#"],"retain":[]}"#);
+    body
+}
+
 impl Default for PollReply {
     fn default() -> Self {
         PollReply::Assign {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
-use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::mdma::{fleet_answer, MdmaEmulator, PollReply};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::Config;
 use fleet_sidecar::{MdmaClient, MdmaClientError, MAX_POLL_BODY};
@@ -164,6 +164,28 @@ async fn an_answer_over_the_body_cap_is_refused_unread() {
     )
     .await;
     poll_fails_without_a_leave(&url, None, "larger than").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fleet_sized_answer_of_10000_assignments_with_8_admitters_each_is_accepted() {
+    let body = fleet_answer(10_000, 8);
+    assert!(
+        body.len() > 4 * 1024 * 1024,
+        "larger than the former 4 MiB cap: {} bytes",
+        body.len()
+    );
+    assert!(body.len() <= MAX_POLL_BODY, "{} bytes", body.len());
+    let emu = MdmaEmulator::start(None).await.unwrap();
+    emu.set_reply(PollReply::RawBody(body));
+    let mdma = MdmaClient::new(&emu.url(), None, None).unwrap();
+    let peer: fleet_sidecar::PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let answer = fleet_sidecar::ControlPlane::should_join(&mdma, &peer, None)
+        .await
+        .expect("a fleet-sized answer is a good poll");
+    assert_eq!(answer.assignments.len(), 10_000);
+    assert!(answer
+        .assignments
+        .contains(&format!("{:064x}", 9_999).parse().unwrap()));
 }
 
 struct Ca {
