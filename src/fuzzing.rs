@@ -51,7 +51,7 @@ pub fn sidecar_config(data: &[u8]) {
 }
 
 /// merod's `config.toml`, through what the two public readers
-/// ([`crate::identity::read_peer_id`], `identity::admin_url_from_merod_config`) do once
+/// ([`crate::identity::read_peer_id`], the admin URL reader of `identity`) do once
 /// the file is read; bytes that are not UTF-8 end there as a read error, as from a file.
 pub fn merod_config(data: &[u8]) {
     if let Ok(text) = std::str::from_utf8(data) {

@@ -1,5 +1,6 @@
 //! What the sidecar reads from merod's own `config.toml`: the node's PeerId
-//! (`[identity].peer_id`) and where its admin API listens (`[server].listen[0]`).
+//! (`[identity].peer_id`) and where its admin API listens (`[server].listen`, tried in
+//! order).
 //!
 //! merod writes that file atomically with mode 0600; it also holds `[identity].keypair`, a
 //! secret. The document is deserialized into a struct that has no field for it, so the
@@ -130,22 +131,30 @@ fn peer_id_of(path: &Path, doc: MerodToml) -> Result<PeerId, IdentityError> {
     })
 }
 
-/// The admin URL of `[server].listen[0]` of a parsed config.toml, `None` without one.
-fn admin_url_of(path: &Path, doc: MerodToml) -> Result<Option<Url>, IdentityError> {
-    let Some(first) = doc.server.and_then(|s| s.listen.into_iter().next()) else {
+/// The admin URLs of `[server].listen` of a parsed config.toml, in order: the first's, and
+/// those of the later entries that are IP or DNS hosts with a TCP port (the others are
+/// skipped: merod may listen on more than the admin API needs). `None` without a listen.
+fn listen_urls_of(path: &Path, doc: MerodToml) -> Result<Option<(Url, Vec<Url>)>, IdentityError> {
+    let mut listen = doc.server.map(|s| s.listen).unwrap_or_default().into_iter();
+    let Some(first) = listen.next() else {
         return Ok(None);
     };
-    multiaddr_to_url(&first)
-        .map(Some)
-        .map_err(|source| IdentityError::InvalidListen {
-            path: path.to_owned(),
-            value: first,
-            source,
-        })
+    let first = multiaddr_to_url(&first).map_err(|source| IdentityError::InvalidListen {
+        path: path.to_owned(),
+        value: first,
+        source,
+    })?;
+    let mut rest: Vec<Url> = Vec::new();
+    for url in listen.filter_map(|l| multiaddr_to_url(&l).ok()) {
+        if url != first && !rest.contains(&url) {
+            rest.push(url);
+        }
+    }
+    Ok(Some((first, rest)))
 }
 
 /// Both readers over config.toml text already in memory, as [`read_peer_id`] and
-/// [`admin_url_from_merod_config`] do after reading the file (the fuzz target's entry:
+/// `listen_urls_from_merod_config` do after reading the file (the fuzz target's entry:
 /// no file per input).
 #[cfg(feature = "fuzzing")]
 pub(crate) fn parse_text(
@@ -157,7 +166,9 @@ pub(crate) fn parse_text(
     let path = Path::new("config.toml");
     (
         parse(path, text).and_then(|doc| peer_id_of(path, doc)),
-        parse(path, text).and_then(|doc| admin_url_of(path, doc)),
+        parse(path, text)
+            .and_then(|doc| listen_urls_of(path, doc))
+            .map(|urls| urls.map(|(first, _)| first)),
     )
 }
 
@@ -170,13 +181,15 @@ pub fn read_peer_id(path: &Path) -> Result<PeerId, IdentityError> {
     peer_id_of(path, load(path)?)
 }
 
-/// The admin API base URL merod serves, from `[server].listen[0]` of its config.toml at
-/// `path`: `/ip4/127.0.0.1/tcp/2528` → `http://127.0.0.1:2528/`. `Ok(None)` when the file
-/// or the key is absent (the caller then uses [`crate::config::DEFAULT_ADMIN_URL`]).
+/// The admin API base URLs merod serves, from `[server].listen` of its config.toml at
+/// `path`, in order: `listen[0]`'s (`/ip4/127.0.0.1/tcp/2528` → `http://127.0.0.1:2528/`)
+/// and those of the later entries that are IP/DNS hosts with a TCP port. `Ok(None)` when
+/// the file or the key is absent (the caller then uses
+/// [`crate::config::DEFAULT_ADMIN_URL`]).
 ///
-/// Errors: an unreadable or invalid file, or a listen address that is not an IP/DNS host
-/// with a TCP port.
-pub(crate) fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, IdentityError> {
+/// Errors: an unreadable or invalid file, or a `listen[0]` that is not an IP/DNS host with
+/// a TCP port.
+fn listen_urls_from_merod_config(path: &Path) -> Result<Option<(Url, Vec<Url>)>, IdentityError> {
     let doc = match load(path) {
         Err(IdentityError::Read { source, .. })
             if source.kind() == std::io::ErrorKind::NotFound =>
@@ -185,7 +198,7 @@ pub(crate) fn admin_url_from_merod_config(path: &Path) -> Result<Option<Url>, Id
         }
         other => other?,
     };
-    admin_url_of(path, doc)
+    listen_urls_of(path, doc)
 }
 
 /// Where [`resolve_admin_url`] found merod's admin URL.
@@ -231,11 +244,17 @@ pub struct AdminUrl {
     pub url: Url,
     /// Where it came from; the `Default*` variants say why the default was used.
     pub source: AdminUrlSource,
+    /// From [`AdminUrlSource::MerodListen`] only: the URLs of the later `[server].listen`
+    /// entries, in order (duplicates and entries that are not an IP/DNS host with a TCP
+    /// port left out). The daemon tries [`AdminUrl::url`] and then each of these, and uses
+    /// the first that answers.
+    pub fallbacks: Vec<Url>,
 }
 
 /// merod's admin URL as the daemon resolves it, in this order: `[merod].admin_url` of the
-/// sidecar's config, else `[server].listen[0]` of merod's config.toml
-/// (`{home}/{node}/config.toml`), else [`DEFAULT_ADMIN_URL`] (`http://127.0.0.1:2528`).
+/// sidecar's config, else `[server].listen` of merod's config.toml
+/// (`{home}/{node}/config.toml`: `listen[0]`, with the later entries as
+/// [`AdminUrl::fallbacks`]), else [`DEFAULT_ADMIN_URL`] (`http://127.0.0.1:2528`).
 ///
 /// Never fails: a missing or unreadable merod config.toml falls back to the default, and
 /// [`AdminUrl::source`] says why, for the caller to log.
@@ -244,14 +263,16 @@ pub fn resolve_admin_url(merod: &MerodConfig) -> AdminUrl {
         return AdminUrl {
             url: url.clone(),
             source: AdminUrlSource::Configured,
+            fallbacks: Vec::new(),
         };
     }
     let path = merod.config_toml();
-    let source = match admin_url_from_merod_config(&path) {
-        Ok(Some(url)) => {
+    let source = match listen_urls_from_merod_config(&path) {
+        Ok(Some((url, fallbacks))) => {
             return AdminUrl {
                 url,
                 source: AdminUrlSource::MerodListen(path),
+                fallbacks,
             }
         }
         Ok(None) if !path.exists() => AdminUrlSource::DefaultNoMerodConfig(path),
@@ -261,6 +282,7 @@ pub fn resolve_admin_url(merod: &MerodConfig) -> AdminUrl {
     AdminUrl {
         url: default_admin_url(),
         source,
+        fallbacks: Vec::new(),
     }
 }
 
@@ -314,9 +336,10 @@ mod tests {
         ));
         assert_eq!(read_peer_id(&path).unwrap().as_str(), PEER);
         assert_eq!(
-            admin_url_from_merod_config(&path)
+            listen_urls_from_merod_config(&path)
                 .unwrap()
                 .unwrap()
+                .0
                 .as_str(),
             "http://127.0.0.1:2528/"
         );
@@ -363,12 +386,12 @@ mod tests {
     #[test]
     fn no_file_or_no_listen_means_use_the_default() {
         assert!(
-            admin_url_from_merod_config(Path::new("/nonexistent/config.toml"))
+            listen_urls_from_merod_config(Path::new("/nonexistent/config.toml"))
                 .unwrap()
                 .is_none()
         );
         let (_d, path) = write(&format!("[identity]\npeer_id = \"{PEER}\"\n"));
-        assert!(admin_url_from_merod_config(&path).unwrap().is_none());
+        assert!(listen_urls_from_merod_config(&path).unwrap().is_none());
     }
 
     fn merod_at(home: &Path, admin_url: Option<&str>) -> MerodConfig {
@@ -402,6 +425,21 @@ mod tests {
         let got = resolve_admin_url(&merod_at(home.path(), None));
         assert_eq!(got.url.as_str(), "http://127.0.0.1:9999/");
         assert!(matches!(got.source, AdminUrlSource::MerodListen(p) if p == toml));
+
+        // Every listen address, in order: the later ones are the fallbacks.
+        std::fs::write(
+            &toml,
+            "[server]\nlisten = [\"/ip6/::1/tcp/9999\", \"/ip4/0.0.0.0/udp/1\", \"/ip4/127.0.0.1/tcp/9999\", \"/ip6/::/tcp/9999\"]\n",
+        )
+        .unwrap();
+        let got = resolve_admin_url(&merod_at(home.path(), None));
+        assert_eq!(got.url.as_str(), "http://[::1]:9999/");
+        let fallbacks: Vec<&str> = got.fallbacks.iter().map(Url::as_str).collect();
+        assert_eq!(
+            fallbacks,
+            ["http://127.0.0.1:9999/"],
+            "no TCP port and repeats left out"
+        );
 
         // The sidecar's own key wins over merod's config.toml.
         let got = resolve_admin_url(&merod_at(home.path(), Some("http://127.0.0.1:7777/")));

@@ -166,6 +166,8 @@ pub mod cli;
 mod config;
 #[cfg(feature = "daemon")]
 pub mod daemon;
+#[cfg(feature = "daemon")]
+mod dropped;
 #[cfg(feature = "testing")]
 pub mod emulator;
 #[cfg(feature = "fuzzing")]

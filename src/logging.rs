@@ -2,14 +2,21 @@
 //! ([`journald`], `log_target`) — and appended to the log file
 //! (`/var/log/fleet-sidecar.log` by default, `log_to_file`), via `tracing`.
 //!
-//! The file is opened in append mode and can be reopened ([`LogFile::reopen`]) after
-//! logrotate moved it. Secrets never reach a log line: the token has no `Display` and its
-//! `Debug` is `[redacted]` ([`crate::mdma::FleetToken`]).
+//! No sink can make the loop wait: stderr and the log file are written by a thread of
+//! their own each, through a bounded queue ([`sink`]); the journal gets datagrams sent
+//! without waiting. A sink that stops reading loses lines — counted in
+//! `fleet_sidecar_log_lines_dropped_total{sink}` and said once when it reads again — and
+//! the poll and `/healthz` go on. Control characters in a line (outside text: merod's and
+//! MDMA's words) are escaped in text lines and journal fields ([`escape`]); JSON escapes
+//! its own.
+//!
+//! The log file can be reopened ([`Logs::reopen`]) after logrotate moved it. Secrets never
+//! reach a log line: the token has no `Display` and its `Debug` is `[redacted]`
+//! ([`crate::mdma::FleetToken`]).
 
-use std::fs::{File, OpenOptions};
-use std::io::{self, Write};
+use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use tracing_subscriber::fmt::MakeWriter;
 use tracing_subscriber::layer::SubscriberExt;
@@ -18,43 +25,41 @@ use tracing_subscriber::{EnvFilter, Layer};
 
 use crate::config::{LogFormat, LogTarget};
 
+mod escape;
 mod journald;
+mod sink;
 
-/// An append-only log file that can be reopened at the same path.
-#[derive(Debug)]
-pub(crate) struct LogFile {
-    path: PathBuf,
-    file: Mutex<File>,
+use sink::Sink;
+
+/// The process's log sinks, for the signal handler (reopen) and the exit (flush).
+#[derive(Debug, Default)]
+pub(crate) struct Logs {
+    /// The log file's sink and path, when one is open.
+    file: Option<(Sink, PathBuf)>,
+    /// Every queued sink (stderr, the log file).
+    queued: Vec<Sink>,
 }
 
-fn open_append(path: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
-}
-
-impl LogFile {
-    /// Opens (creating it if needed) `path` for appending.
-    ///
-    /// Errors: the I/O error of the open.
-    pub(crate) fn open(path: &Path) -> io::Result<Arc<Self>> {
-        Ok(Arc::new(Self {
-            path: path.to_owned(),
-            file: Mutex::new(open_append(path)?),
-        }))
+impl Logs {
+    /// Has the log file reopened at its path (after logrotate renamed the old one), after
+    /// the lines already logged, which go to the old file. Never waits. `None` without a
+    /// log file; `Some(false)` when the file's queue is full (nothing asked: try again).
+    pub(crate) fn reopen(&self) -> Option<bool> {
+        self.file.as_ref().map(|(sink, _)| sink.reopen())
     }
 
-    /// Reopens the file at its path (after logrotate renamed the old one).
-    ///
-    /// Errors: the I/O error of the open; the old file stays in use.
-    pub(crate) fn reopen(&self) -> io::Result<()> {
-        let fresh = open_append(&self.path)?;
-        let mut file = self.file.lock().unwrap_or_else(|p| p.into_inner());
-        *file = fresh;
-        Ok(())
+    /// The log file's path, when one is open.
+    pub(crate) fn file_path(&self) -> Option<&Path> {
+        self.file.as_ref().map(|(_, p)| p.as_path())
     }
 
-    /// The file's path.
-    pub(crate) fn path(&self) -> &Path {
-        &self.path
+    /// Waits at most `limit` in all for the lines logged so far to be written (at exit; a
+    /// sink that does not read is not waited for longer).
+    pub(crate) fn flush(&self, limit: Duration) {
+        let deadline = std::time::Instant::now() + limit;
+        for sink in &self.queued {
+            sink.flush(deadline.saturating_duration_since(std::time::Instant::now()));
+        }
     }
 }
 
@@ -73,34 +78,9 @@ pub(crate) enum LogInitError {
     /// A global `tracing` subscriber was already installed.
     #[error("cannot install the log subscriber: {0}")]
     Subscriber(#[from] tracing_subscriber::util::TryInitError),
-}
-
-/// One event's writer into a [`LogFile`].
-#[derive(Debug)]
-pub(crate) struct LogFileWriter<'a>(&'a LogFile);
-
-impl Write for LogFileWriter<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        let mut file = self.0.file.lock().unwrap_or_else(|p| p.into_inner());
-        file.write_all(buf)?;
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
-/// The [`MakeWriter`] that `tracing` holds: a shared handle on the [`LogFile`].
-#[derive(Debug, Clone)]
-pub(crate) struct SharedLogFile(pub Arc<LogFile>);
-
-impl<'a> MakeWriter<'a> for SharedLogFile {
-    type Writer = LogFileWriter<'a>;
-
-    fn make_writer(&'a self) -> Self::Writer {
-        LogFileWriter(&self.0)
-    }
+    /// A log writer thread could not be started.
+    #[error("cannot start the log writer: {0}")]
+    Writer(#[source] io::Error),
 }
 
 /// `RUST_LOG`, default `info`.
@@ -130,16 +110,18 @@ where
 /// line in `format`. Verbosity comes from `RUST_LOG` (default `info`). When the journal
 /// cannot be reached, stderr is used and a warning says why.
 ///
-/// Returns the open log file (to reopen on SIGHUP).
+/// Returns the sinks (to reopen the log file on SIGHUP, and flush at exit), and
+/// [`LogInitError::LogFile`] when `log_file` could not be opened: logging is set up all the
+/// same and goes to the journal or stderr only.
 ///
 /// Errors: [`LogInitError::Subscriber`] when a global subscriber is already set (nothing is
-/// logged through this one); [`LogInitError::LogFile`] when `log_file` cannot be opened —
-/// logging is set up all the same and goes to the journal or stderr only.
+/// logged through this one); [`LogInitError::Writer`] when a writer thread cannot start.
 pub(crate) fn init(
     log_file: Option<&Path>,
     format: LogFormat,
     target: LogTarget,
-) -> Result<Option<Arc<LogFile>>, LogInitError> {
+) -> Result<(Logs, Option<LogInitError>), LogInitError> {
+    let escape = format == LogFormat::Text;
     let want_journal = match target {
         LogTarget::Journald => true,
         LogTarget::Stderr => false,
@@ -150,21 +132,31 @@ pub(crate) fn init(
         Some(Ok(l)) => (Some(l.with_filter(filter())), None),
         Some(Err(e)) => (None, Some(e)),
     };
-    let stderr = journal.is_none().then(|| layer(io::stderr, format));
-    let (file, problem) = match log_file.map(|p| (p, LogFile::open(p))) {
-        None => (None, None),
-        Some((_, Ok(f))) => (Some(f), None),
-        Some((path, Err(source))) => (
-            None,
-            Some(LogInitError::LogFile {
+    let mut logs = Logs::default();
+    let stderr = match journal {
+        Some(_) => None,
+        None => {
+            let sink = Sink::stderr(escape).map_err(LogInitError::Writer)?;
+            logs.queued.push(sink.clone());
+            Some(layer(sink, format))
+        }
+    };
+    let mut problem = None;
+    let file_layer = match log_file.map(|p| (p, Sink::file(p, escape))) {
+        None => None,
+        Some((path, Ok(sink))) => {
+            logs.queued.push(sink.clone());
+            logs.file = Some((sink.clone(), path.to_owned()));
+            Some(layer(sink, format))
+        }
+        Some((path, Err(source))) => {
+            problem = Some(LogInitError::LogFile {
                 path: path.to_owned(),
                 source,
-            }),
-        ),
+            });
+            None
+        }
     };
-    let file_layer = file
-        .as_ref()
-        .map(|f| layer(SharedLogFile(Arc::clone(f)), format));
     tracing_subscriber::registry()
         .with(journal)
         .with(stderr)
@@ -173,8 +165,5 @@ pub(crate) fn init(
     if let Some(e) = journal_problem {
         tracing::warn!("cannot log to the journal ({e}): logging to stderr instead");
     }
-    match problem {
-        Some(p) => Err(p),
-        None => Ok(file),
-    }
+    Ok((logs, problem))
 }

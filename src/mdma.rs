@@ -316,6 +316,13 @@ pub trait ControlPlane: Send + Sync + 'static {
 pub struct MdmaClient {
     http: reqwest::Client,
     base: Url,
+    /// The same client without a connection pool, built at the first need: the one resend
+    /// of a should-join whose kept-alive connection the server closed as it was reused goes
+    /// out on a fresh connection.
+    fresh: std::sync::Arc<std::sync::OnceLock<reqwest::Client>>,
+    /// What `fresh` is built from.
+    settings: ClientSettings,
+    on_resend: OnResend,
     should_join_url: Url,
     confirm_url: Url,
     token: Option<FleetToken>,
@@ -329,6 +336,18 @@ pub struct MdmaClientBuilder {
     token: Option<FleetToken>,
     ca_file: Option<PathBuf>,
     timeout: Duration,
+    on_resend: OnResend,
+}
+
+/// What the client calls each time it sends a should-join once more on a fresh connection
+/// (the daemon counts it in `fleet_sidecar_poll_resends_total`).
+#[derive(Clone, Default)]
+struct OnResend(Option<std::sync::Arc<dyn Fn() + Send + Sync>>);
+
+impl fmt::Debug for OnResend {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.0.is_some() { "Some(..)" } else { "None" })
+    }
 }
 
 impl MdmaClientBuilder {
@@ -347,6 +366,16 @@ impl MdmaClientBuilder {
     /// Bound of one request, connect to last byte (default [`MDMA_TIMEOUT`], 10 s).
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// Calls `f` each time a should-join is sent once more on a fresh connection because
+    /// the server closed the kept-alive one as it was reused (an idle timeout equal to the
+    /// poll interval, common behind load balancers). should-join is safe to repeat; it is
+    /// resent once, and only when the request failed on an open connection with no answer
+    /// (not a refused connection, not a timeout).
+    pub fn on_resend(mut self, f: impl Fn() + Send + Sync + 'static) -> Self {
+        self.on_resend = OnResend(Some(std::sync::Arc::new(f)));
         self
     }
 
@@ -388,6 +417,7 @@ impl MdmaClient {
             token,
             ca_file: ca_file.map(Path::to_owned),
             timeout: MDMA_TIMEOUT,
+            on_resend: OnResend::default(),
         }
         .build()
     }
@@ -400,19 +430,13 @@ impl MdmaClient {
             token: None,
             ca_file: None,
             timeout: MDMA_TIMEOUT,
+            on_resend: OnResend::default(),
         }
     }
 
     fn build(b: MdmaClientBuilder) -> Result<Self, MdmaClientError> {
         let (base, ca_file) = (&b.base, b.ca_file.as_deref());
-        let mut builder = reqwest::Client::builder()
-            .timeout(b.timeout)
-            .connect_timeout(b.timeout)
-            .redirect(reqwest::redirect::Policy::none())
-            .tls_built_in_webpki_certs(false)
-            .tls_built_in_native_certs(true)
-            .https_only(base.scheme() == "https")
-            .user_agent(concat!("fleet-sidecar/", env!("CARGO_PKG_VERSION")));
+        let mut roots = Vec::new();
         if let Some(path) = ca_file {
             let pem = std::fs::read(path).map_err(|source| MdmaClientError::CaRead {
                 path: path.to_owned(),
@@ -435,15 +459,16 @@ impl MdmaClient {
                     path: path.to_owned(),
                     reason: format!("certificate {} of the file: {}", i + 1, describe(&e)),
                 })?;
-                builder = builder.add_root_certificate(cert);
+                roots.push(cert);
             }
         }
-        // Environment proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) never reach a loopback
-        // MDMA; a remote one goes through them as usual (NO_PROXY honoured).
-        if is_loopback(base) {
-            builder = builder.no_proxy();
-        }
-        let http = builder.build().map_err(MdmaClientError::Build)?;
+        let settings = ClientSettings {
+            roots,
+            timeout: b.timeout,
+            https_only: base.scheme() == "https",
+            loopback: is_loopback(base),
+        };
+        let http = settings.client(true).map_err(MdmaClientError::Build)?;
         let join = |path: &'static str| {
             base.join(path).map_err(|source| MdmaClientError::Url {
                 base: base.clone(),
@@ -454,6 +479,9 @@ impl MdmaClient {
         Ok(Self {
             http,
             base: base.clone(),
+            fresh: std::sync::Arc::default(),
+            settings,
+            on_resend: b.on_resend,
             should_join_url: join("api/fleet/should-join")?,
             confirm_url: join("api/fleet/confirm")?,
             token: b.token,
@@ -549,7 +577,16 @@ impl MdmaClient {
     }
 
     fn post<B: Serialize + ?Sized>(&self, url: &Url, body: &B) -> reqwest::RequestBuilder {
-        let req = self.http.post(url.clone()).json(body);
+        self.post_with(&self.http, url, body)
+    }
+
+    fn post_with<B: Serialize + ?Sized>(
+        &self,
+        http: &reqwest::Client,
+        url: &Url,
+        body: &B,
+    ) -> reqwest::RequestBuilder {
+        let req = http.post(url.clone()).json(body);
         match &self.token {
             Some(t) => req.header("X-Fleet-Token", t.expose()),
             None => req,
@@ -583,6 +620,43 @@ async fn read_capped(mut resp: reqwest::Response) -> Result<Vec<u8>, BodyError> 
     Ok(bytes)
 }
 
+/// How the HTTP clients of an [`MdmaClient`] are built.
+#[derive(Clone, Debug)]
+struct ClientSettings {
+    /// The extra trust roots (`mdma_ca_file`), besides the system's.
+    roots: Vec<reqwest::Certificate>,
+    timeout: Duration,
+    https_only: bool,
+    /// MDMA is on loopback: no environment proxy.
+    loopback: bool,
+}
+
+impl ClientSettings {
+    /// A client; `pooled: false` keeps no idle connection (every request on a fresh one).
+    fn client(&self, pooled: bool) -> Result<reqwest::Client, reqwest::Error> {
+        let mut builder = reqwest::Client::builder()
+            .timeout(self.timeout)
+            .connect_timeout(self.timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .tls_built_in_webpki_certs(false)
+            .tls_built_in_native_certs(true)
+            .https_only(self.https_only)
+            .user_agent(concat!("fleet-sidecar/", env!("CARGO_PKG_VERSION")));
+        for cert in &self.roots {
+            builder = builder.add_root_certificate(cert.clone());
+        }
+        if !pooled {
+            builder = builder.pool_max_idle_per_host(0);
+        }
+        // Environment proxies (HTTP_PROXY, HTTPS_PROXY, ALL_PROXY) never reach a loopback
+        // MDMA; a remote one goes through them as usual (NO_PROXY honoured).
+        if self.loopback {
+            builder = builder.no_proxy();
+        }
+        builder.build()
+    }
+}
+
 /// Whether `url`'s host is loopback: `localhost` (and `*.localhost`), 127.0.0.0/8, `::1`.
 pub(crate) fn is_loopback(url: &Url) -> bool {
     match url.host() {
@@ -607,6 +681,13 @@ fn check_root(cert: &reqwest::Certificate) -> Result<(), reqwest::Error> {
         .add_root_certificate(cert.clone())
         .build()
         .map(drop)
+}
+
+/// Whether a request failed on a connection that was open (a kept-alive one the server
+/// closed or reset as it was reused) before any answer: not a refused or failed connect,
+/// not a timeout, not an answer. Repeating a should-join then is safe.
+fn closed_without_answer(e: &reqwest::Error) -> bool {
+    e.is_request() && !e.is_connect() && !e.is_timeout()
 }
 
 /// reqwest's error text with its causes (it never holds a header, so never the token).
@@ -635,7 +716,30 @@ impl ControlPlane for MdmaClient {
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));
-        let resp = self.post(url, &body).send().await.map_err(fail)?;
+        let resp = match self.post(url, &body).send().await {
+            Ok(resp) => resp,
+            Err(e) if closed_without_answer(&e) => {
+                let fresh = match self.fresh.get() {
+                    Some(c) => c,
+                    None => match self.settings.client(false) {
+                        Ok(c) => self.fresh.get_or_init(|| c),
+                        Err(_) => return Err(fail(e)),
+                    },
+                };
+                if let Some(f) = &self.on_resend.0 {
+                    f();
+                }
+                tracing::debug!(
+                    "should-join failed on an open connection with no answer ({}): sent once more on a fresh connection",
+                    describe(&e)
+                );
+                self.post_with(fresh, url, &body)
+                    .send()
+                    .await
+                    .map_err(fail)?
+            }
+            Err(e) => return Err(fail(e)),
+        };
         let status = resp.status().as_u16();
         if status != 200 {
             return Err(RequestError::Status {

@@ -26,6 +26,11 @@ use url::Url;
 use crate::ids::GroupId;
 use crate::strict_json::StrictValue;
 
+#[cfg(feature = "daemon")]
+mod listen;
+#[cfg(feature = "daemon")]
+pub(crate) use listen::ListenCandidates;
+
 /// Default bound of a connection attempt to merod (it is on loopback: longer means it is
 /// not up).
 pub const MEROD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);

@@ -14,7 +14,9 @@
 //! `NOTIFY_SOCKET` may be an absolute path or `@name` (an abstract socket), the forms
 //! `sd_notify(3)` documents for `AF_UNIX`. Does nothing when it is unset (not started by
 //! systemd). A socket that cannot be reached, or a form not understood, is warned about
-//! once (and its recovery logged once).
+//! once (and its recovery logged once). A message is sent without waiting: one the socket
+//! does not take (a manager not reading) is dropped and counted in
+//! `fleet_sidecar_log_lines_dropped_total{sink="notify"}`.
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -26,6 +28,7 @@ use std::time::Duration;
 
 use tracing::{info, warn};
 
+use crate::dropped::{self, count_dropped};
 use crate::telemetry::{unix_now, LiveStatus, Phase, StatusMark, Telemetry};
 
 /// One notification, as [`messages`] decides it.
@@ -121,6 +124,9 @@ struct Notifier {
 impl Notifier {
     fn try_send(&self, payload: &[u8]) -> std::io::Result<()> {
         let sock = UnixDatagram::unbound()?;
+        // Never waits: a manager that does not read its socket (the queue full) loses
+        // this message, not the loop.
+        sock.set_nonblocking(true)?;
         match &self.socket {
             NotifySocket::Path(p) => sock.connect(p)?,
             NotifySocket::Abstract(name) => {
@@ -145,8 +151,14 @@ impl Notifier {
                 }
             }
             Err(e) => {
+                // Not delivered: dropped, counted like a log line no sink took.
+                count_dropped(dropped::NOTIFY, 1);
                 if !self.failing.swap(true, Ordering::Relaxed) {
-                    warn!(socket = ?self.socket, "cannot notify systemd: {e} (warned once until it works again)");
+                    if e.kind() == std::io::ErrorKind::WouldBlock {
+                        warn!(socket = ?self.socket, "systemd's notify socket is not reading: messages dropped (warned once until it reads again)");
+                    } else {
+                        warn!(socket = ?self.socket, "cannot notify systemd: {e} (warned once until it works again)");
+                    }
                 }
             }
         }

@@ -294,6 +294,10 @@ pub struct Telemetry {
     /// among the withdrawn namespaces not left yet (0 when none): how far the oldest pending
     /// leave is into `leave_grace`, or past it while a guard or rate limit holds it.
     pub(crate) pending_leave_absence: Gauge<f64, AtomicU64>,
+    /// `fleet_sidecar_poll_resends_total`: should-joins sent once more on a fresh
+    /// connection because MDMA (or a load balancer) closed the kept-alive one as it was
+    /// reused; such a poll does not fail.
+    pub(crate) poll_resends: Counter,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -376,6 +380,22 @@ impl Telemetry {
             "longest absence observed (monotonic) among withdrawn namespaces not left yet",
             pending_leave_absence.clone(),
         );
+        let poll_resends = Counter::default();
+        registry.register(
+            "poll_resends",
+            "should-join polls sent once more on a fresh connection after a kept-alive one was closed as it was reused",
+            poll_resends.clone(),
+        );
+        // The process's sinks, shared by every Telemetry of the process.
+        let lines_dropped = crate::dropped::dropped_lines().clone();
+        for sink in crate::dropped::SINKS {
+            drop(lines_dropped.get_or_create(&crate::dropped::SinkLabel { sink }));
+        }
+        registry.register(
+            "log_lines_dropped",
+            "log lines (and notify messages) dropped because their sink (stderr, log_file, journal, notify) was not reading",
+            lines_dropped,
+        );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
         for (family, outcomes) in [
@@ -408,6 +428,7 @@ impl Telemetry {
             mrtd_source,
             mass_withdrawal_hold,
             pending_leave_absence,
+            poll_resends,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),

@@ -119,6 +119,9 @@ fn render(file: &Path, cfg: &Config) -> String {
     let resolved = resolve_admin_url(&cfg.merod);
     let (admin_url, from) = (resolved.url.to_string(), resolved.source);
     line(format!("admin_url = {}  # from {from}", quoted(admin_url)));
+    for url in &resolved.fallbacks {
+        line(format!("# then, if it does not answer: {url}"));
+    }
     line(String::new());
     line("[tdx]".to_owned());
     line(format!("mrtd_path = {}", path(&cfg.tdx.mrtd_path)));

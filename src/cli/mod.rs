@@ -16,11 +16,10 @@ use crate::daemon::{self, CycleOutcome, Deps};
 use crate::identity::{resolve_admin_url, AdminUrlSource};
 use crate::logging;
 use crate::mdma::MdmaClient;
-use crate::merod::MerodClient;
+use crate::merod::{ListenCandidates, MerodClient, Node};
 use crate::mrtd::{read_mrtd_bounded, read_saved, SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT};
 use crate::notify;
-use crate::telemetry;
-use crate::telemetry::unix_now;
+use crate::telemetry::{self, unix_now, Telemetry};
 
 mod check_config;
 mod generate;
@@ -157,43 +156,85 @@ pub fn main() -> ExitCode {
 
 async fn serve(cfg: Config, once: bool) -> ExitCode {
     let file = cfg.log_to_file.then_some(cfg.log_file.as_path());
-    let log_file = match logging::init(file, cfg.log_format, cfg.log_target) {
-        Ok(f) => f,
+    let logs = match logging::init(file, cfg.log_format, cfg.log_target) {
+        Ok((logs, None)) => Arc::new(logs),
+        Ok((logs, Some(problem))) => {
+            eprintln!("fleet-sidecar: {problem}");
+            Arc::new(logs)
+        }
         Err(problem) => {
             eprintln!("fleet-sidecar: {problem}");
-            None
+            Arc::new(logging::Logs::default())
         }
     };
+    let code = serve_logged(cfg, once, Arc::clone(&logs)).await;
+    // Lines still queued are written before the exit, unless their sink does not read.
+    logs.flush(LOG_FLUSH_AT_EXIT);
+    code
+}
+
+/// The longest the exit waits for queued log lines to be written.
+const LOG_FLUSH_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> ExitCode {
     for w in &cfg.warnings {
         warn!("{w}");
     }
-    let admin_url = admin_url(&cfg);
-    let mdma = match MdmaClient::new(
-        &cfg.mdma_url,
-        cfg.fleet_token.clone(),
-        cfg.mdma_ca_file.as_deref(),
-    ) {
+    let (admin_url, fallbacks) = admin_url(&cfg);
+    let telemetry = Arc::new(Telemetry::new());
+    let mut mdma = MdmaClient::builder(cfg.mdma_url.clone());
+    if let Some(token) = cfg.fleet_token.clone() {
+        mdma = mdma.token(token);
+    }
+    if let Some(ca) = &cfg.mdma_ca_file {
+        mdma = mdma.ca_file(ca);
+    }
+    let resends = telemetry.poll_resends.clone();
+    let mdma = match mdma
+        .on_resend(move || {
+            resends.inc();
+        })
+        .build()
+    {
         Ok(c) => c,
         Err(e) => {
             error!("{e}");
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    let merod = match MerodClient::new(&admin_url) {
-        Ok(c) => c,
+    let clients: Result<Vec<MerodClient>, _> = std::iter::once(&admin_url)
+        .chain(&fallbacks)
+        .map(MerodClient::new)
+        .collect();
+    let mut clients = match clients {
+        Ok(c) => c.into_iter(),
         Err(e) => {
             error!("{e}");
             return ExitCode::from(EXIT_FAILURE);
         }
     };
+    let Some(first) = clients.next() else {
+        return ExitCode::from(EXIT_FAILURE);
+    };
+    let merod: Arc<dyn Node> = if fallbacks.is_empty() {
+        Arc::new(first)
+    } else {
+        Arc::new(ListenCandidates::new(first, clients.collect()))
+    };
+    let also: Vec<String> = fallbacks.iter().map(ToString::to_string).collect();
     info!(
         version = env!("CARGO_PKG_VERSION"),
         mdma = %cfg.mdma_url,
         merod = %admin_url,
+        merod_fallbacks = %also.join(" "),
         state = %cfg.state_file.display(),
         "fleet-sidecar starting"
     );
-    let deps = Deps::new(Arc::new(mdma), Arc::new(merod));
+    let deps = Deps {
+        mdma: Arc::new(mdma),
+        merod,
+        telemetry,
+    };
     if notify::install(&deps.telemetry) {
         info!("systemd notification on (READY, STATUS, WATCHDOG, STOPPING)");
     }
@@ -216,7 +257,7 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
             }
         }
     }
-    if let Err(e) = spawn_signal_handler(shutdown.clone(), log_file) {
+    if let Err(e) = spawn_signal_handler(shutdown.clone(), logs) {
         error!("cannot install signal handlers: {e}");
         return ExitCode::from(EXIT_FAILURE);
     }
@@ -250,9 +291,10 @@ async fn serve(cfg: Config, once: bool) -> ExitCode {
     }
 }
 
-/// merod's admin URL, saying why when it falls back to the default (a wrong `[merod].home`
-/// shows here first; the PeerId read then fails loudly).
-fn admin_url(cfg: &Config) -> url::Url {
+/// merod's admin URL and the later `[server].listen` URLs to try after it, saying why when
+/// it falls back to the default (a wrong `[merod].home` shows here first; the PeerId read
+/// then fails loudly).
+fn admin_url(cfg: &Config) -> (url::Url, Vec<url::Url>) {
     let resolved = resolve_admin_url(&cfg.merod);
     match &resolved.source {
         AdminUrlSource::Configured | AdminUrlSource::MerodListen(_) => {}
@@ -266,7 +308,7 @@ fn admin_url(cfg: &Config) -> url::Url {
         ),
         AdminUrlSource::DefaultUnreadable(e) => warn!("{e}; using {DEFAULT_ADMIN_URL}"),
     }
-    resolved.url
+    (resolved.url, resolved.fallbacks)
 }
 
 /// `fleet-sidecar status`: the state file and, if the listener is on, the live status.
@@ -293,7 +335,7 @@ async fn status_command(cfg: &Config, json: bool) -> ExitCode {
 /// SIGTERM and SIGINT cancel `shutdown`; SIGHUP reopens the log file (logrotate).
 fn spawn_signal_handler(
     shutdown: CancellationToken,
-    log_file: Option<Arc<logging::LogFile>>,
+    logs: Arc<logging::Logs>,
 ) -> std::io::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
@@ -304,11 +346,14 @@ fn spawn_signal_handler(
             tokio::select! {
                 _ = term.recv() => { info!("SIGTERM: stopping between steps"); shutdown.cancel(); }
                 _ = int.recv() => { info!("SIGINT: stopping between steps"); shutdown.cancel(); }
-                _ = hup.recv() => match &log_file {
-                    Some(f) => match f.reopen() {
-                        Ok(()) => info!(path = %f.path().display(), "log file reopened"),
-                        Err(e) => warn!(path = %f.path().display(), "cannot reopen log file: {e}"),
-                    },
+                // The log writer reopens the file after the lines already logged, and
+                // says how it went.
+                _ = hup.recv() => match logs.reopen() {
+                    Some(true) => {}
+                    Some(false) => warn!(
+                        path = %logs.file_path().map(|p| p.display().to_string()).unwrap_or_default(),
+                        "SIGHUP: the log file's writer is behind; not reopened (send SIGHUP again)"
+                    ),
                     None => info!("SIGHUP: no log file to reopen"),
                 },
             }

@@ -2,8 +2,10 @@
 //! persist), and the events of the tasks folded into the state.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::sync::watch;
 use tokio::time::{timeout, Instant};
 use tracing::{debug, debug_span, error, info, warn, Instrument};
 
@@ -25,7 +27,9 @@ pub(super) struct Planner {
     /// `dry_run`: plans are logged, nothing is started.
     dry_run: bool,
     /// The latest successful poll's answer.
-    pub(super) desired: Desired,
+    pub(super) desired: Arc<Desired>,
+    /// Every successful poll's answer, for the joins waiting for a slot.
+    latest_poll: watch::Sender<Arc<Desired>>,
     /// The mass-withdrawal guard and the leave rate limit.
     pub(super) guard: Guard,
     /// Withdrawn namespaces not left yet, with the rule that holds each back.
@@ -38,7 +42,8 @@ impl Planner {
         Self {
             policy,
             dry_run,
-            desired: Desired::default(),
+            desired: Arc::default(),
+            latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
         }
@@ -152,7 +157,10 @@ impl Sidecar {
                 });
                 // Stored before the plan, so a status published while it is recorded is
                 // the status of this poll.
-                self.planner.desired = Desired::from(answer);
+                self.planner.desired = Arc::new(Desired::from(answer));
+                self.planner
+                    .latest_poll
+                    .send_replace(Arc::clone(&self.planner.desired));
                 let outcome = self.reconcile();
                 self.publish();
                 outcome
@@ -261,6 +269,7 @@ impl Sidecar {
             merod: self.deps.merod.clone(),
             mdma: self.deps.mdma.clone(),
             telemetry: self.deps.telemetry.clone(),
+            latest_poll: self.planner.latest_poll.subscribe(),
         }
     }
 
@@ -314,7 +323,9 @@ impl Sidecar {
                     };
                     Telemetry::count(family, label);
                 }
-                if end.succeeded() {
+                if end.not_tried() {
+                    end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
+                } else if end.succeeded() {
                     // Logged before it is recorded: whoever sees the state file change also
                     // finds the line (a log-rotating test relies on it).
                     end.log(id, took.as_secs_f64(), (0, Duration::ZERO));

@@ -11,7 +11,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::{JoinError, JoinSet};
 use tokio::time::{timeout, Instant};
 use tracing::{error, info, info_span, warn, Instrument};
@@ -21,6 +21,7 @@ use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane};
 use crate::merod::{MerodError, Node, CHECK_TIMEOUT};
+use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
 use super::MDMA_DEADLINE;
@@ -94,6 +95,9 @@ pub(super) enum JoinEnd {
     NotPersisted,
     /// Admitted and recorded, but the latest poll no longer assigns it: not confirmed.
     NotAssigned,
+    /// The latest successful poll no longer assigns the namespace when the join got its
+    /// slot: no fleet-join was sent (not a failure).
+    Withdrawn,
     /// MDMA refused the confirm or gave no answer in time.
     ConfirmFailed(ConfirmError),
     /// The confirm gave no answer within the loop's deadline.
@@ -122,13 +126,18 @@ impl JoinEnd {
             JoinEnd::Failed(f) if f.is_timeout() => (Counted::Joins, "timeout"),
             JoinEnd::Failed(_) => (Counted::Joins, "error"),
             JoinEnd::NotHeld => (Counted::Joins, "not_held"),
-            JoinEnd::NotPersisted | JoinEnd::NotAssigned => return None,
+            JoinEnd::NotPersisted | JoinEnd::NotAssigned | JoinEnd::Withdrawn => return None,
         })
     }
 
     /// Whether the join succeeded (else it backs off before the next attempt).
     pub(super) fn succeeded(&self) -> bool {
         matches!(self, JoinEnd::Confirmed | JoinEnd::NotAssigned)
+    }
+
+    /// Whether it ended without a failure to back off from (nothing was tried).
+    pub(super) fn not_tried(&self) -> bool {
+        matches!(self, JoinEnd::Withdrawn)
     }
 
     /// Its log line, with the journal fields NAMESPACE_ID, OUTCOME and DURATION (s);
@@ -161,6 +170,10 @@ impl JoinEnd {
             }
             JoinEnd::NotAssigned => {
                 info!(namespace_id = %id, outcome = "not_assigned", duration, "admitted, but MDMA no longer assigns it: recorded as admitted, not confirmed; it is left after leave_grace unless assigned again");
+            JoinEnd::Withdrawn => {
+                // Still recorded as joining, so a leave asks merod before dropping it (an
+                // earlier run may have sent a fleet-join).
+                info!(namespace_id = %id, outcome = "withdrawn", duration, "join not sent: the latest poll withdrew the namespace while the join waited for a slot");
             }
             JoinEnd::NotPersisted => {
                 warn!(namespace_id = %id, outcome = "not_persisted", error_kind = "state", duration, "admission could not be persisted; not confirmed, retrying later");
@@ -301,6 +314,8 @@ pub(super) struct Calls {
     pub(super) merod: Arc<dyn Node>,
     pub(super) mdma: Arc<dyn ControlPlane>,
     pub(super) telemetry: Arc<Telemetry>,
+    /// The latest successful poll's answer: a join goes by it when it gets its slot.
+    pub(super) latest_poll: watch::Receiver<Arc<Desired>>,
 }
 
 /// Runs `fut` under `limit`, recording its duration as `call`. `None` on timeout.
@@ -348,6 +363,11 @@ async fn join_task(
     let Ok(_permit) = permits.acquire_owned().await else {
         return JoinEnd::Failed(JoinFailed::SlotsClosed);
     };
+    // A join may wait long for a slot (max_concurrent_joins): it goes by the latest
+    // successful poll, not the one that started it.
+    if !calls.latest_poll.borrow().assigned.contains(&id) {
+        return JoinEnd::Withdrawn;
+    }
     let t = &calls.telemetry;
     let admission = match timed(t, "fleet_join", join_timeout, calls.merod.fleet_join(id)).await {
         None => return JoinEnd::Failed(JoinFailed::NoAnswer(join_timeout)),

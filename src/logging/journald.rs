@@ -1,13 +1,33 @@
 //! Native journal logging (`log_target`): each event is one datagram in journald's native
 //! protocol on `/run/systemd/journal/socket`, with `PRIORITY` from the level (error 3,
-//! warn 4, info 5, debug 6, trace 7), `MESSAGE`, and every event and span field as its own
+//! warn 4, info 5, debug 6, trace 7), `MESSAGE`, `SYSLOG_IDENTIFIER=fleet-sidecar`,
+//! `TARGET`, `CODE_FILE`, `CODE_LINE`, and every event and span field as its own
 //! upper-case journal field — `NAMESPACE_ID`, `OUTCOME`, `DURATION` (seconds),
-//! `ERROR_KIND` — so `journalctl -u fleet-sidecar NAMESPACE_ID=<64 hex>` works. Written
-//! with the `tracing-journald` crate.
+//! `ERROR_KIND` — so `journalctl -u fleet-sidecar NAMESPACE_ID=<64 hex>` works.
+//!
+//! The datagram is sent without waiting: a journal that stops reading (its socket's queue
+//! full) loses the event, counted in `fleet_sidecar_log_lines_dropped_total{sink="journal"}`,
+//! and the first event it takes again is followed by one saying how many were lost. Every
+//! value has its control characters escaped (outside text cannot make a field span lines),
+//! and is cut at [`MAX_VALUE`] bytes. (tracing-journald, used before, sends with a blocking
+//! socket and drops its errors unseen, so neither could be had through it.)
 
 use std::ffi::OsStr;
+use std::fmt;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
+use std::os::unix::net::UnixDatagram;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Subscriber};
+use tracing_subscriber::layer::Context;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
+
+use super::escape::escape;
+use crate::dropped::{self, count_dropped};
 
 /// Whether systemd connected stderr to the journal: `JOURNAL_STREAM` (`<device>:<inode>`,
 /// set by systemd for a unit with `StandardError=journal`, the default) names the file
@@ -38,14 +58,177 @@ fn names(value: Option<&OsStr>, file: &std::fs::File) -> bool {
         .is_ok_and(|m| m.dev() == dev && m.ino() == ino)
 }
 
-/// The journal layer: field names without prefix, identifier `fleet-sidecar`.
+/// journald's native socket.
+const JOURNALD_PATH: &str = "/run/systemd/journal/socket";
+
+/// Longest value sent in one field, in bytes (escaped); a longer one is cut, marked `…`.
+pub(crate) const MAX_VALUE: usize = 16 * 1024;
+
+/// The journal layer.
+pub(crate) struct Journal {
+    socket: UnixDatagram,
+    /// Events not sent because the socket was full or failed, in all.
+    dropped: AtomicU64,
+    /// Of those, how many were already said.
+    reported: AtomicU64,
+}
+
+/// The journal layer, its socket checked with an empty datagram (which journald ignores).
 ///
 /// Errors: the journal socket cannot be reached (no journald).
-pub(crate) fn layer() -> std::io::Result<tracing_journald::Layer> {
-    Ok(tracing_journald::layer()?
-        .with_field_prefix(None)
-        .with_syslog_identifier("fleet-sidecar".to_owned()))
+pub(crate) fn layer() -> std::io::Result<Journal> {
+    let socket = UnixDatagram::unbound()?;
+    socket.set_nonblocking(true)?;
+    match socket.send_to(&[], JOURNALD_PATH) {
+        Ok(_) => {}
+        // There, but not reading just now: it counts as reachable.
+        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+        Err(e) => return Err(e),
+    }
+    Ok(Journal {
+        socket,
+        dropped: AtomicU64::new(0),
+        reported: AtomicU64::new(0),
+    })
 }
+
+/// A span's fields, kept as journal lines (`NAME=value\n`).
+struct SpanFields(Vec<u8>);
+
+/// Writes `NAME=value\n` for each field, the name journal-shaped, the value escaped.
+struct Fields<'a>(&'a mut Vec<u8>);
+
+impl Visit for Fields<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        put(self.0, &name(field.name()), value);
+    }
+
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        put(self.0, &name(field.name()), &format!("{value:?}"));
+    }
+}
+
+/// A field name as the journal takes it: `message` is `MESSAGE`; others upper-case, `.`
+/// as `_`, only `A-Z0-9_`, no leading `_` (those are the journal's own trusted fields).
+fn name(field: &str) -> String {
+    field
+        .chars()
+        .map(|c| if c == '.' { '_' } else { c })
+        .skip_while(|c| *c == '_')
+        .filter(|c| *c == '_' || c.is_ascii_alphanumeric())
+        .map(|c| c.to_ascii_uppercase())
+        .collect()
+}
+
+/// Appends `NAME=value\n`, the value escaped (so it holds no newline) and cut at
+/// [`MAX_VALUE`] bytes.
+fn put(buf: &mut Vec<u8>, name: &str, value: &str) {
+    if name.is_empty() {
+        return;
+    }
+    let mut escaped = escape(value);
+    if escaped.len() > MAX_VALUE {
+        let mut cut = MAX_VALUE;
+        while !escaped.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        escaped.truncate(cut);
+        escaped.push('…');
+    }
+    buf.extend_from_slice(name.as_bytes());
+    buf.push(b'=');
+    buf.extend_from_slice(escaped.as_bytes());
+    buf.push(b'\n');
+}
+
+fn priority(level: &Level) -> &'static str {
+    match *level {
+        Level::ERROR => "3",
+        Level::WARN => "4",
+        Level::INFO => "5",
+        Level::DEBUG => "6",
+        Level::TRACE => "7",
+    }
+}
+
+impl Journal {
+    /// Sends one datagram without waiting; `false` when it was not taken.
+    fn send(&self, payload: &[u8]) -> bool {
+        self.socket.send_to(payload, JOURNALD_PATH).is_ok()
+    }
+}
+
+impl<S> Layer<S> for Journal
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else { return };
+        let mut buf = Vec::new();
+        attrs.record(&mut Fields(&mut buf));
+        span.extensions_mut().insert(SpanFields(buf));
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else { return };
+        let mut ext = span.extensions_mut();
+        if let Some(fields) = ext.get_mut::<SpanFields>() {
+            values.record(&mut Fields(&mut fields.0));
+        }
+    }
+
+    fn on_event(&self, event: &Event<'_>, ctx: Context<'_, S>) {
+        let mut buf = Vec::with_capacity(256);
+        if let Some(scope) = ctx.event_scope(event) {
+            for span in scope.from_root() {
+                if let Some(fields) = span.extensions().get::<SpanFields>() {
+                    buf.extend_from_slice(&fields.0);
+                }
+            }
+        }
+        let meta = event.metadata();
+        put(&mut buf, "PRIORITY", priority(meta.level()));
+        put(&mut buf, "SYSLOG_IDENTIFIER", IDENTIFIER);
+        put(&mut buf, "TARGET", meta.target());
+        if let Some(file) = meta.file() {
+            put(&mut buf, "CODE_FILE", file);
+        }
+        if let Some(line) = meta.line() {
+            put(&mut buf, "CODE_LINE", &line.to_string());
+        }
+        event.record(&mut Fields(&mut buf));
+        if !self.send(&buf) {
+            self.dropped.fetch_add(1, Ordering::Relaxed);
+            count_dropped(dropped::JOURNAL, 1);
+            return;
+        }
+        let lost = self.dropped.load(Ordering::Relaxed);
+        let said = self.reported.load(Ordering::Relaxed);
+        if lost > said {
+            self.reported.store(lost, Ordering::Relaxed);
+            let mut note = Vec::with_capacity(160);
+            put(&mut note, "PRIORITY", priority(&Level::WARN));
+            put(&mut note, "SYSLOG_IDENTIFIER", IDENTIFIER);
+            put(&mut note, "SINK", "journal");
+            put(&mut note, "DROPPED", &(lost - said).to_string());
+            put(
+                &mut note,
+                "MESSAGE",
+                &format!(
+                    "{} log lines were dropped while the journal was not reading; it reads again",
+                    lost - said
+                ),
+            );
+            // Not taken: said with the next event taken.
+            if !self.send(&note) {
+                self.reported.store(said, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// `SYSLOG_IDENTIFIER`.
+const IDENTIFIER: &str = "fleet-sidecar";
 
 #[cfg(test)]
 mod tests {
@@ -62,5 +245,18 @@ mod tests {
             assert!(!names(Some(OsStr::new(value)), &file), "{value:?}");
         }
         assert!(!names(None, &file));
+    }
+
+    #[test]
+    fn fields_are_journal_shaped_and_one_line_each() {
+        assert_eq!(name("namespace_id"), "NAMESPACE_ID");
+        assert_eq!(name("message"), "MESSAGE");
+        assert_eq!(name("_hidden.x-y"), "HIDDEN_XY");
+        let mut buf = Vec::new();
+        put(&mut buf, "MESSAGE", "bad\nPRIORITY=0\nMESSAGE=forged");
+        assert_eq!(buf, b"MESSAGE=bad\\nPRIORITY=0\\nMESSAGE=forged\n".to_vec());
+        let mut buf = Vec::new();
+        put(&mut buf, "X", &"y".repeat(MAX_VALUE + 10));
+        assert_eq!(buf.len(), "X=".len() + MAX_VALUE + '…'.len_utf8() + 1);
     }
 }

@@ -242,6 +242,11 @@ impl NodeDir {
 pub struct DaemonProcess(Option<std::process::Child>);
 
 impl DaemonProcess {
+    /// Takes charge of a daemon a test spawned itself (killed and reaped when dropped).
+    pub fn new(child: std::process::Child) -> Self {
+        Self(Some(child))
+    }
+
     /// Waits for it to exit and collects its piped output (see `Child::wait_with_output`).
     pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
         self.0.take().expect("a running child").wait_with_output()

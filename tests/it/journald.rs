@@ -12,6 +12,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::merod::JoinBehaviour;
 use fleet_sidecar::emulator::sandbox::Sandbox;
 
 use crate::common::*;
@@ -154,4 +155,136 @@ fn by_default_the_log_file_stays_and_an_unknown_target_is_refused() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("log_target"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merods_words_cannot_forge_a_journal_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.socket");
+    let socket = UnixDatagram::bind(&path).unwrap();
+    socket.set_nonblocking(true).unwrap();
+    if let Err(why) = namespaces_work(&path) {
+        eprintln!("SKIP journald test: no private mount namespace here ({why})");
+        return;
+    }
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_default_join(JoinBehaviour::Error {
+        status: 500,
+        message: "attestation failed\nPRIORITY=0\nMESSAGE=FORGED\r\u{1b}[2K".to_owned(),
+    });
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let config = sb
+        .write_config("log_target = \"journald\"\nlog_to_file = false")
+        .unwrap();
+    let (got, code, stderr) = run_once(&socket, &path, &config).await;
+    assert_eq!(code, 0, "{stderr}");
+    let failed = find(&got, "join failed");
+    assert!(
+        failed["MESSAGE"].contains("attestation failed\\nPRIORITY=0\\nMESSAGE=FORGED\\r\\"),
+        "{failed:?}"
+    );
+    assert_eq!(failed["PRIORITY"], "4");
+    for fields in &got {
+        for (name, value) in fields {
+            assert!(
+                !value.contains(['\n', '\r', '\u{1b}']),
+                "{name} holds a control character: {value:?}"
+            );
+        }
+        assert_ne!(fields.get("MESSAGE").map(String::as_str), Some("FORGED"));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_journal_socket_nobody_reads_stalls_neither_the_poll_nor_healthz() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.socket");
+    let socket = UnixDatagram::bind(&path).unwrap();
+    socket.set_nonblocking(true).unwrap();
+    if let Err(why) = namespaces_work(&path) {
+        eprintln!("SKIP journald test: no private mount namespace here ({why})");
+        return;
+    }
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let config = sb
+        .write_config(&format!(
+            "log_target = \"journald\"\nlog_to_file = false\nstatus_listen = \"127.0.0.1:{port}\""
+        ))
+        .unwrap();
+    // The socket's queue (net.unix.max_dgram_qlen datagrams) fills within the first
+    // seconds at debug level, and nobody reads it until the end.
+    let child = unshare()
+        .arg(format!("{SETUP} && exec \"$1\" --config \"$2\" run"))
+        .arg(&path)
+        .arg(BIN)
+        .arg(&config)
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("unshare runs");
+    let _child = DaemonProcess::new(child);
+    eventually("A confirmed", Duration::from_secs(30), || {
+        sb.mdma.confirmed().contains(A)
+    })
+    .await;
+    eventually("ten polls", Duration::from_secs(30), || {
+        sb.mdma.polls().len() >= 10
+    })
+    .await;
+    let polls = sb.mdma.polls();
+    let worst = polls[1..]
+        .windows(2)
+        .map(|p| p[1].at - p[0].at)
+        .max()
+        .unwrap();
+    assert!(worst < Duration::from_millis(2500), "worst gap {worst:?}");
+    let get = |what: &'static str| async move {
+        reqwest::Client::new()
+            .get(format!("http://127.0.0.1:{port}/{what}"))
+            .timeout(Duration::from_secs(2))
+            .send()
+            .await
+            .expect("the listener answers at once")
+            .text()
+            .await
+            .unwrap()
+    };
+    assert_eq!(get("healthz").await.trim(), "ok");
+    let metrics = get("metrics").await;
+    assert!(
+        metric(
+            &metrics,
+            "fleet_sidecar_log_lines_dropped_total{sink=\"journal\"}"
+        ) > 0.0,
+        "{metrics}"
+    );
+    // Read again: the first event taken is followed by one saying how many were lost.
+    let mut buf = vec![0u8; 65536];
+    let started = std::time::Instant::now();
+    loop {
+        assert!(
+            started.elapsed() < Duration::from_secs(20),
+            "no notice of the lost lines"
+        );
+        match socket.recv(&mut buf) {
+            Ok(n) => {
+                let fields = parse(&buf[..n]);
+                if fields.get("SINK").map(String::as_str) == Some("journal") {
+                    assert!(fields["DROPPED"].parse::<u64>().unwrap() > 0, "{fields:?}");
+                    assert!(fields["MESSAGE"]
+                        .contains("were dropped while the journal was not reading"));
+                    assert_eq!(fields["PRIORITY"], "4");
+                    break;
+                }
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
 }

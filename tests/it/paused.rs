@@ -373,3 +373,43 @@ async fn an_idle_poll_logs_nothing_and_opens_no_span_at_info() {
     );
     running.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_join_waiting_for_a_slot_is_not_sent_once_the_latest_poll_withdrew_it() {
+    // One join slot: the first join hangs (until its 90 s deadline), the second waits.
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.assignments.extend([id(1), id(2)]);
+        w.join_script = vec![Join::Hang, Join::Admitted];
+    });
+    let running = fake.run(node.config("max_concurrent_joins = 1"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let (first, waiting) = fake.with(|w| {
+        assert_eq!(w.joins.len(), 1, "one slot: {:?}", w.joins);
+        let first = w.joins[0].0;
+        (first, if first == id(1) { id(2) } else { id(1) })
+    });
+    // MDMA withdraws the waiting one; polls go on while the first join hangs.
+    fake.with(|w| w.assignments.remove(&waiting));
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    running.stop().await;
+    fake.with(|w| {
+        assert!(
+            w.joins.iter().all(|(g, _)| *g != waiting),
+            "a join the latest poll withdrew was sent when its slot came free: {:?}",
+            w.joins
+        );
+        // The slot did come free: the first join was abandoned and sent again.
+        assert!(
+            w.joins.iter().filter(|(g, _)| *g == first).count() >= 2,
+            "{:?}",
+            w.joins
+        );
+        assert!(w.violations.is_empty(), "{:?}", w.violations);
+    });
+    assert!(
+        !node.state().joining.contains(&waiting),
+        "dropped after merod said it does not hold it"
+    );
+}

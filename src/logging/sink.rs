@@ -1,0 +1,231 @@
+//! A log sink that never makes the loop wait: each line is queued (at most
+//! [`QUEUE_LINES`]) to a writer thread of its own, which writes it to stderr or the log
+//! file. A sink that stops reading (a pipe nobody drains, a full disk that blocks) fills
+//! its queue; further lines are dropped and counted
+//! (`fleet_sidecar_log_lines_dropped_total{sink}`), and once the queue has drained again
+//! the writer thread says, once, how many were lost. The log file is reopened by the
+//! writer thread too, in order with the lines: what was logged before a SIGHUP lands in
+//! the old file.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tracing_subscriber::fmt::MakeWriter;
+
+use super::escape::escape_line;
+use crate::dropped::{self, count_dropped};
+
+/// Lines a sink holds for its writer before it drops new ones (a few hundred KiB at most).
+pub(crate) const QUEUE_LINES: usize = 1024;
+
+enum Msg {
+    Line(Vec<u8>),
+    /// Reopen the log file at its path (logrotate).
+    Reopen,
+    /// Everything queued before this is written: answer.
+    Flush(mpsc::Sender<()>),
+}
+
+/// Where a writer thread writes.
+enum Target {
+    Stderr,
+    File { path: PathBuf, file: File },
+}
+
+fn open_append(path: &Path) -> io::Result<File> {
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+impl Target {
+    fn write(&mut self, line: &[u8]) {
+        // A write that fails (a full disk, a closed stderr) loses that line only.
+        let _ = match self {
+            Target::Stderr => io::stderr().write_all(line),
+            Target::File { file, .. } => file.write_all(line),
+        };
+    }
+
+    fn reopen(&mut self) {
+        if let Target::File { path, file } = self {
+            match open_append(path) {
+                Ok(fresh) => {
+                    *file = fresh;
+                    tracing::info!(path = %path.display(), "log file reopened");
+                }
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), "cannot reopen log file: {e}; still writing to the old one")
+                }
+            }
+        }
+    }
+}
+
+/// A queue of lines to one writer thread. Clones share the queue.
+#[derive(Clone, Debug)]
+pub(crate) struct Sink {
+    tx: SyncSender<Msg>,
+    kind: &'static str,
+    /// Text lines: control characters inside a line are escaped (`\n`, `\u{1b}`, …), so
+    /// outside text cannot start a line of its own. JSON lines are escaped by JSON itself.
+    escape: bool,
+    dropped: Arc<AtomicU64>,
+}
+
+impl Sink {
+    /// A sink writing to stderr.
+    ///
+    /// Errors: the writer thread could not be started.
+    pub(crate) fn stderr(escape: bool) -> io::Result<Self> {
+        Self::start(Target::Stderr, dropped::STDERR, escape)
+    }
+
+    /// A sink appending to the file at `path` (created if needed).
+    ///
+    /// Errors: the open's I/O error, or the writer thread could not be started.
+    pub(crate) fn file(path: &Path, escape: bool) -> io::Result<Self> {
+        let file = open_append(path)?;
+        let target = Target::File {
+            path: path.to_owned(),
+            file,
+        };
+        Self::start(target, dropped::LOG_FILE, escape)
+    }
+
+    fn start(target: Target, kind: &'static str, escape: bool) -> io::Result<Self> {
+        let (tx, rx) = mpsc::sync_channel(QUEUE_LINES);
+        let dropped = Arc::new(AtomicU64::new(0));
+        let seen = Arc::clone(&dropped);
+        std::thread::Builder::new()
+            .name(format!("log-{}", kind))
+            .spawn(move || write_lines(rx, target, kind, &seen))?;
+        Ok(Self {
+            tx,
+            kind,
+            escape,
+            dropped,
+        })
+    }
+
+    /// Queues `line`, or drops and counts it when the queue is full. Never waits.
+    fn push(&self, line: Vec<u8>) {
+        match self.tx.try_send(Msg::Line(line)) {
+            Ok(()) | Err(TrySendError::Disconnected(_)) => {}
+            Err(TrySendError::Full(_)) => {
+                self.dropped.fetch_add(1, Ordering::Relaxed);
+                count_dropped(self.kind, 1);
+            }
+        }
+    }
+
+    /// Asks the writer to reopen the file (after the lines already queued). Never waits;
+    /// `false` when the queue is full (try again later).
+    pub(crate) fn reopen(&self) -> bool {
+        self.tx.try_send(Msg::Reopen).is_ok()
+    }
+
+    /// Waits at most `limit` for the lines queued so far to be written (at exit).
+    pub(crate) fn flush(&self, limit: Duration) {
+        let (ack, done) = mpsc::channel();
+        let deadline = std::time::Instant::now() + limit;
+        let mut msg = Msg::Flush(ack);
+        loop {
+            match self.tx.try_send(msg) {
+                Ok(()) => break,
+                Err(TrySendError::Disconnected(_)) => return,
+                Err(TrySendError::Full(m)) => {
+                    if std::time::Instant::now() >= deadline {
+                        return;
+                    }
+                    msg = m;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+        }
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let _ = done.recv_timeout(left);
+    }
+}
+
+/// The writer thread: writes each line; when the queue runs empty after lines were
+/// dropped, says how many (once per episode).
+fn write_lines(rx: Receiver<Msg>, mut target: Target, kind: &'static str, dropped: &AtomicU64) {
+    let mut reported = 0;
+    loop {
+        let msg = match rx.try_recv() {
+            Ok(m) => m,
+            Err(TryRecvError::Disconnected) => return,
+            Err(TryRecvError::Empty) => {
+                let lost = dropped.load(Ordering::Relaxed);
+                if lost > reported {
+                    tracing::warn!(
+                        sink = kind,
+                        dropped = lost - reported,
+                        "{} log lines were dropped while {} was not being read; it reads again",
+                        lost - reported,
+                        kind
+                    );
+                    reported = lost;
+                }
+                match rx.recv() {
+                    Ok(m) => m,
+                    Err(_) => return,
+                }
+            }
+        };
+        match msg {
+            Msg::Line(line) => target.write(&line),
+            Msg::Reopen => target.reopen(),
+            Msg::Flush(ack) => {
+                let _ = ack.send(());
+            }
+        }
+    }
+}
+
+/// One event's bytes, queued when the event is formatted (on drop).
+pub(crate) struct SinkWriter<'a> {
+    sink: &'a Sink,
+    buf: Vec<u8>,
+}
+
+impl Write for SinkWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for SinkWriter<'_> {
+    fn drop(&mut self) {
+        if self.buf.is_empty() {
+            return;
+        }
+        let buf = std::mem::take(&mut self.buf);
+        let line = if self.sink.escape {
+            escape_line(&buf)
+        } else {
+            buf
+        };
+        self.sink.push(line);
+    }
+}
+
+impl<'a> MakeWriter<'a> for Sink {
+    type Writer = SinkWriter<'a>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        SinkWriter {
+            sink: self,
+            buf: Vec::new(),
+        }
+    }
+}

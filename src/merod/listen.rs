@@ -1,0 +1,109 @@
+//! merod reached at the first of its `[server].listen` addresses that answers: each is
+//! probed in order (an IPv6-first `listen` on a host where `::1` is not served, a first
+//! address merod does not bind, …), and the calls go to the one that answered.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tracing::info;
+
+use super::{Admission, MerodClient, MerodError, Node, PROBE_TIMEOUT};
+use crate::ids::GroupId;
+
+/// merod behind several admin URLs, in the order of `[server].listen`: [`Node::probe`]
+/// tries each in order and the first that answers takes every later call (until a probe
+/// finds another). A single URL behaves as its [`MerodClient`].
+#[derive(Debug)]
+pub(crate) struct ListenCandidates {
+    /// `[server].listen[0]`'s client, then the later ones.
+    clients: Vec<MerodClient>,
+    /// Index of the client that answered last; `usize::MAX` before any answered.
+    chosen: AtomicUsize,
+}
+
+impl ListenCandidates {
+    /// `first`, then `rest`, in the order to try; `first` is used until a probe answers.
+    pub(crate) fn new(first: MerodClient, rest: Vec<MerodClient>) -> Self {
+        let mut clients = vec![first];
+        clients.extend(rest);
+        Self {
+            clients,
+            chosen: AtomicUsize::new(usize::MAX),
+        }
+    }
+
+    fn current(&self) -> &MerodClient {
+        let i = self.chosen.load(Ordering::Relaxed);
+        self.clients.get(i).unwrap_or(&self.clients[0])
+    }
+}
+
+/// How long a probe of each of `n` addresses may take: an equal share of [`PROBE_TIMEOUT`].
+fn share(n: usize) -> Duration {
+    PROBE_TIMEOUT / u32::try_from(n.max(1)).unwrap_or(u32::MAX)
+}
+
+#[async_trait]
+impl Node for ListenCandidates {
+    /// Probes each address in order, each within an equal share of [`PROBE_TIMEOUT`] (so
+    /// one that hangs does not use up the whole probe), and keeps the first that answers,
+    /// logging which. Errors: the first address's error when none answered.
+    async fn probe(&self) -> Result<(), MerodError> {
+        let share = share(self.clients.len());
+        let mut first_error = None;
+        for (i, client) in self.clients.iter().enumerate() {
+            let outcome = match tokio::time::timeout(share, client.probe()).await {
+                Ok(r) => r,
+                Err(_) => Err(MerodError::Timeout {
+                    op: super::MerodOp::Peers,
+                    url: client.admin_url().to_string(),
+                    after: share,
+                }),
+            };
+            match outcome {
+                Ok(()) => {
+                    if self.chosen.swap(i, Ordering::Relaxed) != i && self.clients.len() > 1 {
+                        info!(
+                            merod = %client.admin_url(),
+                            "merod's admin API answered at [server].listen[{i}] {}{}",
+                            client.admin_url(),
+                            if i > 0 { " (the earlier addresses did not answer)" } else { "" }
+                        );
+                    }
+                    return Ok(());
+                }
+                Err(e) if first_error.is_none() => first_error = Some(e),
+                Err(_) => {}
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    async fn fleet_join(&self, group_id: GroupId) -> Result<Admission, MerodError> {
+        self.current().fleet_join(group_id).await
+    }
+
+    async fn leave_namespace(&self, group_id: GroupId) -> Result<(), MerodError> {
+        self.current().leave_namespace(group_id).await
+    }
+
+    async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError> {
+        self.current().holds_namespace(group_id).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_address_gets_an_equal_share_of_the_probe() {
+        assert_eq!(share(1), PROBE_TIMEOUT);
+        assert_eq!(share(2), PROBE_TIMEOUT / 2);
+        assert_eq!(share(0), PROBE_TIMEOUT);
+    }
+}

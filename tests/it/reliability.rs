@@ -1,0 +1,447 @@
+//! Reliability, third round (issue 19): faults found by trying public bug reports of
+//! similar agents, each as a kind — a sink that stops reading, a slow disk, outside text
+//! shaped like a log line, a fleet-sized poll answer, merod behind its second listen
+//! address, a kept-alive connection closed as it is reused.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::merod::JoinBehaviour;
+use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::{ControlPlane, MdmaClient, PeerId};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::common::*;
+
+const LIMIT: Duration = Duration::from_secs(30);
+const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
+
+fn peer() -> PeerId {
+    fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap()
+}
+
+/// A free loopback TCP port (bound, then let go).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `GET url` with a 5 s bound: status and body.
+async fn get(url: &str) -> Result<(u16, String), reqwest::Error> {
+    let resp = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await?;
+    Ok((resp.status().as_u16(), resp.text().await?))
+}
+
+/// Reads one HTTP/1.1 request (head, then a `content-length` body); `false` at EOF.
+async fn read_request(tcp: &mut TcpStream) -> bool {
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if got.len() >= end + 4 + len {
+                return true;
+            }
+        }
+        match tcp.read(&mut buf).await {
+            Ok(0) | Err(_) => return false,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// A loopback MDMA that keeps connections alive but closes each one, unanswered, the
+/// moment it is reused (what a load balancer with an idle timeout equal to the poll
+/// interval does). Answers every first request of a connection with no assignments.
+/// Counts requests and connections.
+async fn closing_at_reuse() -> (url::Url, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (requests, connections) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (r, c) = (Arc::clone(&requests), Arc::clone(&connections));
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            c.fetch_add(1, Ordering::SeqCst);
+            let r = Arc::clone(&r);
+            tokio::spawn(async move {
+                let mut answered = false;
+                while read_request(&mut tcp).await {
+                    r.fetch_add(1, Ordering::SeqCst);
+                    if answered {
+                        return; // closed as it is reused, no answer
+                    }
+                    let body = r#"{"assignments":[]}"#;
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: keep-alive\r\n\r\n",
+                        body.len()
+                    );
+                    if tcp
+                        .write_all(format!("{head}{body}").as_bytes())
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                    answered = true;
+                }
+            });
+        }
+    });
+    let url = format!("http://127.0.0.1:{port}/").parse().unwrap();
+    (url, requests, connections)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_alive_connection_closed_as_it_is_reused_costs_no_failed_poll() {
+    let (url, requests, connections) = closing_at_reuse().await;
+    let resends = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&resends);
+    let mdma = MdmaClient::builder(url)
+        .on_resend(move || {
+            counted.fetch_add(1, Ordering::SeqCst);
+        })
+        .build()
+        .unwrap();
+    for poll in 1..=4 {
+        mdma.should_join(&peer(), None)
+            .await
+            .unwrap_or_else(|e| panic!("poll {poll} failed: {e}"));
+    }
+    // Polls 2 and 4 found their kept-alive connection closed and were sent once more.
+    assert_eq!(resends.load(Ordering::SeqCst), 2);
+    assert_eq!(requests.load(Ordering::SeqCst), 6);
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        4,
+        "each resend on a fresh connection"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_daemon_counts_resends_in_a_metric_and_no_poll_fails() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let (url, requests, _) = closing_at_reuse().await;
+    let port = free_port();
+    let text = sb
+        .config_text(&format!("status_listen = \"127.0.0.1:{port}\""))
+        .replace(&sb.mdma.url().to_string(), url.as_str());
+    let cfg = sb.dir().join("closing.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let _child = spawn_daemon(&cfg, false, &[]);
+    eventually("five polls", LIMIT, || requests.load(Ordering::SeqCst) >= 7).await;
+    let (_, metrics) = get(&format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        metric(&metrics, "fleet_sidecar_poll_resends_total") >= 2.0,
+        "{metrics}"
+    );
+    for outcome in ["transport", "timeout", "status", "malformed"] {
+        let series = format!("fleet_sidecar_polls_total{{outcome=\"{outcome}\"}}");
+        assert_eq!(metric(&metrics, &series), 0.0, "{series}: {metrics}");
+    }
+    assert!(metric(&metrics, "fleet_sidecar_polls_total{outcome=\"ok\"}") >= 4.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merods_listen_addresses_are_tried_in_order_and_the_one_that_answered_is_logged() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    // IPv6 first, where nothing listens (or IPv6 is off), then merod's real address.
+    let v6 = std::net::TcpListener::bind("[::1]:0")
+        .map(|l| l.local_addr().unwrap().port())
+        .unwrap_or(9);
+    let merod_port = sb.merod.addr().port();
+    let toml = sb.dir().join("calimero/default/config.toml");
+    let text = std::fs::read_to_string(&toml).unwrap().replace(
+        &format!("listen = [\"/ip4/127.0.0.1/tcp/{merod_port}\"]"),
+        &format!("listen = [\"/ip6/::1/tcp/{v6}\", \"/ip4/127.0.0.1/tcp/{merod_port}\"]"),
+    );
+    assert!(text.contains("/ip6/::1/"), "{text}");
+    std::fs::write(&toml, text).unwrap();
+    let cfg = sb.write_config("").unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BIN)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("once")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    assert!(sb.mdma.confirmed().contains(A), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "merod's admin API answered at [server].listen[1] http://127.0.0.1:{merod_port}/"
+        )),
+        "{stderr}"
+    );
+}
+
+/// Fills `stream`'s buffers so its next blocking write blocks (the reader never reads).
+fn fill(stream: &std::os::unix::net::UnixStream) {
+    use std::io::Write;
+    stream.set_nonblocking(true).unwrap();
+    let chunk = [b'#'; 4096];
+    let mut w = stream;
+    while w.write(&chunk).is_ok() {}
+    stream.set_nonblocking(false).unwrap();
+}
+
+/// The daemon binary's `run` with `config`, stdout dropped, `stderr` as given.
+fn spawn_with_stderr(
+    config: &std::path::Path,
+    stderr: std::process::Stdio,
+    env: &[(&str, &str)],
+) -> DaemonProcess {
+    let mut cmd = std::process::Command::new(BIN);
+    cmd.arg("--config").arg(config).arg("run");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    DaemonProcess::new(
+        cmd.stdout(std::process::Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .expect("the daemon starts"),
+    )
+}
+
+/// `/healthz` answers 200 within 2 s.
+async fn healthz_answers(port: u16) {
+    let started = std::time::Instant::now();
+    let (code, _) = get(&format!("http://127.0.0.1:{port}/healthz"))
+        .await
+        .expect("/healthz answers");
+    assert_eq!(code, 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// The biggest gap between two polls MDMA received from `from` on.
+fn worst_poll_gap(sb: &Sandbox, from: usize) -> Duration {
+    let polls = sb.mdma.polls();
+    polls[from.min(polls.len())..]
+        .windows(2)
+        .map(|p| p[1].at - p[0].at)
+        .max()
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stderr_nobody_reads_stalls_neither_the_poll_nor_healthz() {
+    let sb = Sandbox::start(None).await.unwrap();
+    // 600 namespaces whose joins merod refuses: two lines each per try, more than the
+    // stderr queue holds.
+    let many: Vec<String> = (0..600u32).map(|i| format!("{i:064x}")).collect();
+    sb.merod.set_default_join(JoinBehaviour::Error {
+        status: 500,
+        message: "Failed to generate attestation".to_owned(),
+    });
+    sb.mdma.set_reply(PollReply::assign(many));
+    let port = free_port();
+    let cfg = sb
+        .write_config(&format!(
+            "status_listen = \"127.0.0.1:{port}\"\nmax_concurrent_joins = 50"
+        ))
+        .unwrap();
+    // stderr is a stream nobody reads (as the journal's stream is when journald hangs),
+    // full before the daemon writes its first line.
+    let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+    fill(&theirs);
+    let stderr = std::process::Stdio::from(std::os::fd::OwnedFd::from(theirs));
+    let _child = spawn_with_stderr(&cfg, stderr, &[]);
+    eventually("six polls", LIMIT, || sb.mdma.polls().len() >= 6).await;
+    eventually("joins tried", LIMIT, || sb.merod.calls().len() >= 600).await;
+    let polls = sb.mdma.polls().len();
+    eventually("three more polls", LIMIT, || {
+        sb.mdma.polls().len() >= polls + 3
+    })
+    .await;
+    assert!(worst_poll_gap(&sb, 1) < Duration::from_millis(2500));
+    healthz_answers(port).await;
+    let (_, metrics) = get(&format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        metric(
+            &metrics,
+            "fleet_sidecar_log_lines_dropped_total{sink=\"stderr\"}"
+        ) > 0.0,
+        "{metrics}"
+    );
+    assert_eq!(
+        metric(
+            &metrics,
+            "fleet_sidecar_log_lines_dropped_total{sink=\"log_file\"}"
+        ),
+        0.0
+    );
+    // The log file lost nothing meanwhile.
+    let log = std::fs::read_to_string(sb.log_file()).unwrap();
+    assert!(log.matches("join failed").count() >= 600);
+    // Read again, stderr says once how many lines it lost.
+    let said = tokio::task::spawn_blocking(move || {
+        use std::io::Read;
+        ours.set_read_timeout(Some(Duration::from_secs(1))).unwrap();
+        let mut seen = Vec::new();
+        let started = std::time::Instant::now();
+        let mut buf = [0u8; 65536];
+        while started.elapsed() < LIMIT {
+            if let Ok(n) = (&ours).read(&mut buf) {
+                seen.extend_from_slice(&buf[..n]);
+            }
+            if String::from_utf8_lossy(&seen).contains("not being read; it reads again") {
+                return String::from_utf8_lossy(&seen).into_owned();
+            }
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+    })
+    .await
+    .unwrap();
+    let notice = said
+        .lines()
+        .find(|l| l.contains("log lines were dropped while stderr was not being read"))
+        .unwrap_or_else(|| panic!("no notice in {} bytes of stderr", said.len()));
+    assert!(notice.contains("WARN"), "{notice}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_notify_socket_nobody_reads_stalls_neither_the_poll_nor_healthz() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let port = free_port();
+    let cfg = sb
+        .write_config(&format!("status_listen = \"127.0.0.1:{port}\""))
+        .unwrap();
+    // A datagram socket that never reads: its queue (net.unix.max_dgram_qlen) fills after
+    // a few STATUS and WATCHDOG messages.
+    let socket_path = sb.dir().join("notify.socket");
+    let _socket = std::os::unix::net::UnixDatagram::bind(&socket_path).unwrap();
+    let _child = spawn_with_stderr(
+        &cfg,
+        std::process::Stdio::null(),
+        &[
+            ("NOTIFY_SOCKET", socket_path.to_str().unwrap()),
+            ("WATCHDOG_USEC", "400000"),
+        ],
+    );
+    eventually("A confirmed", LIMIT, || sb.mdma.confirmed().contains(A)).await;
+    eventually("sixteen polls", LIMIT, || sb.mdma.polls().len() >= 16).await;
+    assert!(worst_poll_gap(&sb, 1) < Duration::from_millis(2500));
+    healthz_answers(port).await;
+    let (_, metrics) = get(&format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .unwrap();
+    assert!(
+        metric(
+            &metrics,
+            "fleet_sidecar_log_lines_dropped_total{sink=\"notify\"}"
+        ) > 0.0,
+        "{metrics}"
+    );
+    let log = std::fs::read_to_string(sb.log_file()).unwrap();
+    assert_eq!(
+        log.matches("systemd's notify socket is not reading")
+            .count(),
+        1,
+        "warned once: {log}"
+    );
+}
+
+/// merod's error text, shaped as a log line of its own after a newline, with a carriage
+/// return and a terminal escape.
+const FORGED: &str =
+    "attestation failed\n2026-12-01T00:00:00.000000Z  INFO confirmed to MDMA FORGED\r\u{1b}[2K";
+
+/// Runs `fleet-sidecar once` with merod answering every fleet-join with [`FORGED`]: its
+/// stderr and the log file.
+async fn once_with_forged_merod_error(extra: &str) -> (String, String) {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_default_join(JoinBehaviour::Error {
+        status: 500,
+        message: FORGED.to_owned(),
+    });
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let cfg = sb.write_config(extra).unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(BIN)
+            .arg("--config")
+            .arg(&cfg)
+            .arg("once")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    (stderr, std::fs::read_to_string(sb.log_file()).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merods_words_cannot_forge_a_text_log_line() {
+    let (stderr, log) = once_with_forged_merod_error("").await;
+    for (sink, text) in [("stderr", &stderr), ("log file", &log)] {
+        let lines: Vec<&str> = text.lines().filter(|l| l.contains("FORGED")).collect();
+        assert!(
+            !lines.is_empty(),
+            "{sink}: merod's words are logged: {text}"
+        );
+        for line in lines {
+            assert!(
+                line.contains("join failed"),
+                "{sink}: a forged line: {line:?}"
+            );
+            assert!(
+                line.contains("attestation failed\\n2026-12-01"),
+                "{sink}: {line:?}"
+            );
+            // The escape character as `\u{1b}` (ours) or `\x1b` (tracing's own).
+            assert!(line.contains("FORGED\\r\\"), "{sink}: {line:?}");
+        }
+        assert!(
+            !text.contains('\r') && !text.contains('\u{1b}'),
+            "{sink}: {text:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merods_words_cannot_forge_a_json_log_line() {
+    let (stderr, log) = once_with_forged_merod_error("log_format = \"json\"").await;
+    for (sink, text) in [("stderr", &stderr), ("log file", &log)] {
+        let mut found = false;
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line)
+                .unwrap_or_else(|e| panic!("{sink}: not one JSON object a line ({e}): {line:?}"));
+            let message = v["fields"]["message"].as_str().unwrap_or_default();
+            if message.contains("FORGED") {
+                assert!(message.contains("join failed"), "{sink}: {line}");
+                found = true;
+            }
+        }
+        assert!(found, "{sink}: merod's words are logged: {text}");
+    }
+}
