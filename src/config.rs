@@ -112,6 +112,26 @@ pub(crate) struct RawConfig {
     /// The `[tdx]` table: where the MRTD is read from.
     #[serde(default)]
     pub tdx: TdxConfig,
+    /// The `[registration]` table: earn a per-node token by attested registration instead
+    /// of a configured one (only when neither `fleet_token` nor `fleet_token_file` is set).
+    pub registration: Option<RawRegistration>,
+}
+
+/// The `[registration]` table as written.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct RawRegistration {
+    /// Where the issued token is kept (required), e.g. `/mnt/data/fleet/fleet-token`.
+    pub token_file: Option<PathBuf>,
+    /// The GCE metadata attributes URL (default [`DEFAULT_METADATA_URL`]).
+    pub metadata_url: Option<String>,
+    /// A file holding the enrolment token, instead of the `enrolment-token` attribute.
+    pub enrolment_token_file: Option<PathBuf>,
+    /// The relay URL, instead of the `relay-url` attribute (may be `""`).
+    pub relay_url: Option<String>,
+    /// First retry after a failed attempt (default 30 s; 1 s to 10 min).
+    #[serde(default = "defaults::retry_interval", with = "humantime_serde")]
+    pub retry_interval: Duration,
 }
 
 /// The `[merod]` table as written.
@@ -182,6 +202,9 @@ mod defaults {
     pub(super) fn max_backoff() -> Duration {
         Duration::from_secs(10)
     }
+    pub(super) fn retry_interval() -> Duration {
+        Duration::from_secs(30)
+    }
     pub(super) fn log_to_file() -> bool {
         true
     }
@@ -217,8 +240,12 @@ pub enum LogFormat {
 pub struct Config {
     /// MDMA base URL (`https://`, or `http://` to a loopback host).
     pub mdma_url: Url,
-    /// The fleet token, sent as `X-Fleet-Token`.
+    /// The fleet token, sent as `X-Fleet-Token` (from `fleet_token` or `fleet_token_file`).
     pub fleet_token: Option<FleetToken>,
+    /// `fleet_token_file`, read again on a refused poll and on SIGHUP.
+    pub fleet_token_file: Option<PathBuf>,
+    /// Attested registration, when `[registration]` is set (and no token is configured).
+    pub registration: Option<RegistrationConfig>,
     /// Extra PEM trust roots for MDMA.
     pub mdma_ca_file: Option<PathBuf>,
     /// Time between polls.
@@ -259,6 +286,26 @@ pub struct Config {
     pub warnings: Vec<String>,
 }
 
+/// The GCE metadata server's instance attributes, the default of
+/// `[registration].metadata_url`.
+pub const DEFAULT_METADATA_URL: &str =
+    "http://metadata.google.internal/computeMetadata/v1/instance/attributes/";
+
+/// The validated `[registration]` table.
+#[derive(Debug, Clone)]
+pub struct RegistrationConfig {
+    /// Where the issued token is kept (written atomically, mode 0600, directory 0700).
+    pub token_file: PathBuf,
+    /// The metadata attributes URL (ends in `/`), read with `Metadata-Flavor: Google`.
+    pub metadata_url: Url,
+    /// The enrolment token's file, overriding the `enrolment-token` attribute.
+    pub enrolment_token_file: Option<PathBuf>,
+    /// The relay URL, overriding the `relay-url` attribute.
+    pub relay_url: Option<String>,
+    /// The first retry after a failed attempt; later ones back off up to 10 minutes.
+    pub retry_interval: Duration,
+}
+
 /// The validated `[merod]` table.
 #[derive(Debug, Clone)]
 pub struct MerodConfig {
@@ -289,12 +336,13 @@ impl MerodConfig {
 /// | `mass_drop_hold` | 1 s | 7 days |
 /// | `join_timeout` | 10 s | 1 h |
 /// | `leave_timeout` | 1 s | 1 h |
+/// | `registration.retry_interval` | 1 s | 10 min |
 pub(crate) fn duration_bounds(key: &str) -> (Duration, Duration) {
     const S: u64 = 1;
     const MIN: u64 = 60;
     const H: u64 = 3600;
     let (lo, hi) = match key {
-        "poll_interval" => (S, 10 * MIN),
+        "poll_interval" | "registration.retry_interval" => (S, 10 * MIN),
         "ready_max_poll_age" => (2 * S, H),
         "leave_grace" => (0, 30 * 24 * H),
         "mass_drop_hold" => (S, 7 * 24 * H),
@@ -725,6 +773,21 @@ impl RawConfig {
                 ));
             }
         }
+        if self.registration.is_some() {
+            if let Some(key) = [
+                ("fleet_token", self.fleet_token.is_some()),
+                ("fleet_token_file", self.fleet_token_file.is_some()),
+            ]
+            .into_iter()
+            .find_map(|(key, set)| set.then_some(key))
+            {
+                return Err(invalid(
+                    "registration",
+                    String::new(),
+                    format!("set together with {key}: keep one way of getting the fleet token (a configured token, or [registration])"),
+                ));
+            }
+        }
         let fleet_token = resolve_token(self.fleet_token, self.fleet_token_file.as_deref(), path)?;
         let status_listen = match &self.status_listen {
             None => None,
@@ -794,11 +857,17 @@ impl RawConfig {
                 ));
             }
         }
+        let registration = match self.registration {
+            None => None,
+            Some(raw) => Some(raw.validate(path, &bounded)?),
+        };
         check_tdx(path, &self.tdx)?;
 
         Ok(Config {
             mdma_url,
             fleet_token,
+            fleet_token_file: self.fleet_token_file,
+            registration,
             mdma_ca_file: self.mdma_ca_file,
             poll_interval,
             state_file: self.state_file,
@@ -828,9 +897,69 @@ impl RawConfig {
     }
 }
 
+impl RawRegistration {
+    /// Checks `[registration]`; `bounded` checks a duration against its bounds.
+    fn validate(
+        self,
+        path: &Path,
+        bounded: &dyn Fn(&'static str, Duration) -> Result<Duration, ConfigError>,
+    ) -> Result<RegistrationConfig, ConfigError> {
+        let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
+            path: path.to_owned(),
+            key,
+            value,
+            reason,
+        };
+        let token_file = self.token_file.ok_or_else(|| {
+            invalid(
+                "registration.token_file",
+                String::new(),
+                "is required in [registration]: where the issued token is kept".to_owned(),
+            )
+        })?;
+        check_file_path(path, "registration.token_file", &token_file)?;
+        if let Some(file) = &self.enrolment_token_file {
+            check_file_path(path, "registration.enrolment_token_file", file)?;
+        }
+        let raw_url = self
+            .metadata_url
+            .unwrap_or_else(|| DEFAULT_METADATA_URL.to_owned());
+        let metadata_url = parse_base_url(&raw_url).map_err(|reason| {
+            invalid(
+                "registration.metadata_url",
+                raw_url.clone(),
+                reason.to_string(),
+            )
+        })?;
+        if !matches!(metadata_url.scheme(), "http" | "https") {
+            return Err(invalid(
+                "registration.metadata_url",
+                raw_url,
+                "must be http:// or https://".to_owned(),
+            ));
+        }
+        if let Some(relay) = &self.relay_url {
+            if relay.contains(['\r', '\n']) || relay.trim() != relay {
+                return Err(invalid(
+                    "registration.relay_url",
+                    relay.escape_debug().to_string(),
+                    "must be one line without surrounding whitespace".to_owned(),
+                ));
+            }
+        }
+        Ok(RegistrationConfig {
+            token_file,
+            metadata_url,
+            enrolment_token_file: self.enrolment_token_file,
+            relay_url: self.relay_url,
+            retry_interval: bounded("registration.retry_interval", self.retry_interval)?,
+        })
+    }
+}
+
 /// Why a token file cannot be used (never holds the token).
 #[derive(Debug, thiserror::Error)]
-enum TokenFileProblem {
+pub(crate) enum TokenFileProblem {
     #[error("cannot read it: {0}")]
     Unreadable(#[source] std::io::Error),
     #[error("is not a regular file")]
@@ -846,7 +975,7 @@ enum TokenFileProblem {
 /// Reads the token file: it must be a regular file that neither group nor others may read
 /// (mode `0600` or stricter) and hold a non-empty token; surrounding whitespace is trimmed.
 /// Errors: [`TokenFileProblem`] (never the token).
-fn read_token_file(path: &Path) -> Result<FleetToken, TokenFileProblem> {
+pub(crate) fn read_token_file(path: &Path) -> Result<FleetToken, TokenFileProblem> {
     use std::os::unix::fs::PermissionsExt;
     let meta = std::fs::metadata(path).map_err(TokenFileProblem::Unreadable)?;
     if !meta.is_file() {
@@ -1250,6 +1379,113 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             .unwrap_err()
             .to_string()
             .contains("/nonexistent/token"));
+    }
+
+    #[test]
+    fn registration_takes_its_table_with_defaults_and_bounds() {
+        let cfg = load("mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/mnt/data/fleet/fleet-token\"\n").unwrap();
+        let reg = cfg.registration.unwrap();
+        assert_eq!(reg.token_file, Path::new("/mnt/data/fleet/fleet-token"));
+        assert_eq!(reg.metadata_url.as_str(), DEFAULT_METADATA_URL);
+        assert_eq!(reg.retry_interval, Duration::from_secs(30));
+        assert!(reg.enrolment_token_file.is_none() && reg.relay_url.is_none());
+        assert!(cfg.fleet_token.is_none());
+
+        let cfg = load("mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/t/tok\"\nmetadata_url = \"http://127.0.0.1:8080/attrs\"\nenrolment_token_file = \"/t/enrol\"\nrelay_url = \"\"\nretry_interval = \"10m\"\n").unwrap();
+        let reg = cfg.registration.unwrap();
+        assert_eq!(reg.metadata_url.as_str(), "http://127.0.0.1:8080/attrs/");
+        assert_eq!(reg.relay_url.as_deref(), Some(""));
+        assert_eq!(
+            reg.enrolment_token_file.as_deref(),
+            Some(Path::new("/t/enrol"))
+        );
+        assert_eq!(reg.retry_interval, Duration::from_secs(600));
+
+        // retry_interval: 1 s to 10 min, the error naming the key.
+        for (value, ok) in [
+            ("1s", true),
+            ("999ms", false),
+            ("10m", true),
+            ("601s", false),
+        ] {
+            let got = load(&format!("mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/t/tok\"\nretry_interval = \"{value}\"\n"));
+            match (ok, got) {
+                (true, Ok(_)) => {}
+                (
+                    false,
+                    Err(
+                        e @ ConfigError::Invalid {
+                            key: "registration.retry_interval",
+                            ..
+                        },
+                    ),
+                ) => {
+                    assert!(e.to_string().contains("must be between 1s and 10m"), "{e}");
+                }
+                (ok, got) => panic!("{value}: expected ok={ok}, got {got:?}"),
+            }
+        }
+        // token_file is required; unknown keys are named; a bad metadata URL names its key.
+        let err = load("mdma_url = \"https://m\"\n[registration]\n").unwrap_err();
+        assert!(err.to_string().contains("registration.token_file"), "{err}");
+        let err = load(
+            "mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/t/tok\"\ntoken = \"x\"\n",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("token"), "{err}");
+        let err = load("mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/t/tok\"\nmetadata_url = \"ftp://h/\"\n").unwrap_err();
+        assert!(
+            err.to_string().contains("registration.metadata_url"),
+            "{err}"
+        );
+        let err = load("mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/t/tok\"\nrelay_url = \"https://r\\nX\"\n").unwrap_err();
+        assert!(err.to_string().contains("registration.relay_url"), "{err}");
+    }
+
+    #[test]
+    fn a_configured_token_and_registration_together_are_refused_naming_the_keys() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "NEVER-LOGGED-TOKEN-file").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let table = "[registration]\ntoken_file = \"/t/tok\"\n";
+        for (line, key) in [
+            (
+                "fleet_token = \"NEVER-LOGGED-TOKEN-inline\"".to_owned(),
+                "fleet_token",
+            ),
+            (
+                format!("fleet_token_file = \"{}\"", file.display()),
+                "fleet_token_file",
+            ),
+        ] {
+            let err = load(&format!("mdma_url = \"https://m\"\n{line}\n{table}")).unwrap_err();
+            let text = err.to_string();
+            assert!(
+                matches!(
+                    err,
+                    ConfigError::Invalid {
+                        key: "registration",
+                        ..
+                    }
+                ),
+                "{text}"
+            );
+            assert!(
+                text.contains(key) && text.contains("[registration]"),
+                "{text}"
+            );
+            assert!(!text.contains("NEVER-LOGGED-TOKEN"), "{text}");
+        }
+        // fleet_token_file is kept, to be read again on a refused poll and on SIGHUP.
+        let cfg = load(&format!(
+            "mdma_url = \"https://m\"\nfleet_token_file = \"{}\"",
+            file.display()
+        ))
+        .unwrap();
+        assert_eq!(cfg.fleet_token_file.as_deref(), Some(file.as_path()));
+        assert!(cfg.registration.is_none());
     }
 
     /// A systemd credential (`LoadCredential=`, the recommended delivery) is a 0400 file in

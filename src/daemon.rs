@@ -37,8 +37,9 @@ use tokio_util::sync::CancellationToken;
 use crate::config::Config;
 use crate::identity::IdentityError;
 use crate::ids::PeerId;
-use crate::mdma::{ControlPlane, PollError, MDMA_TIMEOUT};
-use crate::merod::Node;
+use crate::mdma::{ControlPlane, MdmaClient, PollError, MDMA_TIMEOUT};
+use crate::merod::{MerodClient, Node};
+use crate::registration::TokenJob;
 use crate::state::{State, StateError};
 use crate::telemetry::Projection;
 use cycle::Planner;
@@ -65,6 +66,9 @@ pub struct Deps {
     pub merod: Arc<dyn Node>,
     /// Metrics and live status (read by the status listener and the systemd notifier).
     pub telemetry: Arc<Telemetry>,
+    /// The fleet token's job (a `fleet_token_file` to re-read, or `[registration]`), when
+    /// the config has one; started once the PeerId is known.
+    pub(crate) token_job: Option<Arc<TokenJob>>,
 }
 
 impl Deps {
@@ -74,7 +78,33 @@ impl Deps {
             mdma,
             merod,
             telemetry: Arc::new(Telemetry::new()),
+            token_job: None,
         }
+    }
+
+    /// The real clients for `cfg`, with the fleet token's job when `cfg` needs one
+    /// (`fleet_token_file` read again on a refused poll and SIGHUP; `[registration]`).
+    /// `merod` takes the loop's calls; `registration_merod` the token job's (identity,
+    /// attest).
+    pub(crate) fn real(
+        cfg: &Config,
+        mdma: MdmaClient,
+        merod: Arc<dyn Node>,
+        registration_merod: MerodClient,
+        telemetry: Arc<Telemetry>,
+    ) -> Result<Self, crate::registration::JobError> {
+        let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod)?;
+        Ok(Self {
+            mdma: Arc::new(mdma),
+            merod,
+            telemetry,
+            token_job,
+        })
+    }
+
+    /// SIGHUP: the token job reads its token file again (nothing without one).
+    pub(crate) fn reload_token(&self) -> bool {
+        self.token_job.as_ref().map(|j| j.reload()).is_some()
     }
 }
 

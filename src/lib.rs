@@ -26,6 +26,7 @@
 //! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`], and through the [`Node`] trait `probe`, `fleet_join`, `leave_namespace`, `holds_namespace`), [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
 //! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` and `confirm` |
 //! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
+//! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`RegisterRequest`], [`Registered`], [`RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
 //! | fakes for your tests (`testing` feature) | `emulator::merod::MerodEmulator`, `emulator::mdma::MdmaEmulator` (see below) |
@@ -183,27 +184,31 @@ mod mrtd;
 #[cfg(feature = "daemon")]
 mod notify;
 pub mod reconcile;
+#[cfg(feature = "daemon")]
+mod registration;
 mod state;
 mod strict_json;
 #[cfg(feature = "daemon")]
 mod telemetry;
 
 pub use config::{
-    Config, ConfigError, LogFormat, LogTarget, MdmaCredentials, MerodConfig, ToolConfig,
-    DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH,
+    Config, ConfigError, LogFormat, LogTarget, MdmaCredentials, MerodConfig, RegistrationConfig,
+    ToolConfig, DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH, DEFAULT_METADATA_URL,
 };
 pub use identity::{
     read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError, ListenAddrError,
 };
 pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
-    CallError, ConfirmError, ControlPlane, FleetToken, MalformedAnswer, MdmaAnswer, MdmaClient,
-    MdmaClientBuilder, MdmaClientError, PollError, RequestError, ShouldJoin, MAX_POLL_BODY,
-    MDMA_TIMEOUT,
+    CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, MalformedAnswer,
+    MdmaAnswer, MdmaClient, MdmaClientBuilder, MdmaClientError, PollError, RegisterError,
+    RegisterRequest, Registered, RequestError, ShouldJoin, CHALLENGE_TIMEOUT, MAX_POLL_BODY,
+    MDMA_TIMEOUT, REGISTER_TIMEOUT,
 };
 pub use merod::{
-    Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp, Node, CHECK_TIMEOUT,
-    JOIN_TIMEOUT, LEAVE_TIMEOUT, MEROD_CONNECT_TIMEOUT, PROBE_TIMEOUT,
+    Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp, Node, NodeAccount,
+    ATTEST_TIMEOUT, CHECK_TIMEOUT, JOIN_TIMEOUT, LEAVE_TIMEOUT, MEROD_CONNECT_TIMEOUT,
+    PROBE_TIMEOUT,
 };
 pub use mrtd::{
     parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded, read_saved, Mrtd,

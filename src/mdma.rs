@@ -1,5 +1,6 @@
-//! The fleet control plane (MDMA) client: `POST /api/fleet/should-join` and
-//! `POST /api/fleet/confirm` (docs/mdma.md).
+//! The fleet control plane (MDMA) client: `POST /api/fleet/should-join`,
+//! `POST /api/fleet/confirm`, and attested registration's `GET /api/fleet/nodes/challenge`
+//! and `POST /api/fleet/nodes/register` (docs/mdma.md).
 //!
 //! The poll is strict: only HTTP 200 with a JSON object whose `assignments` is an array of
 //! objects each with a 64-hex `group_id` string (and, if present, `retain` an array of
@@ -12,10 +13,13 @@
 use std::collections::BTreeSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+use tokio::time::Instant;
 use url::Url;
 
 use crate::ids::{GroupId, PeerId};
@@ -35,6 +39,12 @@ pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
 /// into one buffer of at most this size (bench/RESULTS.md: peak RSS parsing such an
 /// answer).
 pub const MAX_POLL_BODY: usize = 16 * 1024 * 1024;
+/// Bound of `GET /api/fleet/nodes/challenge` (docs/mdma.md).
+pub const CHALLENGE_TIMEOUT: Duration = Duration::from_secs(15);
+/// Bound of `POST /api/fleet/nodes/register` (docs/mdma.md).
+pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest challenge or register answer read (a sane one is well under 1 KiB).
+const MAX_REGISTRATION_BODY: usize = 64 * 1024;
 
 /// A request to MDMA that got no usable answer.
 #[derive(Debug, thiserror::Error)]
@@ -267,6 +277,204 @@ impl fmt::Debug for FleetToken {
     }
 }
 
+/// The enrolment token a node presents to `register` (from the GCE metadata attribute
+/// `enrolment-token` or a file; may be empty). Like [`FleetToken`], its `Debug` prints
+/// `[redacted]` and it has no `Display`.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EnrolmentToken(String);
+
+impl EnrolmentToken {
+    /// Wraps the token value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The token itself, for the one place that sends it (the `register` body).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for EnrolmentToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+/// A registration challenge from `GET /api/fleet/nodes/challenge`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Challenge {
+    /// `challenge`: a non-empty string, bound into the quote's nonce.
+    pub challenge: String,
+    /// `expires_at_ms`, when MDMA says (Unix milliseconds).
+    pub expires_at_ms: Option<u64>,
+}
+
+/// The body of `POST /api/fleet/nodes/register` (docs/mdma.md). Its `Debug` redacts the
+/// enrolment token.
+#[derive(Clone, Debug)]
+pub struct RegisterRequest {
+    /// `peer_id`: the node's PeerId.
+    pub peer_id: PeerId,
+    /// `executor_account`: merod's account id (`GET /admin-api/identity`).
+    pub executor_account: String,
+    /// `relay_url`: the node's relay URL, possibly empty.
+    pub relay_url: String,
+    /// `challenge`: as MDMA issued it.
+    pub challenge: String,
+    /// `quote`: the TD quote, base64, as merod gave it.
+    pub quote: String,
+    /// `enrolment_token`: possibly empty.
+    pub enrolment_token: EnrolmentToken,
+    /// Whether the quote came from `registration-attest` (then `quote_binding:
+    /// "registration"` is sent); `false` for the fallback `tee/attest`, which has no binding.
+    pub registration_bound: bool,
+}
+
+/// A 2xx answer to `register`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registered {
+    /// `fleet_token`, when MDMA issued one; `None` when it issues no tokens (it has no
+    /// signing key): the node then polls without a token.
+    pub token: Option<FleetToken>,
+}
+
+/// A registration call (`challenge` or `register`) that failed. Never holds a token.
+#[derive(Debug, thiserror::Error)]
+pub enum RegisterError {
+    /// No answer (refused, reset, TLS); `source()` keeps reqwest's error.
+    #[error("{method} {url}: {}", describe(.source))]
+    Transport {
+        /// `GET` or `POST`.
+        method: &'static str,
+        /// The request URL.
+        url: Url,
+        /// What failed.
+        #[source]
+        source: reqwest::Error,
+    },
+    /// No complete answer within the call's bound.
+    #[error("{method} {url}: no answer within {timeout:?}")]
+    Timeout {
+        /// `GET` or `POST`.
+        method: &'static str,
+        /// The request URL.
+        url: Url,
+        /// The bound ([`CHALLENGE_TIMEOUT`] or [`REGISTER_TIMEOUT`]).
+        timeout: Duration,
+    },
+    /// `register` answered 403: MDMA's verdict refused the quote or the enrolment.
+    #[error("POST {url}: HTTP 403 (MDMA refused the registration)")]
+    Refused {
+        /// The request URL.
+        url: Url,
+    },
+    /// `register` answered 503: MDMA could not evaluate the quote now.
+    #[error("POST {url}: HTTP 503 (MDMA cannot evaluate the quote now)")]
+    Unavailable {
+        /// The request URL.
+        url: Url,
+    },
+    /// Another status than 2xx.
+    #[error("{method} {url}: HTTP {status}")]
+    Status {
+        /// `GET` or `POST`.
+        method: &'static str,
+        /// The request URL.
+        url: Url,
+        /// The HTTP status.
+        status: u16,
+    },
+    /// A 2xx answer of the wrong shape (not JSON, no `challenge`, an unsendable token).
+    #[error("{method} {url}: unexpected answer: {reason}")]
+    Answer {
+        /// `GET` or `POST`.
+        method: &'static str,
+        /// The request URL.
+        url: Url,
+        /// What is wrong (never the token).
+        reason: String,
+    },
+}
+
+impl RegisterError {
+    /// Whether the call ran out of time.
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, RegisterError::Timeout { .. })
+    }
+}
+
+/// How the latest `should-join` went, as far as the token is concerned: shared by the
+/// clones of one [`MdmaClient`], read by the daemon's token job.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PollVerdict {
+    /// Since when polls have been refused with 401 or 403 in a row (`None`: the latest
+    /// poll was not refused).
+    pub(crate) refused_since: Option<Instant>,
+    /// Polls refused in a row.
+    pub(crate) refusals: u64,
+    /// Polls MDMA accepted (200), since the client was built.
+    pub(crate) accepted: u64,
+}
+
+/// The token every clone of one [`MdmaClient`] sends, replaceable while it runs, and the
+/// verdict of its polls.
+#[derive(Clone)]
+struct TokenSlot {
+    token: Arc<RwLock<Option<FleetToken>>>,
+    verdict: Arc<watch::Sender<PollVerdict>>,
+}
+
+impl TokenSlot {
+    fn new(token: Option<FleetToken>) -> Self {
+        Self {
+            token: Arc::new(RwLock::new(token)),
+            verdict: Arc::new(watch::Sender::new(PollVerdict::default())),
+        }
+    }
+
+    fn get(&self) -> Option<FleetToken> {
+        self.token
+            .read()
+            .map_or_else(|e| e.into_inner().clone(), |t| t.clone())
+    }
+
+    fn set(&self, token: Option<FleetToken>) {
+        match self.token.write() {
+            Ok(mut t) => *t = token,
+            Err(e) => *e.into_inner() = token,
+        }
+    }
+
+    /// Records a poll's HTTP status (`None`: no answer).
+    fn record(&self, status: Option<u16>) {
+        let now = Instant::now();
+        self.verdict.send_modify(|v| match status {
+            Some(401 | 403) => {
+                v.refused_since.get_or_insert(now);
+                v.refusals += 1;
+            }
+            Some(200) => {
+                v.refused_since = None;
+                v.refusals = 0;
+                v.accepted += 1;
+            }
+            _ => {
+                v.refused_since = None;
+                v.refusals = 0;
+            }
+        });
+    }
+}
+
+impl fmt::Debug for TokenSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TokenSlot")
+            .field("token", &self.get())
+            .finish_non_exhaustive()
+    }
+}
+
 /// A successful `should-join` answer: what MDMA assigns to this node now.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ShouldJoin {
@@ -325,7 +533,9 @@ pub struct MdmaClient {
     on_resend: OnResend,
     should_join_url: Url,
     confirm_url: Url,
-    token: Option<FleetToken>,
+    challenge_url: Url,
+    register_url: Url,
+    token: TokenSlot,
     timeout: Duration,
 }
 
@@ -484,7 +694,9 @@ impl MdmaClient {
             on_resend: b.on_resend,
             should_join_url: join("api/fleet/should-join")?,
             confirm_url: join("api/fleet/confirm")?,
-            token: b.token,
+            challenge_url: join("api/fleet/nodes/challenge")?,
+            register_url: join("api/fleet/nodes/register")?,
+            token: TokenSlot::new(b.token),
             timeout: b.timeout,
         })
     }
@@ -587,9 +799,194 @@ impl MdmaClient {
         body: &B,
     ) -> reqwest::RequestBuilder {
         let req = http.post(url.clone()).json(body);
-        match &self.token {
+        match self.token.get() {
             Some(t) => req.header("X-Fleet-Token", t.expose()),
             None => req,
+        }
+    }
+
+    /// Replaces the token this client and all its clones send from now on (`None`: send
+    /// no `X-Fleet-Token`). The daemon uses it for a token issued by registration or a
+    /// replaced `fleet_token_file`, with no restart.
+    pub fn set_token(&self, token: Option<FleetToken>) {
+        self.token.set(token);
+    }
+
+    /// Whether a token is sent.
+    pub fn has_token(&self) -> bool {
+        self.token.get().is_some()
+    }
+
+    /// The token sent now (for comparing with a file read again).
+    pub(crate) fn token(&self) -> Option<FleetToken> {
+        self.token.get()
+    }
+
+    /// The verdicts of this client's polls, as they change.
+    pub(crate) fn verdicts(&self) -> watch::Receiver<PollVerdict> {
+        self.token.verdict.subscribe()
+    }
+
+    /// `GET /api/fleet/nodes/challenge` (bounded by [`CHALLENGE_TIMEOUT`]): a fresh
+    /// challenge for a registration. No token is needed or sent.
+    ///
+    /// Errors: [`RegisterError`]: transport, timeout, a non-2xx status, or an answer
+    /// without a non-empty string `challenge`.
+    pub async fn challenge(&self) -> Result<Challenge, RegisterError> {
+        let (method, url) = ("GET", &self.challenge_url);
+        let req = self.http.get(url.clone()).timeout(CHALLENGE_TIMEOUT);
+        let body = self
+            .registration_call(method, url, CHALLENGE_TIMEOUT, req)
+            .await?;
+        #[derive(Deserialize)]
+        struct Answer {
+            challenge: String,
+            #[serde(default)]
+            expires_at_ms: Option<u64>,
+        }
+        let answer: Answer =
+            crate::strict_json::from_slice(&body).map_err(|e| RegisterError::Answer {
+                method,
+                url: url.clone(),
+                reason: e.to_string(),
+            })?;
+        if answer.challenge.is_empty() {
+            return Err(RegisterError::Answer {
+                method,
+                url: url.clone(),
+                reason: "`challenge` is empty".to_owned(),
+            });
+        }
+        Ok(Challenge {
+            challenge: answer.challenge,
+            expires_at_ms: answer.expires_at_ms,
+        })
+    }
+
+    /// `POST /api/fleet/nodes/register` (bounded by [`REGISTER_TIMEOUT`]) with `request`.
+    /// No token is sent. A 2xx answer is [`Registered`], with the issued `fleet_token` when
+    /// there is a non-empty one.
+    ///
+    /// Errors: [`RegisterError::Refused`] (403), [`RegisterError::Unavailable`] (503),
+    /// [`RegisterError::Status`] (another non-2xx), transport, timeout, and
+    /// [`RegisterError::Answer`] for a 2xx that is not a JSON object or whose `fleet_token`
+    /// is not a string that can be sent as a header.
+    pub async fn register(&self, request: &RegisterRequest) -> Result<Registered, RegisterError> {
+        #[derive(Serialize)]
+        struct Body<'a> {
+            peer_id: &'a str,
+            executor_account: &'a str,
+            relay_url: &'a str,
+            challenge: &'a str,
+            quote: &'a str,
+            enrolment_token: &'a str,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            quote_binding: Option<&'static str>,
+        }
+        let (method, url) = ("POST", &self.register_url);
+        let body = Body {
+            peer_id: request.peer_id.as_str(),
+            executor_account: &request.executor_account,
+            relay_url: &request.relay_url,
+            challenge: &request.challenge,
+            quote: &request.quote,
+            enrolment_token: request.enrolment_token.expose(),
+            quote_binding: request.registration_bound.then_some("registration"),
+        };
+        let req = self
+            .http
+            .post(url.clone())
+            .json(&body)
+            .timeout(REGISTER_TIMEOUT);
+        let answer = self
+            .registration_call(method, url, REGISTER_TIMEOUT, req)
+            .await?;
+        let bad = |reason: &str| RegisterError::Answer {
+            method,
+            url: url.clone(),
+            reason: reason.to_owned(),
+        };
+        let answer: serde_json::Map<String, serde_json::Value> =
+            crate::strict_json::from_slice(&answer)
+                .map_err(|_| bad("not a JSON object (or a key named twice)"))?;
+        let token = match answer.get("fleet_token") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::String(t)) if t.is_empty() => None,
+            Some(serde_json::Value::String(t)) => {
+                if reqwest::header::HeaderValue::from_str(t).is_err() {
+                    return Err(bad(
+                        "`fleet_token` holds characters not allowed in a header",
+                    ));
+                }
+                Some(FleetToken::new(t.clone()))
+            }
+            Some(_) => return Err(bad("`fleet_token` is not a string")),
+        };
+        Ok(Registered { token })
+    }
+
+    /// Sends one registration call and reads its 2xx body (capped).
+    async fn registration_call(
+        &self,
+        method: &'static str,
+        url: &Url,
+        timeout: Duration,
+        req: reqwest::RequestBuilder,
+    ) -> Result<Vec<u8>, RegisterError> {
+        let fail = |e: reqwest::Error| {
+            if e.is_timeout() {
+                RegisterError::Timeout {
+                    method,
+                    url: url.clone(),
+                    timeout,
+                }
+            } else {
+                RegisterError::Transport {
+                    method,
+                    url: url.clone(),
+                    source: e.without_url(),
+                }
+            }
+        };
+        let call = async {
+            let mut resp = req.send().await.map_err(fail)?;
+            let status = resp.status().as_u16();
+            match status {
+                200..=299 => {}
+                403 if method == "POST" => return Err(RegisterError::Refused { url: url.clone() }),
+                503 if method == "POST" => {
+                    return Err(RegisterError::Unavailable { url: url.clone() })
+                }
+                _ => {
+                    return Err(RegisterError::Status {
+                        method,
+                        url: url.clone(),
+                        status,
+                    })
+                }
+            }
+            let mut bytes = Vec::new();
+            while let Some(chunk) = resp.chunk().await.map_err(fail)? {
+                if bytes.len() + chunk.len() > MAX_REGISTRATION_BODY {
+                    return Err(RegisterError::Answer {
+                        method,
+                        url: url.clone(),
+                        reason: format!("larger than {MAX_REGISTRATION_BODY} bytes"),
+                    });
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok(bytes)
+        };
+        // reqwest's own timeout covers the whole request; this one also bounds a body that
+        // trickles in.
+        match tokio::time::timeout(timeout, call).await {
+            Ok(r) => r,
+            Err(_) => Err(RegisterError::Timeout {
+                method,
+                url: url.clone(),
+                timeout,
+            }),
         }
     }
 }
@@ -716,30 +1113,35 @@ impl ControlPlane for MdmaClient {
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));
-        let resp = match self.post(url, &body).send().await {
-            Ok(resp) => resp,
+        let sent = match self.post(url, &body).send().await {
             Err(e) if closed_without_answer(&e) => {
                 let fresh = match self.fresh.get() {
-                    Some(c) => c,
-                    None => match self.settings.client(false) {
-                        Ok(c) => self.fresh.get_or_init(|| c),
-                        Err(_) => return Err(fail(e)),
-                    },
+                    Some(c) => Some(c),
+                    None => self
+                        .settings
+                        .client(false)
+                        .ok()
+                        .map(|c| self.fresh.get_or_init(|| c)),
                 };
-                if let Some(f) = &self.on_resend.0 {
-                    f();
+                match fresh {
+                    Some(fresh) => {
+                        if let Some(f) = &self.on_resend.0 {
+                            f();
+                        }
+                        tracing::debug!(
+                            "should-join failed on an open connection with no answer ({}): sent once more on a fresh connection",
+                            describe(&e)
+                        );
+                        self.post_with(fresh, url, &body).send().await
+                    }
+                    None => Err(e),
                 }
-                tracing::debug!(
-                    "should-join failed on an open connection with no answer ({}): sent once more on a fresh connection",
-                    describe(&e)
-                );
-                self.post_with(fresh, url, &body)
-                    .send()
-                    .await
-                    .map_err(fail)?
             }
-            Err(e) => return Err(fail(e)),
+            other => other,
         };
+        self.token
+            .record(sent.as_ref().ok().map(|r| r.status().as_u16()));
+        let resp = sent.map_err(fail)?;
         let status = resp.status().as_u16();
         if status != 200 {
             return Err(RequestError::Status {

@@ -3,8 +3,10 @@
 //! Calls: `GET /admin-api/peers` (readiness), `POST /admin-api/tee/fleet-join`
 //! (`{"groupId": "<64 hex>"}`, TDX-attested admission, may take 30 s and more),
 //! `POST /admin-api/namespaces/{id}/leave` (irreversible: core purges the node's keys), and
-//! `GET /admin-api/namespaces/{id}` (does the node hold it?). merod listens on loopback in
-//! its default `proxy` auth mode, so no token is sent.
+//! `GET /admin-api/namespaces/{id}` (does the node hold it?), and for attested registration
+//! `GET /admin-api/identity` (the account), `POST /admin-api/tee/registration-attest` and
+//! `POST /admin-api/tee/attest` (a TD quote over a nonce). merod listens on loopback in its
+//! default `proxy` auth mode, so no token is sent.
 //!
 //! calimero-client's requests have no timeout and its errors drop the HTTP status: the
 //! daemon bounds every call itself, and the membership check (where 404 means "gone" and
@@ -42,6 +44,20 @@ pub const JOIN_TIMEOUT: Duration = Duration::from_secs(90);
 pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default bound of a membership check or a namespace listing.
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
+/// Bound of one quote (`registration-attest` or `attest`): generating a TD quote.
+pub const ATTEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Largest identity or attest answer read (a quote is a few KiB).
+const MAX_ATTEST_BODY: usize = 1024 * 1024;
+
+/// What `GET /admin-api/identity` says of the node's account.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NodeAccount {
+    /// `data.accountId`, trimmed and lowercased.
+    Account(String),
+    /// merod's own 404: the node holds neither a device nor an account root yet (both are
+    /// minted the first time it takes part in a namespace).
+    NotMinted,
+}
 
 /// merod's answer to a `fleet-join` that completed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -70,6 +86,12 @@ pub enum MerodOp {
     GetNamespace,
     /// `GET /admin-api/namespaces`.
     ListNamespaces,
+    /// `GET /admin-api/identity`.
+    Identity,
+    /// `POST /admin-api/tee/registration-attest`.
+    RegistrationAttest,
+    /// `POST /admin-api/tee/attest`.
+    Attest,
 }
 
 impl fmt::Display for MerodOp {
@@ -81,6 +103,9 @@ impl fmt::Display for MerodOp {
             MerodOp::Leave => "leave",
             MerodOp::GetNamespace => "get namespace",
             MerodOp::ListNamespaces => "list namespaces",
+            MerodOp::Identity => "identity",
+            MerodOp::RegistrationAttest => "registration-attest",
+            MerodOp::Attest => "attest",
         })
     }
 }
@@ -454,6 +479,162 @@ impl MerodClient {
                 }
             }
             Ok(held)
+        })
+        .await
+    }
+}
+
+impl MerodClient {
+    /// The node's account (`GET /admin-api/identity` → `data.accountId`, trimmed and
+    /// lowercased), bounded by the check deadline (default 10 s).
+    ///
+    /// Errors: [`MerodError::Status`] for a non-2xx other than merod's own "not minted yet"
+    /// 404 (which is [`NodeAccount::NotMinted`]); [`MerodError::Answer`] for an account id
+    /// that is empty or not printable ASCII without `|` (it is a field of the registration
+    /// nonce); transport and timeout as usual.
+    pub async fn identity(&self) -> Result<NodeAccount, MerodError> {
+        let op = MerodOp::Identity;
+        let path = "admin-api/identity";
+        let (status, body) = self.raw(op, path, None, self.deadlines.check).await?;
+        let answer_err = |reason: &str| MerodError::Answer {
+            op,
+            url: self.url(path).to_string(),
+            reason: reason.to_owned(),
+        };
+        let value = crate::strict_json::from_slice::<StrictValue>(&body).map(|v| v.0);
+        if status == 404 {
+            let words = value
+                .as_ref()
+                .ok()
+                .and_then(|v| v.get("error"))
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            // Only merod's own words mean "not minted": a 404 from a proxy or an old merod
+            // without the route is not an answer about the account.
+            if words.contains("neither a device nor an account") {
+                return Ok(NodeAccount::NotMinted);
+            }
+        }
+        if !(200..300).contains(&status) {
+            return Err(MerodError::Status {
+                op,
+                url: self.url(path).to_string(),
+                status,
+            });
+        }
+        let value = value.map_err(|e| answer_err(&e.to_string()))?;
+        let account = value
+            .pointer("/data/accountId")
+            .and_then(Value::as_str)
+            .ok_or_else(|| answer_err("no string data.accountId"))?
+            .trim()
+            .to_ascii_lowercase();
+        if account.is_empty() || !account.bytes().all(|b| b.is_ascii_graphic() && b != b'|') {
+            return Err(answer_err(
+                "data.accountId is empty or not printable ASCII without '|'",
+            ));
+        }
+        Ok(NodeAccount::Account(account))
+    }
+
+    /// A TD quote bound to a registration: `POST /admin-api/tee/registration-attest`
+    /// `{"nonce": "<64 hex>"}` (bounded by [`ATTEST_TIMEOUT`]). `Ok(None)` on a 404: this
+    /// merod predates the route (0.11.0-rc.25 does), so the caller falls back to
+    /// [`MerodClient::attest`]. The quote is `data.quoteB64` (else a top-level `quoteB64`),
+    /// non-empty, returned verbatim.
+    ///
+    /// Errors: [`MerodError::Status`] for a non-2xx other than 404 (400: a bad nonce),
+    /// [`MerodError::Answer`] for a 2xx without a quote; transport and timeout.
+    pub async fn registration_attest(&self, nonce: &str) -> Result<Option<String>, MerodError> {
+        match self
+            .quote(
+                MerodOp::RegistrationAttest,
+                "admin-api/tee/registration-attest",
+                nonce,
+            )
+            .await
+        {
+            Err(MerodError::Status { status: 404, .. }) => Ok(None),
+            other => other.map(Some),
+        }
+    }
+
+    /// A TD quote over `nonce` (64 hex chars): `POST /admin-api/tee/attest`
+    /// `{"nonce": "<64 hex>"}`, bounded by [`ATTEST_TIMEOUT`]; the report data is the nonce
+    /// and 32 zero bytes, with no registration binding. The quote is `data.quoteB64` (else a
+    /// top-level `quoteB64`), non-empty, returned verbatim.
+    ///
+    /// Errors: [`MerodError::Status`] for a non-2xx, [`MerodError::Answer`] for a 2xx
+    /// without a quote; transport and timeout.
+    pub async fn attest(&self, nonce: &str) -> Result<String, MerodError> {
+        self.quote(MerodOp::Attest, "admin-api/tee/attest", nonce)
+            .await
+    }
+
+    async fn quote(&self, op: MerodOp, path: &str, nonce: &str) -> Result<String, MerodError> {
+        let body = serde_json::json!({ "nonce": nonce });
+        let (status, answer) = self.raw(op, path, Some(body), ATTEST_TIMEOUT).await?;
+        if !(200..300).contains(&status) {
+            return Err(MerodError::Status {
+                op,
+                url: self.url(path).to_string(),
+                status,
+            });
+        }
+        let answer_err = |reason: String| MerodError::Answer {
+            op,
+            url: self.url(path).to_string(),
+            reason,
+        };
+        let StrictValue(value) =
+            crate::strict_json::from_slice(&answer).map_err(|e| answer_err(e.to_string()))?;
+        let quote = value
+            .pointer("/data/quoteB64")
+            .or_else(|| value.get("quoteB64"))
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        if quote.is_empty() {
+            return Err(answer_err(
+                "no non-empty data.quoteB64 (or quoteB64)".to_owned(),
+            ));
+        }
+        Ok(quote.to_owned())
+    }
+
+    /// One request with the connection's own HTTP client (so the status is kept): its
+    /// status and body (capped), all within `after`.
+    async fn raw(
+        &self,
+        op: MerodOp,
+        path: &str,
+        json: Option<Value>,
+        after: Duration,
+    ) -> Result<(u16, Vec<u8>), MerodError> {
+        let url = self.url(path);
+        let call_err = |e: reqwest::Error| MerodError::Call {
+            op,
+            url: url.to_string(),
+            source: e.without_url().into(),
+        };
+        self.bounded(op, path, after, async {
+            let req = match json {
+                Some(body) => self.connection.client.post(url.clone()).json(&body),
+                None => self.connection.client.get(url.clone()),
+            };
+            let mut resp = req.send().await.map_err(call_err)?;
+            let status = resp.status().as_u16();
+            let mut bytes = Vec::new();
+            while let Some(chunk) = resp.chunk().await.map_err(call_err)? {
+                if bytes.len() + chunk.len() > MAX_ATTEST_BODY {
+                    return Err(MerodError::Answer {
+                        op,
+                        url: url.to_string(),
+                        reason: format!("larger than {MAX_ATTEST_BODY} bytes"),
+                    });
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            Ok((status, bytes))
         })
         .await
     }

@@ -21,6 +21,15 @@ pub(crate) fn reject_duplicate_keys(bytes: &[u8]) -> Result<(), serde_json::Erro
     de.end()
 }
 
+/// Reads `bytes` as a `T` after [`reject_duplicate_keys`]: an ambiguous document is an
+/// error. Errors: serde_json's error (a repeated key, syntax, or the wrong shape).
+pub(crate) fn from_slice<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<T, serde_json::Error> {
+    reject_duplicate_keys(bytes)?;
+    serde_json::from_slice(bytes)
+}
+
 /// Walks any JSON value without building it, failing on a repeated key (also used by the
 /// typed readers for the fields they ignore).
 #[derive(Clone, Copy)]

@@ -133,6 +133,15 @@ pub struct LiveStatus {
     /// The latest state file write error while writes fail (no leave starts meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_write_error: Option<String>,
+    /// The fleet token the polls carry: `configured` (`fleet_token` or `fleet_token_file`),
+    /// `registered` (issued by registration, this run or stored), `tokenless` (registered,
+    /// MDMA issues no tokens) or `none`. Never the token itself.
+    #[serde(default)]
+    pub fleet_token: String,
+    /// With `[registration]`: how it stands (`pending`, `stored token in use`,
+    /// `registered at <unix s>`, `blocked: …`, `failed: …; next attempt in N s`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub registration: Option<String>,
 }
 
 /// Why `/readyz` says not ready.
@@ -298,6 +307,9 @@ pub struct Telemetry {
     /// connection because MDMA (or a load balancer) closed the kept-alive one as it was
     /// reused; such a poll does not fail.
     pub(crate) poll_resends: Counter,
+    /// `fleet_sidecar_registrations_total{outcome}`: registered, tokenless, refused,
+    /// unavailable, blocked, error, timeout.
+    pub(crate) registrations: Family<OutcomeLabel, Counter>,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -396,6 +408,12 @@ impl Telemetry {
             "log lines (and notify messages) dropped because their sink (stderr, log_file, journal, notify) was not reading",
             lines_dropped,
         );
+        let registrations = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "registrations",
+            "attested registration attempts by outcome",
+            registrations.clone(),
+        );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
         for (family, outcomes) in [
@@ -410,6 +428,18 @@ impl Telemetry {
             (&confirms, &["ok", "error", "timeout"][..]),
             (&leaves, &["left", "failed", "timeout", "not_held"][..]),
             (&state_writes, &["ok", "error"][..]),
+            (
+                &registrations,
+                &[
+                    "registered",
+                    "tokenless",
+                    "refused",
+                    "unavailable",
+                    "blocked",
+                    "error",
+                    "timeout",
+                ][..],
+            ),
         ] {
             for &outcome in outcomes {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
@@ -429,6 +459,7 @@ impl Telemetry {
             mass_withdrawal_hold,
             pending_leave_absence,
             poll_resends,
+            registrations,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),

@@ -1,7 +1,9 @@
 //! `fleet-sidecar-demo`: the real daemon loop against loopback emulators of MDMA and merod,
 //! playing a scripted scenario and printing a timeline (the README's first command).
 //!
-//! Scenario: two namespaces assigned, joined and confirmed; an MDMA outage (503, a non-JSON
+//! Scenario: a node with no credential in its config registers (attested registration: a
+//! challenge, a quote from merod through the `tee/attest` fallback of 0.11.0-rc.25, the
+//! issued token stored and used at once); two namespaces assigned, joined and confirmed; an MDMA outage (503, a non-JSON
 //! body, a body without `assignments`, a malformed id) during which nothing is left; one
 //! namespace withdrawn and left after `leave_after_polls` good polls and a `leave_grace` of
 //! observed absence (a short one here; a node's default is 24 h); a new namespace whose
@@ -15,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 use fleet_sidecar::daemon;
-use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::mdma::{PollReply, ISSUED_TOKEN};
 use fleet_sidecar::emulator::merod::JoinBehaviour;
 use fleet_sidecar::emulator::sandbox::Sandbox;
 
@@ -71,13 +73,49 @@ async fn scenario() -> DemoResult {
     // The outage's failed polls back off up to max_backoff (default 10 s); 2 s keeps the
     // demo short while still showing the backoff. Likewise a 4 s leave_grace (24 h by
     // default) shows the grace without waiting a day.
-    let cfg = sb.config("max_backoff = \"2s\"\nleave_grace = \"4s\"")?;
+    let enrolment = sb.dir().join("enrolment-token");
+    std::fs::write(&enrolment, "demo-enrolment")?;
+    let token_file = sb.dir().join("fleet").join("fleet-token");
+    let cfg = sb.config(&format!(
+        "max_backoff = \"2s\"\nleave_grace = \"4s\"\n[registration]\ntoken_file = \"{}\"\nenrolment_token_file = \"{}\"\nrelay_url = \"\"\nretry_interval = \"1s\"",
+        token_file.display(),
+        enrolment.display()
+    ))?;
     let deps = sb.deps(&cfg)?;
     info!(
         "demo: MDMA emulator at {}, merod emulator at {}, state in {}",
         sb.mdma.url(),
         sb.merod.url(),
         sb.state_file().display()
+    );
+
+    info!("== phase 0: no token in the config: the node registers (MDMA refuses its polls until then)");
+    // MDMA accepts only tokens it issued; merod has an account (a node that took part in a
+    // namespace before: rc.25 answers /admin-api/identity 404 until then).
+    sb.mdma
+        .set_token(Some("a token this node does not hold".to_owned()));
+    sb.merod.set_minted(true);
+    let shutdown = CancellationToken::new();
+    let daemon = tokio::spawn(daemon::run(cfg, deps, shutdown.clone()));
+    until("a poll accepted with the issued token", || {
+        sb.mdma
+            .polls()
+            .iter()
+            .any(|p| p.status == 200 && p.token.as_deref() == Some(ISSUED_TOKEN))
+    })
+    .await?;
+    let attests: Vec<String> = sb
+        .merod
+        .calls()
+        .iter()
+        .filter(|c| c.path.starts_with("/admin-api/tee/"))
+        .map(|c| format!("{} {}", c.path, c.status))
+        .collect();
+    info!(
+        "demo: registered ({} challenge, quote via {}); the token is in {} and polls carry it",
+        sb.mdma.challenges().len(),
+        attests.join(" then "),
+        token_file.display()
     );
 
     info!("== phase 1: MDMA assigns A={} and B={}", short(A), short(B));
@@ -94,8 +132,6 @@ async fn scenario() -> DemoResult {
         },
     );
     sb.mdma.set_reply(PollReply::assign([A, B]));
-    let shutdown = CancellationToken::new();
-    let daemon = tokio::spawn(daemon::run(cfg, deps, shutdown.clone()));
     until("A and B confirmed", || {
         let c = sb.mdma.confirmed();
         c.contains(A) && c.contains(B)

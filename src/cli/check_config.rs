@@ -66,6 +66,12 @@ fn render(file: &Path, cfg: &Config) -> String {
             "unset"
         }
     ));
+    if let Some(p) = &cfg.fleet_token_file {
+        line(format!(
+            "fleet_token_file = {}  # read again on a refused poll and on SIGHUP",
+            path(p)
+        ));
+    }
     match &cfg.mdma_ca_file {
         Some(p) => line(format!("mdma_ca_file = {}", path(p))),
         None => line("# mdma_ca_file: unset (system roots only)".to_owned()),
@@ -136,6 +142,26 @@ fn render(file: &Path, cfg: &Config) -> String {
     ));
     let sources: Vec<String> = cfg.tdx.sources.iter().map(|s| quoted(s.as_str())).collect();
     line(format!("sources = [{}]", sources.join(", ")));
+    if let Some(reg) = &cfg.registration {
+        line(String::new());
+        line("[registration]".to_owned());
+        line(format!("token_file = {}", path(&reg.token_file)));
+        line(format!(
+            "metadata_url = {}",
+            quoted(reg.metadata_url.as_str())
+        ));
+        match &reg.enrolment_token_file {
+            Some(p) => line(format!("enrolment_token_file = {}", path(p))),
+            None => {
+                line("# enrolment_token_file: unset (the metadata's enrolment-token)".to_owned())
+            }
+        }
+        match &reg.relay_url {
+            Some(r) => line(format!("relay_url = {}", quoted(r))),
+            None => line("# relay_url: unset (the metadata's relay-url)".to_owned()),
+        }
+        line(format!("retry_interval = {}", duration(reg.retry_interval)));
+    }
     line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     match read_peer_id(&merod_config) {
@@ -146,6 +172,12 @@ fn render(file: &Path, cfg: &Config) -> String {
         Err(e) => line(format!(
             "# fail  PeerId: {e} (the daemon waits for it and exits if it stays unreadable)"
         )),
+    }
+    if let Some(reg) = &cfg.registration {
+        line(format!(
+            "# {}",
+            crate::registration::token_file_presence(&reg.token_file)
+        ));
     }
     for &source in &cfg.tdx.sources {
         line(match source {

@@ -216,6 +216,8 @@ async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> Exit
     let Some(first) = clients.next() else {
         return ExitCode::from(EXIT_FAILURE);
     };
+    // Registration's merod calls (identity, attest) go to [server].listen[0]'s address.
+    let registration_merod = first.clone();
     let merod: Arc<dyn Node> = if fallbacks.is_empty() {
         Arc::new(first)
     } else {
@@ -230,10 +232,12 @@ async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> Exit
         state = %cfg.state_file.display(),
         "fleet-sidecar starting"
     );
-    let deps = Deps {
-        mdma: Arc::new(mdma),
-        merod,
-        telemetry,
+    let deps = match Deps::real(&cfg, mdma, merod, registration_merod, telemetry) {
+        Ok(d) => d,
+        Err(e) => {
+            error!("{e}");
+            return ExitCode::from(EXIT_FAILURE);
+        }
     };
     if notify::install(&deps.telemetry) {
         info!("systemd notification on (READY, STATUS, WATCHDOG, STOPPING)");
@@ -257,7 +261,7 @@ async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> Exit
             }
         }
     }
-    if let Err(e) = spawn_signal_handler(shutdown.clone(), logs) {
+    if let Err(e) = spawn_signal_handler(shutdown.clone(), logs, deps.clone()) {
         error!("cannot install signal handlers: {e}");
         return ExitCode::from(EXIT_FAILURE);
     }
@@ -332,10 +336,12 @@ async fn status_command(cfg: &Config, json: bool) -> ExitCode {
     }
 }
 
-/// SIGTERM and SIGINT cancel `shutdown`; SIGHUP reopens the log file (logrotate).
+/// SIGTERM and SIGINT cancel `shutdown`; SIGHUP reopens the log file (logrotate) and reads
+/// the token file again (`fleet_token_file`, or `[registration].token_file`).
 fn spawn_signal_handler(
     shutdown: CancellationToken,
     logs: Arc<logging::Logs>,
+    deps: Deps,
 ) -> std::io::Result<()> {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate())?;
@@ -347,15 +353,18 @@ fn spawn_signal_handler(
                 _ = term.recv() => { info!("SIGTERM: stopping between steps"); shutdown.cancel(); }
                 _ = int.recv() => { info!("SIGINT: stopping between steps"); shutdown.cancel(); }
                 // The log writer reopens the file after the lines already logged, and
-                // says how it went.
-                _ = hup.recv() => match logs.reopen() {
-                    Some(true) => {}
-                    Some(false) => warn!(
-                        path = %logs.file_path().map(|p| p.display().to_string()).unwrap_or_default(),
-                        "SIGHUP: the log file's writer is behind; not reopened (send SIGHUP again)"
-                    ),
-                    None => info!("SIGHUP: no log file to reopen"),
-                },
+                // says how it went; the token file is read again.
+                _ = hup.recv() => {
+                    match logs.reopen() {
+                        Some(true) => {}
+                        Some(false) => warn!(
+                            path = %logs.file_path().map(|p| p.display().to_string()).unwrap_or_default(),
+                            "SIGHUP: the log file's writer is behind; not reopened (send SIGHUP again)"
+                        ),
+                        None => info!("SIGHUP: no log file to reopen"),
+                    }
+                    deps.reload_token();
+                }
             }
         }
     });

@@ -29,6 +29,9 @@ pub(crate) struct Report {
     pub(crate) live: Option<LiveStatus>,
     /// Why the live status is missing (listener off, or no answer).
     pub(crate) live_error: Option<String>,
+    /// With `[registration]`: whether `token_file` is present (never its content).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) token_file: Option<String>,
 }
 
 /// Builds the report: the state file (read only, never written) and, when `status_listen`
@@ -86,6 +89,10 @@ pub(crate) async fn report(cfg: &Config) -> Report {
         pending_leaves,
         live,
         live_error,
+        token_file: cfg
+            .registration
+            .as_ref()
+            .map(|r| crate::registration::token_file_presence(&r.token_file)),
     }
 }
 
@@ -170,6 +177,9 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
             }
         }
     }
+    if let Some(t) = &r.token_file {
+        out.push_str(&format!("{t}\n"));
+    }
     let live_pending = r.live.as_ref().map(|l| &l.pending_leaves);
     match live_pending {
         Some(p) if !p.is_empty() => {
@@ -196,6 +206,10 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
             match (&l.mrtd, &l.mrtd_source) {
                 (Some(m), Some(src)) => out.push_str(&format!("  mrtd: {m} ({src})\n")),
                 _ => out.push_str("  mrtd: unreadable (polling with the PeerId only)\n"),
+            }
+            out.push_str(&format!("  fleet token: {}\n", l.fleet_token));
+            if let Some(reg) = &l.registration {
+                out.push_str(&format!("  registration: {reg}\n"));
             }
             out.push_str(&format!(
                 "  desired: {}, joining: {}, leaving: {}, mass-withdrawal guard: {}\n",

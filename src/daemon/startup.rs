@@ -205,6 +205,27 @@ impl Sidecar {
             }
         };
         info!(peer_id = %peer_id, "identity read");
+        // The fleet token's own job: a stored token is in place before the first poll;
+        // registration then runs beside the loop, never in it.
+        match deps.token_job.clone() {
+            Some(job) => {
+                job.start(
+                    peer_id.clone(),
+                    Arc::clone(&telemetry),
+                    shutdown.clone(),
+                    cfg.dry_run,
+                )
+                .await
+            }
+            None => telemetry.update(|st| {
+                st.fleet_token = if cfg.fleet_token.is_some() {
+                    "configured"
+                } else {
+                    "none"
+                }
+                .to_owned()
+            }),
+        }
 
         let mut mrtd_source = None;
         let mut identity = Identity {

@@ -1,5 +1,6 @@
 //! Emulator of the MDMA fleet API (see `docs/mdma.md`):
-//! `POST /api/fleet/should-join` and `POST /api/fleet/confirm`.
+//! `POST /api/fleet/should-join`, `POST /api/fleet/confirm`, and attested registration's
+//! `GET /api/fleet/nodes/challenge` and `POST /api/fleet/nodes/register`.
 //!
 //! Test double for the demo and the integration tests, not production code.
 //!
@@ -12,6 +13,13 @@
 //! - A poll is answered with the next queued [`PollReply`], else with the standing one
 //!   (default: no assignments). A confirm answers 200 `{}`, or 503 while failures are scripted
 //!   for its group with [`MdmaEmulator::fail_next_confirms`].
+//! - A challenge answers 200 `{"challenge": "<fresh>", "expires_at_ms": …}` (no token needed).
+//!   A register (no token needed) must carry the string fields `peer_id`,
+//!   `executor_account`, `relay_url`, `challenge` (one this emulator issued), `quote`,
+//!   `enrolment_token`, and `quote_binding` only as `"registration"`; anything else answers
+//!   400 (an unknown challenge 403). A well-formed one is answered with the next queued
+//!   [`RegisterReply`], else the standing one (default: a token). An issued token becomes
+//!   the one every later request must carry.
 //! - Any other path (a tool's own call, e.g. `POST /api/fleet/inventory`) is checked for the
 //!   token, recorded ([`MdmaEmulator::requests`]) and answered with what
 //!   [`MdmaEmulator::set_answer`] scripted for it, else 404 `{"error":"Not found"}`.
@@ -117,6 +125,32 @@ impl Default for PollReply {
     }
 }
 
+/// How the emulator answers a well-formed `register`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RegisterReply {
+    /// 200 `{"status":"registered","fleet_token": token}`; from then on every request must
+    /// carry this token.
+    Issue(String),
+    /// 200 `{"status":"registered"}`: registered, but no token issued (no signing key).
+    Tokenless,
+    /// This status with `{"error":"emulated"}` (403: a verdict; 503: quote not evaluable).
+    Status(u16),
+}
+
+/// The token the emulator issues by default ([`RegisterReply::Issue`] of it).
+pub const ISSUED_TOKEN: &str = "NEVER-LOGGED-TOKEN-issued-by-the-emulator";
+
+/// One `register` request as received.
+#[derive(Clone, Debug)]
+pub struct RegisterRecord {
+    /// The body, when it was a JSON object.
+    pub body: Option<Map<String, Value>>,
+    /// What was answered.
+    pub status: u16,
+    /// When the request arrived.
+    pub at: Instant,
+}
+
 /// One `should-join` request as received.
 #[derive(Clone, Debug)]
 pub struct PollRecord {
@@ -183,6 +217,10 @@ struct Inner {
     confirm_failures: HashMap<String, u32>,
     polls: Vec<PollRecord>,
     confirms: Vec<ConfirmRecord>,
+    register_standing: RegisterReply,
+    register_queue: VecDeque<RegisterReply>,
+    challenges: Vec<String>,
+    registrations: Vec<RegisterRecord>,
 }
 
 struct Shared {
@@ -221,6 +259,10 @@ impl MdmaEmulator {
                 confirm_failures: HashMap::new(),
                 polls: Vec::new(),
                 confirms: Vec::new(),
+                register_standing: RegisterReply::Issue(ISSUED_TOKEN.to_owned()),
+                register_queue: VecDeque::new(),
+                challenges: Vec::new(),
+                registrations: Vec::new(),
             }),
             poll_count,
         });
@@ -247,6 +289,32 @@ impl MdmaEmulator {
     /// Queues one-shot answers, served first and in order, before the standing one.
     pub fn queue_replies(&self, replies: impl IntoIterator<Item = PollReply>) {
         lock(&self.shared.inner).queue.extend(replies);
+    }
+
+    /// The token every request must carry from now on (`None`: any or none), e.g. to play
+    /// a rotated signing key that refuses the tokens issued before.
+    pub fn set_token(&self, token: Option<String>) {
+        lock(&self.shared.inner).token = token;
+    }
+
+    /// Sets the standing answer to `register` (served once its queue is empty).
+    pub fn set_register_reply(&self, reply: RegisterReply) {
+        lock(&self.shared.inner).register_standing = reply;
+    }
+
+    /// Queues one-shot answers to `register`, served first and in order.
+    pub fn queue_register_replies(&self, replies: impl IntoIterator<Item = RegisterReply>) {
+        lock(&self.shared.inner).register_queue.extend(replies);
+    }
+
+    /// Every `register` so far, in arrival order.
+    pub fn registrations(&self) -> Vec<RegisterRecord> {
+        lock(&self.shared.inner).registrations.clone()
+    }
+
+    /// The challenges issued so far, in order.
+    pub fn challenges(&self) -> Vec<String> {
+        lock(&self.shared.inner).challenges.clone()
     }
 
     /// The next `n` confirms of `group_id` (compared case-insensitively) answer 503.
@@ -406,6 +474,8 @@ async fn route(shared: Arc<Shared>, request: Received) -> Answer {
             should_join(&shared, &request.headers, &body).await
         }
         ("/api/fleet/confirm", &Method::POST) => confirm(&shared, &request.headers, &body),
+        ("/api/fleet/nodes/challenge", &Method::GET) => challenge(&shared),
+        ("/api/fleet/nodes/register", &Method::POST) => register(&shared, &request.headers, &body),
         (path, method) => other(&shared, method, path, &request.headers, &body).await,
     }
 }
@@ -528,6 +598,83 @@ fn confirm(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
         peer_id,
         group_id,
         token,
+        status,
+        at,
+    });
+    drop(inner);
+    json_response(status, body)
+}
+
+fn challenge(shared: &Shared) -> Answer {
+    let mut inner = lock(&shared.inner);
+    let challenge = format!(
+        "emulated-challenge-{}-{:016x}",
+        inner.challenges.len() + 1,
+        fastrand::u64(..)
+    );
+    inner.challenges.push(challenge.clone());
+    drop(inner);
+    let expires_at_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64 + 300_000);
+    json_response(
+        200,
+        json!({ "challenge": challenge, "expires_at_ms": expires_at_ms }),
+    )
+}
+
+fn register(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
+    let at = Instant::now();
+    let parsed = json_object(headers, body);
+    let kept = parsed.as_ref().ok().cloned();
+    let challenge = string_field(&parsed, "challenge");
+    let binding = parsed
+        .as_ref()
+        .ok()
+        .and_then(|m| m.get("quote_binding").cloned());
+    let valid = check_fields(
+        parsed,
+        &[
+            "peer_id",
+            "executor_account",
+            "relay_url",
+            "challenge",
+            "quote",
+            "enrolment_token",
+        ],
+        &[],
+    );
+    let mut inner = lock(&shared.inner);
+    let (status, body) = if let Err(message) = valid {
+        (400, error_body(&message.0))
+    } else if binding.is_some_and(|b| b != json!("registration")) {
+        (
+            400,
+            error_body("quote_binding must be \"registration\" when sent"),
+        )
+    } else if !challenge.is_some_and(|c| inner.challenges.contains(&c)) {
+        (403, error_body("unknown challenge"))
+    } else {
+        let reply = match inner.register_queue.pop_front() {
+            Some(r) => r,
+            None => inner.register_standing.clone(),
+        };
+        match reply {
+            RegisterReply::Issue(token) => {
+                inner.token = Some(token.clone());
+                (200, json!({ "status": "registered", "fleet_token": token }))
+            }
+            RegisterReply::Tokenless => (200, json!({ "status": "registered" })),
+            RegisterReply::Status(status) => (
+                StatusCode::from_u16(status)
+                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+                    .as_u16(),
+                error_body("emulated"),
+            ),
+        }
+    };
+    inner.registrations.push(RegisterRecord {
+        body: kept,
         status,
         at,
     });

@@ -12,6 +12,12 @@
 //! - `GET /namespaces/{id}` (200 member / 404 `No namespace identity found`),
 //!   `GET /namespaces` (`?offset=&limit=`, default 0/100) listing the held namespaces page
 //!   by page, then the [`ListBehaviour`];
+//! - `GET /identity`: 404 "holds neither a device nor an account root yet" until the node
+//!   first takes part in a namespace (an admission, [`MerodEmulator::hold`] or
+//!   [`MerodEmulator::set_minted`]), then the recorded account;
+//! - `POST /tee/attest` `{"nonce": "<64 hex>"}`: 200 `{"data":{"quoteB64": …}}`, a mock quote;
+//!   `POST /tee/registration-attest` the same, but only with
+//!   [`MerodEmulator::set_registration_attest`] (rc.25 predates it: 404, like any unknown route);
 //! - `GET /groups/{id}/members` (`?offset=&limit=`): the recorded member list (an `Admin` and
 //!   this node as `ReadOnlyTee`, with the account fleet-join answers) while held, else 500;
 //! - a known route with another method: 405, an unknown route: 404, both with an empty body
@@ -211,6 +217,8 @@ struct Fixtures {
     members: Recorded,
     /// `GET /groups/{id}/members` of a namespace not held.
     members_not_held: Recorded,
+    identity_before: Recorded,
+    identity_after: Recorded,
     /// One entry of `GET /admin-api/namespaces`.
     list_entry: Value,
 }
@@ -241,6 +249,8 @@ impl Fixtures {
             leave_bad_id: fixture!("namespace-leave-bad-id"),
             members: own_member_row(fixture!("group-members-member"), &join_admitted),
             members_not_held: fixture!("group-members-never-joined"),
+            identity_before: fixture!("identity-before-join"),
+            identity_after: fixture!("identity-after-join"),
             list_entry,
         };
         // Fail at start, not in a request, if a body lacks a field the emulator substitutes.
@@ -297,6 +307,21 @@ struct Inner {
     calls: Vec<CallRecord>,
     join_counts: HashMap<String, usize>,
     leave_counts: HashMap<String, usize>,
+    /// Whether the device and account exist (minted on first taking part in a namespace).
+    minted: bool,
+    /// Whether `registration-attest` exists (newer than rc.25).
+    registration_attest: bool,
+    /// An error status `attest` and `registration-attest` answer, when set.
+    attest_error: Option<u16>,
+}
+
+/// The account id of the recorded `identity-after-join` answer.
+pub const ACCOUNT_ID: &str = "b2541b60308ddf07a2d1aa7506fdb93d44f8fadb430870620438846ae5c6c845";
+
+/// The mock quote the emulator answers for `nonce`: `MOCKQUOTE` then the nonce, as base64
+/// text (what merod's mock-attestation mode makes is a quote over the same report data).
+pub fn mock_quote(nonce: &str) -> String {
+    format!("TU9DS1FVT1RF{nonce}")
 }
 
 struct Shared {
@@ -337,6 +362,9 @@ impl MerodEmulator {
                 calls: Vec::new(),
                 join_counts: HashMap::new(),
                 leave_counts: HashMap::new(),
+                minted: false,
+                registration_attest: false,
+                attest_error: None,
             }),
             fixtures: Fixtures::load(),
         });
@@ -394,11 +422,29 @@ impl MerodEmulator {
         lock(&self.shared.inner).ready = ready;
     }
 
-    /// Makes the node a member of this namespace (a membership that existed before).
+    /// Makes the node a member of this namespace (a membership that existed before; the
+    /// account is minted).
     pub fn hold(&self, group_id: &str) {
-        lock(&self.shared.inner)
-            .held
-            .insert(group_id.to_ascii_lowercase());
+        let mut inner = lock(&self.shared.inner);
+        inner.held.insert(group_id.to_ascii_lowercase());
+        inner.minted = true;
+    }
+
+    /// Whether the node's device and account exist (`GET /admin-api/identity` answers 404
+    /// until then). Default false; an admission or [`MerodEmulator::hold`] sets it.
+    pub fn set_minted(&self, minted: bool) {
+        lock(&self.shared.inner).minted = minted;
+    }
+
+    /// Whether `POST /admin-api/tee/registration-attest` exists (default false, as in
+    /// 0.11.0-rc.25, which answers it 404).
+    pub fn set_registration_attest(&self, present: bool) {
+        lock(&self.shared.inner).registration_attest = present;
+    }
+
+    /// Makes both quote routes answer this status (`None`: quote again).
+    pub fn set_attest_error(&self, status: Option<u16>) {
+        lock(&self.shared.inner).attest_error = status;
     }
 
     /// Drops the membership without a leave call (e.g. evicted by an admin).
@@ -484,13 +530,17 @@ async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
     let get = request.method == Method::GET;
     let post = request.method == Method::POST;
     match rest {
-        "health" | "ready" | "peers" | "namespaces" if !get => method_not_allowed(),
-        "tee/fleet-join" if !post => method_not_allowed(),
+        "health" | "ready" | "peers" | "namespaces" | "identity" if !get => method_not_allowed(),
+        "tee/fleet-join" | "tee/attest" if !post => method_not_allowed(),
         "health" => health(shared),
         "ready" => ready(shared),
         "peers" => peers(shared),
         "tee/fleet-join" => fleet_join(shared, &request.headers, body).await,
         "namespaces" => list_namespaces(shared, &request.uri).await,
+        "identity" => identity(shared),
+        "tee/attest" => quote(shared, &request.headers, &body),
+        // Only with set_registration_attest (rc.25 predates it: an unknown route, 404).
+        "tee/registration-attest" if post => registration_attest(shared, &request.headers, &body),
         _ => {
             if let Some(id) = rest
                 .strip_prefix("groups/")
@@ -679,9 +729,12 @@ async fn fleet_join(shared: &Arc<Shared>, headers: &HeaderMap, body: Bytes) -> A
             let worker = shared.clone();
             let done = tokio::spawn(async move {
                 tokio::time::sleep(delay).await;
+                let mut inner = lock(&worker.inner);
+                inner.minted = true;
                 if hold {
-                    lock(&worker.inner).held.insert(id.clone());
+                    inner.held.insert(id.clone());
                 }
+                drop(inner);
                 worker.fixtures.join_admitted.with_id(JOIN_ID_FIELDS, &id)
             });
             done.await.unwrap_or_else(|_| internal_error())
@@ -697,6 +750,48 @@ fn error_status(status: u16) -> Answer {
         Ok(code) => code.canonical_reason().unwrap_or("Internal server error"),
     };
     json_response(status, json!({ "error": message }))
+}
+
+fn identity(shared: &Shared) -> Answer {
+    if lock(&shared.inner).minted {
+        shared.fixtures.identity_after.respond()
+    } else {
+        shared.fixtures.identity_before.respond()
+    }
+}
+
+#[derive(Deserialize)]
+struct AttestRequest {
+    nonce: String,
+}
+
+/// A quote over the request's nonce (64 hex chars), or 400 as merod answers a bad one.
+fn quote(shared: &Shared, headers: &HeaderMap, body: &[u8]) -> Answer {
+    if let Some(status) = lock(&shared.inner).attest_error {
+        return json_response(status, json!({ "error": "Failed to generate attestation" }));
+    }
+    if !is_json_content_type(headers) {
+        return json_response(
+            400,
+            json!({ "error": "Expected request with `Content-Type: application/json`" }),
+        );
+    }
+    match serde_json::from_slice::<AttestRequest>(body) {
+        Ok(r) if parse_id(&r.nonce).is_ok() => json_response(
+            200,
+            json!({ "data": { "quoteB64": mock_quote(&r.nonce.to_ascii_lowercase()) } }),
+        ),
+        Ok(_) => json_response(400, json!({ "error": "nonce must be 64 hex characters" })),
+        Err(err) => json_response(400, json!({ "error": format!("Invalid JSON data: {err}") })),
+    }
+}
+
+/// `registration-attest`: 404 as on 0.11.0-rc.25 unless the route is switched on.
+fn registration_attest(shared: &Shared, headers: &HeaderMap, body: &[u8]) -> Answer {
+    if !lock(&shared.inner).registration_attest {
+        return not_found();
+    }
+    quote(shared, headers, body)
 }
 
 fn internal_error() -> Answer {

@@ -4,7 +4,6 @@
 //! The demo and the integration tests run the real daemon in it, unprivileged.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use tempfile::TempDir;
 
@@ -121,6 +120,6 @@ impl Sandbox {
     pub fn deps(&self, cfg: &Config) -> Result<Deps, Box<dyn std::error::Error + Send + Sync>> {
         let mdma = MdmaClient::new(&cfg.mdma_url, cfg.fleet_token.clone(), None)?;
         let merod = MerodClient::new(&self.merod.url())?;
-        Ok(Deps::new(Arc::new(mdma), Arc::new(merod)))
+        Ok(Deps::real(cfg, mdma, merod)?)
     }
 }

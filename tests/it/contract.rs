@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Router;
 use fleet_sidecar::GroupId;
-use fleet_sidecar::{Admission, MerodClient, Node};
+use fleet_sidecar::{Admission, MerodClient, MerodError, Node, NodeAccount};
 use serde_json::Value;
 
 fn fixture(name: &str) -> Value {
@@ -18,14 +18,15 @@ fn fixture(name: &str) -> Value {
     serde_json::from_str(&text).expect("fixture is JSON")
 }
 
-/// A loopback server of `router`, stopped when dropped.
-struct ServerHandle {
+/// A loopback server of `router`, stopped when dropped (registration's fake metadata server
+/// uses it too).
+pub(crate) struct ServerHandle {
     addr: std::net::SocketAddr,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl ServerHandle {
-    fn url(&self) -> url::Url {
+    pub(crate) fn url(&self) -> url::Url {
         format!("http://{}/", self.addr).parse().unwrap()
     }
 }
@@ -36,7 +37,7 @@ impl Drop for ServerHandle {
     }
 }
 
-async fn serve(router: Router) -> std::io::Result<ServerHandle> {
+pub(crate) async fn serve(router: Router) -> std::io::Result<ServerHandle> {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let task = tokio::spawn(async move {
@@ -199,6 +200,8 @@ fn every_copied_fixture_is_covered() {
         "namespaces-list-empty",
         "namespaces-list-after-leave",
         "fleet-join-admitter-addrs",
+        "identity-before-join",
+        "identity-after-join",
     ];
     // Served by the merod emulator only, checked against it by
     // the_emulator_answers_every_recorded_request_in_the_recorded_shape (the sidecar does not
@@ -473,4 +476,76 @@ async fn the_emulator_answers_every_recorded_request_in_the_recorded_shape() {
         "answers of another shape:\n{}",
         wrong.join("\n")
     );
+}
+#[tokio::test]
+async fn identity_answers_not_minted_before_a_namespace_and_the_account_after() {
+    let (_s, client, _f) = replay("identity-before-join").await;
+    assert_eq!(client.identity().await.unwrap(), NodeAccount::NotMinted);
+    let (_s, client, f) = replay("identity-after-join").await;
+    let want = f["response"]["body"]["data"]["accountId"].as_str().unwrap();
+    assert_eq!(
+        client.identity().await.unwrap(),
+        NodeAccount::Account(want.to_owned())
+    );
+}
+
+/// A server answering every request with `status` and `body`.
+async fn answering(status: u16, body: &'static str) -> (ServerHandle, MerodClient) {
+    let router = Router::new().fallback(move || async move {
+        (
+            StatusCode::from_u16(status).unwrap(),
+            [("content-type", "application/json")],
+            body,
+        )
+            .into_response()
+    });
+    let server = serve(router).await.unwrap();
+    let client = MerodClient::new(&server.url()).unwrap();
+    (server, client)
+}
+
+#[tokio::test]
+async fn a_404_of_another_shape_is_not_an_answer_about_the_account() {
+    let (_s, client) = answering(404, r#"{"error":"Not found"}"#).await;
+    assert!(matches!(
+        client.identity().await,
+        Err(MerodError::Status { status: 404, .. })
+    ));
+    // An account id that would break the nonce's fields is refused.
+    let (_s, client) = answering(200, r#"{"data":{"accountId":"a|b"}}"#).await;
+    assert!(matches!(
+        client.identity().await,
+        Err(MerodError::Answer { .. })
+    ));
+    let (_s, client) = answering(200, r#"{"data":{"accountId":"  ABC  "}}"#).await;
+    assert_eq!(
+        client.identity().await.unwrap(),
+        NodeAccount::Account("abc".to_owned())
+    );
+}
+
+#[tokio::test]
+async fn quotes_are_read_under_data_or_at_the_top_and_a_404_is_the_fallback_signal() {
+    let nonce = "ab".repeat(32);
+    let (_s, client) = answering(200, r#"{"data":{"quoteB64":"UVVPVEU="}}"#).await;
+    assert_eq!(client.attest(&nonce).await.unwrap(), "UVVPVEU=");
+    assert_eq!(
+        client.registration_attest(&nonce).await.unwrap().as_deref(),
+        Some("UVVPVEU=")
+    );
+    let (_s, client) = answering(200, r#"{"quoteB64":"VE9Q"}"#).await;
+    assert_eq!(client.attest(&nonce).await.unwrap(), "VE9Q");
+    let (_s, client) = answering(200, r#"{"data":{"quoteB64":""}}"#).await;
+    assert!(matches!(
+        client.attest(&nonce).await,
+        Err(MerodError::Answer { .. })
+    ));
+    // registration-attest: only a 404 means "absent, fall back"; a 400 is a failure.
+    let (_s, client) = answering(404, r#"{"error":"Not found"}"#).await;
+    assert_eq!(client.registration_attest(&nonce).await.unwrap(), None);
+    let (_s, client) = answering(400, r#"{"error":"bad nonce"}"#).await;
+    assert!(matches!(
+        client.registration_attest(&nonce).await,
+        Err(MerodError::Status { status: 400, .. })
+    ));
 }

@@ -27,6 +27,7 @@ mod paused;
 mod poll_gate;
 mod proto;
 mod reconcile_loop;
+mod registration;
 mod reliability;
 mod schema;
 mod soak;

@@ -1,0 +1,1150 @@
+//! The fleet token the polls carry, as a background job of its own beside the loop (it
+//! never stalls a poll: every call it makes is bounded, and the loop never waits for it).
+//!
+//! Two ways to hold a token (README, "The fleet token"):
+//! - **configured**: `fleet_token`, or `fleet_token_file`, which is read again after every
+//!   poll MDMA refuses (401/403) and on SIGHUP, so a replaced file is used without a restart;
+//! - **registration** (`[registration]`): the node earns its own token with a TDX quote
+//!   (docs/mdma.md, "Attested registration"): the challenge, the nonce
+//!   `sha256(challenge|peer_id|account|relay_url)`, a quote from merod over it, then
+//!   `register`. The token is kept in `token_file` (0600, directory 0700, written
+//!   atomically) and reused after a restart; the identity it was issued to is kept beside it
+//!   in `fleet-registration.json`.
+//!
+//! When to attempt is decided by [`Machine`], pure (no I/O, no clock: `now` is passed in):
+//! at once while no token is held; again once polls have been refused for
+//! [`REJECTED_FOR`] in a row, or when the identity differs from the one registered with;
+//! every attempt after the first waits `retry_interval` doubling up to [`RETRY_CAP`],
+//! jittered, until MDMA accepts a poll with the token, so a fleet whose MDMA refuses
+//! everyone does not storm it.
+//!
+//! Neither the issued token nor the enrolment token is ever logged, put in an error, in
+//! `Debug`, `/status` or a metric: both are wrapped ([`FleetToken`], [`EnrolmentToken`]) and
+//! leave the process only in the `X-Fleet-Token` header, the `register` body and the token
+//! file.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+use url::Url;
+
+use crate::config::{read_token_file, Config, RegistrationConfig, TokenFileProblem};
+use crate::ids::PeerId;
+use crate::mdma::{
+    EnrolmentToken, FleetToken, MdmaClient, PollVerdict, RegisterError, RegisterRequest,
+};
+use crate::merod::{MerodClient, MerodError, NodeAccount};
+use crate::telemetry::Telemetry;
+
+/// Polls refused (401/403) for this long in a row make a held token count as rejected: the
+/// node registers again.
+pub(crate) const REJECTED_FOR: Duration = Duration::from_secs(30);
+/// The longest wait between two registration attempts.
+pub(crate) const RETRY_CAP: Duration = Duration::from_secs(600);
+/// How often, while a token is held, the identity (account, relay URL) is read again to
+/// find a change.
+pub(crate) const IDENTITY_CHECK_INTERVAL: Duration = Duration::from_secs(60);
+/// Bound of one read of a metadata attribute.
+pub(crate) const METADATA_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest metadata attribute read.
+const MAX_ATTRIBUTE: usize = 64 * 1024;
+/// The identity a token was issued to, beside the token file (the reference's name).
+pub(crate) const RECORD_FILE: &str = "fleet-registration.json";
+
+/// Who the node is to MDMA: what the nonce binds and what a token was issued to. Written as
+/// `fleet-registration.json` with sorted keys (the field order here).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Identity {
+    /// merod's account id (`GET /admin-api/identity`).
+    pub(crate) executor_account: String,
+    /// The node's PeerId.
+    pub(crate) peer_id: String,
+    /// The relay URL (possibly empty).
+    pub(crate) relay_url: String,
+}
+
+/// The registration nonce: lowercase hex of SHA-256 over the UTF-8 text
+/// `challenge|peer_id|account|relay_url` (an empty relay URL keeps its slot).
+pub(crate) fn nonce(challenge: &str, id: &Identity) -> String {
+    let text = format!(
+        "{challenge}|{}|{}|{}",
+        id.peer_id, id.executor_account, id.relay_url
+    );
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+/// What token the polls carry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Held {
+    /// None yet: polls go without `X-Fleet-Token`.
+    None,
+    /// A token issued by registration (this run's or a stored one).
+    Token,
+    /// MDMA registered the node but issues no tokens: polls go without one.
+    Tokenless,
+}
+
+impl Held {
+    /// The `fleet_token` word of `/status`.
+    fn word(self) -> &'static str {
+        match self {
+            Held::None => "none",
+            Held::Token => "registered",
+            Held::Tokenless => "tokenless",
+        }
+    }
+}
+
+/// Why a registration is due.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Why {
+    /// No token is held.
+    NoToken,
+    /// Polls have been refused for [`REJECTED_FOR`] in a row.
+    Rejected,
+    /// The identity differs from the one the token was issued to.
+    IdentityChanged,
+}
+
+impl Why {
+    fn as_str(self) -> &'static str {
+        match self {
+            Why::NoToken => "no token yet",
+            Why::Rejected => "the token is refused",
+            Why::IdentityChanged => "the identity changed",
+        }
+    }
+}
+
+/// What [`Machine::due`] says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Due {
+    /// Attempt now.
+    Now(Why),
+    /// Nothing to do before this instant (a backoff, or a refusal streak reaching
+    /// [`REJECTED_FOR`]); ask again then.
+    At(Instant),
+    /// Nothing to do until something changes.
+    Idle,
+}
+
+/// The registration decisions, pure: what is held, what it was issued to, and the backoff.
+#[derive(Clone, Debug)]
+pub(crate) struct Machine {
+    retry_interval: Duration,
+    held: Held,
+    /// The identity the held token (or the tokenless registration) was issued to.
+    registered_as: Option<Identity>,
+    /// The identity last observed.
+    current: Option<Identity>,
+    /// Attempts since MDMA last accepted a poll carrying a registered token.
+    attempts: u32,
+    /// No attempt before this.
+    not_before: Option<Instant>,
+}
+
+impl Machine {
+    /// The machine at start: `held` from the token file, `registered_as` from its record.
+    pub(crate) fn new(
+        retry_interval: Duration,
+        held: Held,
+        registered_as: Option<Identity>,
+    ) -> Self {
+        Self {
+            retry_interval,
+            held,
+            registered_as,
+            current: None,
+            attempts: 0,
+            not_before: None,
+        }
+    }
+
+    /// What is held.
+    pub(crate) fn held(&self) -> Held {
+        self.held
+    }
+
+    /// Whether to attempt a registration at `now`, polls having been refused since
+    /// `refused_since` (if they are).
+    pub(crate) fn due(&self, now: Instant, refused_since: Option<Instant>) -> Due {
+        let why = match (self.held, refused_since) {
+            (Held::None, _) => Why::NoToken,
+            (_, Some(since)) if now >= since + REJECTED_FOR => Why::Rejected,
+            _ if self.identity_changed() => Why::IdentityChanged,
+            (_, Some(since)) => return Due::At(since + REJECTED_FOR),
+            (_, None) => return Due::Idle,
+        };
+        match self.not_before {
+            Some(t) if t > now => Due::At(t),
+            _ => Due::Now(why),
+        }
+    }
+
+    fn identity_changed(&self) -> bool {
+        matches!((&self.registered_as, &self.current), (Some(r), Some(c)) if r != c)
+    }
+
+    /// The identity as read now. Returns `true` when a held token had no record of whom it
+    /// was issued to (a token file from before the record): the identity is adopted as its
+    /// record, to be written, rather than registering again.
+    pub(crate) fn observe(&mut self, id: Identity) -> bool {
+        let adopt = self.held != Held::None && self.registered_as.is_none();
+        if adopt {
+            self.registered_as = Some(id.clone());
+        }
+        self.current = Some(id);
+        adopt
+    }
+
+    /// An attempt ended at `now`: registered as `id` holding `held`, or failed (`None`:
+    /// refused, unavailable, blocked, any error). Returns the wait before another attempt
+    /// may start (jittered with `jitter` in `[0, 1)`).
+    pub(crate) fn attempted(
+        &mut self,
+        now: Instant,
+        jitter: f64,
+        registered: Option<(Identity, Held)>,
+    ) -> Duration {
+        self.attempts = self.attempts.saturating_add(1);
+        let wait = retry_wait(self.retry_interval, self.attempts, jitter);
+        self.not_before = Some(now + wait);
+        if let Some((id, held)) = registered {
+            self.held = held;
+            self.registered_as = Some(id.clone());
+            self.current = Some(id);
+        }
+        wait
+    }
+
+    /// MDMA accepted a poll: with a registered token held, the next failure's wait starts
+    /// again at `retry_interval` (an accepted untokened poll says nothing of registration).
+    pub(crate) fn accepted(&mut self) {
+        if self.held == Held::Token {
+            self.attempts = 0;
+        }
+    }
+
+    /// A token was put in place from the token file (SIGHUP): it is held from now on.
+    pub(crate) fn replaced(&mut self) {
+        self.held = Held::Token;
+    }
+}
+
+/// The wait after the `attempt`-th attempt in a row (1-based) since polls were last
+/// accepted: `first · 2^(attempt-1)`, stretched by up to half (`jitter` in `[0, 1)`),
+/// capped at [`RETRY_CAP`]; never below `first` (or the cap).
+pub(crate) fn retry_wait(first: Duration, attempt: u32, jitter: f64) -> Duration {
+    let base = first
+        .saturating_mul(2u32.saturating_pow(attempt.saturating_sub(1)))
+        .min(RETRY_CAP);
+    base.mul_f64(1.0 + jitter.clamp(0.0, 1.0) / 2.0)
+        .min(RETRY_CAP)
+}
+
+/// Why one registration attempt failed. Never holds a token.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AttemptError {
+    /// The account is not known yet: registration waits for it.
+    #[error(
+        "merod holds no account yet (it is minted when the node first takes part in a namespace)"
+    )]
+    NotMinted,
+    /// The account could not be read.
+    #[error("the account is unknown: {0}")]
+    Identity(#[source] MerodError),
+    /// A metadata attribute could not be read.
+    #[error("metadata attribute {url}: {reason}")]
+    Metadata {
+        /// The attribute's URL.
+        url: Url,
+        /// What failed.
+        reason: String,
+    },
+    /// The enrolment token file could not be read.
+    #[error("cannot read enrolment_token_file {path}: {source}")]
+    EnrolmentFile {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The challenge call failed.
+    #[error("challenge: {0}")]
+    Challenge(#[source] RegisterError),
+    /// merod made no quote.
+    #[error("quote: {0}")]
+    Attest(#[source] MerodError),
+    /// The register call failed (403 verdict, 503, other).
+    #[error("register: {0}")]
+    Register(#[source] RegisterError),
+}
+
+impl AttemptError {
+    /// The `outcome` label of `fleet_sidecar_registrations_total`: `blocked`, `refused`,
+    /// `unavailable`, `timeout` or `error`.
+    fn metric_label(&self) -> &'static str {
+        match self {
+            AttemptError::NotMinted | AttemptError::Identity(_) => "blocked",
+            AttemptError::Register(RegisterError::Refused { .. }) => "refused",
+            AttemptError::Register(RegisterError::Unavailable { .. }) => "unavailable",
+            AttemptError::Challenge(e) | AttemptError::Register(e) if e.is_timeout() => "timeout",
+            AttemptError::Attest(e) if e.is_timeout() => "timeout",
+            _ => "error",
+        }
+    }
+
+    /// What the registration waits on, when it is blocked (said once, on the edge).
+    fn blocked_on(&self) -> Option<String> {
+        match self {
+            AttemptError::NotMinted | AttemptError::Identity(_) => Some(self.to_string()),
+            _ => None,
+        }
+    }
+}
+
+/// Why the token file or its record could not be written. Never holds the token.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum StoreError {
+    /// Creating the directory, the temp file, writing, syncing or renaming failed.
+    #[error("cannot write {path}: {source}")]
+    Io {
+        /// The file (or directory) being written.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The writer stopped (it runs on the blocking pool).
+    #[error("the write of {path} stopped: {source}")]
+    Stopped {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: tokio::task::JoinError,
+    },
+}
+
+/// Writes `bytes` to `path` atomically, mode 0600: a temp file in the same directory
+/// (created 0700 with its parents if missing), fsync, rename, fsync of the directory.
+/// Blocking: run it on the blocking pool.
+///
+/// Errors: [`StoreError::Io`] naming the path.
+pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
+    use std::os::unix::fs::DirBuilderExt;
+    let io = |p: &Path| {
+        let p = p.to_owned();
+        move |source| StoreError::Io { path: p, source }
+    };
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(dir)
+            .map_err(io(dir))?;
+    }
+    // tempfile creates the file with mode 0600.
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".fleet-token-")
+        .tempfile_in(dir)
+        .map_err(io(dir))?;
+    tmp.write_all(bytes).map_err(io(path))?;
+    tmp.as_file().sync_all().map_err(io(path))?;
+    tmp.persist(path).map_err(|e| StoreError::Io {
+        path: path.to_owned(),
+        source: e.error,
+    })?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir))?;
+    Ok(())
+}
+
+/// [`write_private`] on the blocking pool, so a slow disk delays only this job.
+async fn write_private_async(path: PathBuf, bytes: Vec<u8>) -> Result<(), StoreError> {
+    let file = path.clone();
+    tokio::task::spawn_blocking(move || write_private(&file, &bytes))
+        .await
+        .map_err(|source| StoreError::Stopped { path, source })?
+}
+
+/// The record file beside `token_file`.
+pub(crate) fn record_path(token_file: &Path) -> PathBuf {
+    token_file.with_file_name(RECORD_FILE)
+}
+
+/// The token file and its record as found at start: the token (if the file is usable), the
+/// identity it was issued to (if recorded), and what was wrong (never the token).
+struct Stored {
+    token: Option<FleetToken>,
+    record: Option<Identity>,
+    problem: Option<String>,
+}
+
+/// Reads the token file (it must be private and hold a sendable token) and its record.
+/// Blocking.
+fn load_stored(token_file: &Path) -> Stored {
+    let (token, problem) = match read_token_file(token_file) {
+        Ok(t) => (Some(t), None),
+        Err(TokenFileProblem::Unreadable(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            (None, None)
+        }
+        Err(p) => (None, Some(format!("{}: {p}", token_file.display()))),
+    };
+    let record = std::fs::read(record_path(token_file))
+        .ok()
+        .and_then(|bytes| crate::strict_json::from_slice::<Identity>(&bytes).ok());
+    Stored {
+        token,
+        record,
+        problem,
+    }
+}
+
+/// Whether the registered token's file is there (never its content): what `check-config`
+/// and `status` say of it.
+pub(crate) fn token_file_presence(file: &Path) -> String {
+    match std::fs::metadata(file) {
+        Ok(m) if m.is_file() => format!(
+            "ok    token_file {} is present: the stored fleet token is reused, no new registration",
+            file.display()
+        ),
+        Ok(_) => format!("fail  token_file {} is not a regular file", file.display()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => format!(
+            "info  token_file {} is absent: the node registers at start",
+            file.display()
+        ),
+        Err(e) => format!("fail  token_file {}: {e}", file.display()),
+    }
+}
+
+/// Where the token comes from.
+enum Source {
+    /// `fleet_token_file`: read again on a refused poll and on SIGHUP.
+    File(PathBuf),
+    /// `[registration]`.
+    Registration(Box<Registrar>),
+}
+
+/// What a registration needs besides MDMA: merod, the metadata server, the settings.
+struct Registrar {
+    merod: MerodClient,
+    cfg: RegistrationConfig,
+    metadata: reqwest::Client,
+}
+
+/// The fleet token's job: keeps the token the MDMA client sends (see the module docs).
+pub(crate) struct TokenJob {
+    mdma: MdmaClient,
+    source: Source,
+    hup: Notify,
+}
+
+/// Why the token job could not be built.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot build the metadata HTTP client: {0}")]
+pub(crate) struct JobError(#[source] reqwest::Error);
+
+impl TokenJob {
+    /// The job for `cfg`, sending through `mdma` (whose clones share its token), or `None`
+    /// when there is nothing to keep (an inline `fleet_token`, or no token at all).
+    ///
+    /// Errors: [`JobError`] when the metadata HTTP client cannot be built.
+    pub(crate) fn for_config(
+        cfg: &Config,
+        mdma: &MdmaClient,
+        merod: &MerodClient,
+    ) -> Result<Option<Arc<Self>>, JobError> {
+        let source = match (&cfg.registration, &cfg.fleet_token_file) {
+            (Some(reg), _) => Source::Registration(Box::new(Registrar {
+                merod: merod.clone(),
+                cfg: reg.clone(),
+                // Never through a proxy: the metadata server is link-local, and a proxy
+                // would see the enrolment token.
+                metadata: reqwest::Client::builder()
+                    .no_proxy()
+                    .timeout(METADATA_TIMEOUT)
+                    .connect_timeout(METADATA_TIMEOUT)
+                    .redirect(reqwest::redirect::Policy::none())
+                    .build()
+                    .map_err(JobError)?,
+            })),
+            (None, Some(file)) => Source::File(file.clone()),
+            (None, None) => return Ok(None),
+        };
+        Ok(Some(Arc::new(Self {
+            mdma: mdma.clone(),
+            source,
+            hup: Notify::new(),
+        })))
+    }
+
+    /// SIGHUP: read the token file again.
+    pub(crate) fn reload(&self) {
+        self.hup.notify_one();
+    }
+
+    /// Starts the job for the node `peer_id`: a stored token is put in place before this
+    /// returns (so the first poll carries it), then the job runs in the background until
+    /// `shutdown`. With `dry_run`, nothing is registered or written (the stored token is
+    /// still used).
+    pub(crate) async fn start(
+        self: Arc<Self>,
+        peer_id: PeerId,
+        telemetry: Arc<Telemetry>,
+        shutdown: CancellationToken,
+        dry_run: bool,
+    ) {
+        match &self.source {
+            Source::File(_) => {
+                telemetry.update(|st| st.fleet_token = "configured".to_owned());
+                tokio::spawn(async move { self.watch_file(shutdown).await });
+            }
+            Source::Registration(reg) => {
+                let file = reg.cfg.token_file.clone();
+                let stored = tokio::task::spawn_blocking(move || load_stored(&file))
+                    .await
+                    .unwrap_or(Stored {
+                        token: None,
+                        record: None,
+                        problem: Some("the token file reader stopped".to_owned()),
+                    });
+                if let Some(problem) = &stored.problem {
+                    warn!("stored fleet token unusable ({problem}): registering again");
+                }
+                let held = if stored.token.is_some() {
+                    info!(token_file = %reg.cfg.token_file.display(), "using the stored fleet token (no new registration)");
+                    Held::Token
+                } else {
+                    info!(token_file = %reg.cfg.token_file.display(), "no stored fleet token: registering (polls go on without a token meanwhile)");
+                    Held::None
+                };
+                self.mdma.set_token(stored.token);
+                let machine = Machine::new(reg.cfg.retry_interval, held, stored.record);
+                telemetry.update(|st| {
+                    st.fleet_token = held.word().to_owned();
+                    st.registration = Some(if held == Held::Token {
+                        "stored token in use".to_owned()
+                    } else {
+                        "pending".to_owned()
+                    });
+                });
+                if dry_run {
+                    info!("dry run: no registration is attempted");
+                    return;
+                }
+                tokio::spawn(async move {
+                    self.register_loop(machine, peer_id, telemetry, shutdown)
+                        .await
+                });
+            }
+        }
+    }
+
+    /// `fleet_token_file`: read again on every refused poll and on SIGHUP.
+    async fn watch_file(&self, shutdown: CancellationToken) {
+        let Source::File(path) = &self.source else {
+            return;
+        };
+        let mut verdicts = self.mdma.verdicts();
+        let mut edges = Edges::default();
+        let mut last_problem: Option<String> = None;
+        loop {
+            let why = tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = self.hup.notified() => "SIGHUP",
+                changed = verdicts.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let v = *verdicts.borrow_and_update();
+                    edges.see(&v, self.mdma.has_token());
+                    if v.refused_since.is_none() {
+                        continue;
+                    }
+                    "a refused poll"
+                }
+            };
+            let file = path.clone();
+            let read = tokio::task::spawn_blocking(move || read_token_file(&file)).await;
+            match read {
+                Ok(Ok(token)) => {
+                    last_problem = None;
+                    if self.mdma.token().as_ref() == Some(&token) {
+                        if why == "SIGHUP" {
+                            info!(path = %path.display(), "SIGHUP: fleet_token_file read again, token unchanged");
+                        }
+                    } else {
+                        self.mdma.set_token(Some(token));
+                        info!(path = %path.display(), "fleet_token_file read again after {why}: the token changed, polls carry the new one");
+                    }
+                }
+                Ok(Err(problem)) => {
+                    let text = problem.to_string();
+                    if last_problem.as_deref() != Some(text.as_str()) {
+                        warn!(path = %path.display(), "fleet_token_file read again after {why}: {text}; keeping the token in use");
+                        last_problem = Some(text);
+                    }
+                }
+                Err(e) => warn!("the fleet_token_file reader stopped: {e}"),
+            }
+        }
+    }
+
+    /// `[registration]`: attempts when [`Machine::due`] says, checks the identity every
+    /// [`IDENTITY_CHECK_INTERVAL`] while a token is held, reads the token file again on
+    /// SIGHUP.
+    async fn register_loop(
+        &self,
+        mut machine: Machine,
+        peer_id: PeerId,
+        telemetry: Arc<Telemetry>,
+        shutdown: CancellationToken,
+    ) {
+        let Source::Registration(reg) = &self.source else {
+            return;
+        };
+        let mut verdicts = self.mdma.verdicts();
+        let mut edges = Edges::default();
+        let mut accepted = verdicts.borrow().accepted;
+        let mut blocked: Option<String> = None;
+        let mut next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
+        loop {
+            let now = Instant::now();
+            let verdict = *verdicts.borrow();
+            let wake = match machine.due(now, verdict.refused_since) {
+                Due::Now(why) => {
+                    let outcome = tokio::select! {
+                        () = shutdown.cancelled() => return,
+                        r = reg.attempt(&self.mdma, &peer_id) => r,
+                    };
+                    self.settle(&mut machine, why, outcome, &mut blocked, &telemetry)
+                        .await;
+                    next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
+                    continue;
+                }
+                Due::At(t) => t.min(next_check),
+                Due::Idle => next_check,
+            };
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = self.hup.notified() => {
+                    let file = reg.cfg.token_file.clone();
+                    if let Ok(Ok(token)) = tokio::task::spawn_blocking(move || read_token_file(&file)).await {
+                        if self.mdma.token().as_ref() != Some(&token) {
+                            self.mdma.set_token(Some(token));
+                            machine.replaced();
+                            telemetry.update(|st| st.fleet_token = Held::Token.word().to_owned());
+                            info!(token_file = %reg.cfg.token_file.display(), "SIGHUP: token_file changed, polls carry the new token");
+                        } else {
+                            info!("SIGHUP: token_file read again, token unchanged");
+                        }
+                    }
+                }
+                changed = verdicts.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    let v = *verdicts.borrow_and_update();
+                    edges.see(&v, self.mdma.has_token());
+                    if v.accepted != accepted {
+                        accepted = v.accepted;
+                        machine.accepted();
+                    }
+                }
+                () = tokio::time::sleep_until(wake) => {
+                    if Instant::now() >= next_check {
+                        next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
+                        if machine.held() != Held::None {
+                            if let Ok(id) = reg.identity(&peer_id).await {
+                                if machine.observe(id.clone()) {
+                                    reg.write_record(&id).await;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Folds one attempt's outcome: the token in place and stored, the metric, the logs and
+    /// the status.
+    async fn settle(
+        &self,
+        machine: &mut Machine,
+        why: Why,
+        outcome: Result<(Identity, Option<FleetToken>), AttemptError>,
+        blocked: &mut Option<String>,
+        telemetry: &Telemetry,
+    ) {
+        let Source::Registration(reg) = &self.source else {
+            return;
+        };
+        let now = Instant::now();
+        match outcome {
+            Ok((id, token)) => {
+                if let Some(on) = blocked.take() {
+                    info!("registration no longer blocked (was: {on})");
+                }
+                let held = if token.is_some() {
+                    Held::Token
+                } else {
+                    Held::Tokenless
+                };
+                match &token {
+                    Some(t) => {
+                        if let Err(e) = write_private_async(
+                            reg.cfg.token_file.clone(),
+                            t.expose().as_bytes().to_vec(),
+                        )
+                        .await
+                        {
+                            warn!("registered, but the token cannot be kept ({e}): it is used now and the node registers again after a restart");
+                        }
+                        info!(reason = why.as_str(), account = %id.executor_account, relay_url = %id.relay_url, "registered with MDMA: polls carry the issued fleet token");
+                        Telemetry::count(&telemetry.registrations, "registered");
+                    }
+                    None => {
+                        warn!(reason = why.as_str(), "registered with MDMA, but it issued no fleet token (it has no signing key): polling without one");
+                        Telemetry::count(&telemetry.registrations, "tokenless");
+                    }
+                }
+                self.mdma.set_token(token);
+                reg.write_record(&id).await;
+                machine.attempted(now, fastrand::f64(), Some((id, held)));
+                telemetry.update(|st| {
+                    st.fleet_token = held.word().to_owned();
+                    st.registration =
+                        Some(format!("registered at {:.0}", crate::telemetry::unix_now()));
+                });
+            }
+            Err(e) => {
+                Telemetry::count(&telemetry.registrations, e.metric_label());
+                let wait = machine.attempted(now, fastrand::f64(), None);
+                let text = match e.blocked_on() {
+                    Some(on) => {
+                        if blocked.as_deref() != Some(on.as_str()) {
+                            warn!("registration blocked: {on}; trying again with backoff (polls go on meanwhile)");
+                            *blocked = Some(on.clone());
+                        } else {
+                            debug!("registration still blocked: {on}");
+                        }
+                        format!("blocked: {on}; next attempt in {}s", wait.as_secs())
+                    }
+                    None => {
+                        if let Some(on) = blocked.take() {
+                            info!("registration no longer blocked (was: {on})");
+                        }
+                        warn!(
+                            reason = why.as_str(),
+                            "registration failed: {e}; next attempt in {}s",
+                            wait.as_secs()
+                        );
+                        format!("failed: {e}; next attempt in {}s", wait.as_secs())
+                    }
+                };
+                telemetry.update(|st| st.registration = Some(text));
+            }
+        }
+    }
+}
+
+impl Registrar {
+    /// The identity as it is now: the account from merod, the relay URL from the config or
+    /// the metadata.
+    async fn identity(&self, peer_id: &PeerId) -> Result<Identity, AttemptError> {
+        let account = match self.merod.identity().await {
+            Ok(NodeAccount::Account(a)) => a,
+            Ok(NodeAccount::NotMinted) => return Err(AttemptError::NotMinted),
+            Err(e) => return Err(AttemptError::Identity(e)),
+        };
+        let relay_url = match &self.cfg.relay_url {
+            Some(r) => r.clone(),
+            None => self.attribute("relay-url").await?,
+        };
+        Ok(Identity {
+            executor_account: account,
+            peer_id: peer_id.to_string(),
+            relay_url,
+        })
+    }
+
+    /// One registration: identity, enrolment token, challenge, nonce, quote (with the
+    /// fallback to `tee/attest` on a 404), register.
+    async fn attempt(
+        &self,
+        mdma: &MdmaClient,
+        peer_id: &PeerId,
+    ) -> Result<(Identity, Option<FleetToken>), AttemptError> {
+        let id = self.identity(peer_id).await?;
+        let enrolment_token = match &self.cfg.enrolment_token_file {
+            Some(path) => {
+                let file = path.clone();
+                let text = tokio::task::spawn_blocking(move || std::fs::read_to_string(file))
+                    .await
+                    .map_err(|e| AttemptError::EnrolmentFile {
+                        path: path.clone(),
+                        source: std::io::Error::other(e),
+                    })?
+                    .map_err(|source| AttemptError::EnrolmentFile {
+                        path: path.clone(),
+                        source,
+                    })?;
+                EnrolmentToken::new(text.trim())
+            }
+            None => EnrolmentToken::new(self.attribute("enrolment-token").await?),
+        };
+        let challenge = mdma.challenge().await.map_err(AttemptError::Challenge)?;
+        let nonce = nonce(&challenge.challenge, &id);
+        let (quote, registration_bound) = match self.merod.registration_attest(&nonce).await {
+            Ok(Some(q)) => (q, true),
+            Ok(None) => {
+                debug!(
+                    "merod has no registration-attest (404): quoting with tee/attest, no binding"
+                );
+                (
+                    self.merod
+                        .attest(&nonce)
+                        .await
+                        .map_err(AttemptError::Attest)?,
+                    false,
+                )
+            }
+            Err(e) => return Err(AttemptError::Attest(e)),
+        };
+        let request = RegisterRequest {
+            peer_id: peer_id.clone(),
+            executor_account: id.executor_account.clone(),
+            relay_url: id.relay_url.clone(),
+            challenge: challenge.challenge,
+            quote,
+            enrolment_token,
+            registration_bound,
+        };
+        let registered = mdma
+            .register(&request)
+            .await
+            .map_err(AttemptError::Register)?;
+        Ok((id, registered.token))
+    }
+
+    /// A metadata attribute (`Metadata-Flavor: Google`, no proxy, [`METADATA_TIMEOUT`]):
+    /// its text with CR/LF and surrounding whitespace removed; `""` on a 404 (not set).
+    async fn attribute(&self, name: &str) -> Result<String, AttemptError> {
+        let url = self
+            .cfg
+            .metadata_url
+            .join(name)
+            .map_err(|e| AttemptError::Metadata {
+                url: self.cfg.metadata_url.clone(),
+                reason: e.to_string(),
+            })?;
+        let fail = |reason: String| AttemptError::Metadata {
+            url: url.clone(),
+            reason,
+        };
+        let read = async {
+            let mut resp = self
+                .metadata
+                .get(url.clone())
+                .header("Metadata-Flavor", "Google")
+                .send()
+                .await
+                .map_err(|e| fail(e.without_url().to_string()))?;
+            match resp.status().as_u16() {
+                200 => {}
+                404 => return Ok(String::new()),
+                status => return Err(fail(format!("HTTP {status}"))),
+            }
+            let mut bytes = Vec::new();
+            while let Some(chunk) = resp
+                .chunk()
+                .await
+                .map_err(|e| fail(e.without_url().to_string()))?
+            {
+                if bytes.len() + chunk.len() > MAX_ATTRIBUTE {
+                    return Err(fail(format!("larger than {MAX_ATTRIBUTE} bytes")));
+                }
+                bytes.extend_from_slice(&chunk);
+            }
+            let text = String::from_utf8(bytes).map_err(|_| fail("not UTF-8".to_owned()))?;
+            Ok(text.replace(['\r', '\n'], "").trim().to_owned())
+        };
+        match tokio::time::timeout(METADATA_TIMEOUT, read).await {
+            Ok(r) => r,
+            Err(_) => Err(fail(format!("no answer within {METADATA_TIMEOUT:?}"))),
+        }
+    }
+
+    /// Writes the record of whom the token was issued to (a failure is logged: the next
+    /// identity check adopts the identity again).
+    async fn write_record(&self, id: &Identity) {
+        let path = record_path(&self.cfg.token_file);
+        let bytes = match serde_json::to_vec(id) {
+            Ok(b) => b,
+            Err(e) => {
+                warn!("cannot render the registration record: {e}");
+                return;
+            }
+        };
+        if let Err(e) = write_private_async(path, bytes).await {
+            warn!("{e}");
+        }
+    }
+}
+
+/// Logs the edges of refused polls once each: "no token yet" apart from "token rejected",
+/// and the recovery.
+#[derive(Default)]
+struct Edges {
+    refused: Option<bool>,
+}
+
+impl Edges {
+    fn see(&mut self, v: &PollVerdict, has_token: bool) {
+        match (v.refused_since.is_some(), self.refused) {
+            (true, None) => {
+                if has_token {
+                    warn!("MDMA refuses the fleet token (HTTP 401/403): token rejected; polls go on, nothing is joined or left");
+                } else {
+                    warn!("MDMA refuses polls without a token (HTTP 401/403): no token yet; polls go on, nothing is joined or left");
+                }
+                self.refused = Some(has_token);
+            }
+            (false, Some(_)) if v.accepted > 0 && v.refusals == 0 => {
+                info!("MDMA accepts the polls again");
+                self.refused = None;
+            }
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: Duration = Duration::from_secs(1);
+    const RETRY: Duration = Duration::from_secs(30);
+
+    fn id(account: &str) -> Identity {
+        Identity {
+            executor_account: account.to_owned(),
+            peer_id: "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk".to_owned(),
+            relay_url: "https://relay.example".to_owned(),
+        }
+    }
+
+    #[test]
+    fn the_nonce_is_the_hex_sha256_of_the_four_fields_joined_by_bars() {
+        let n = nonce("c1", &id("acc"));
+        // printf '%s' 'c1|12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk|acc|https://relay.example' | sha256sum
+        assert_eq!(
+            n,
+            "f656a776bd848efde7114cf4bb52a3fd43392daa485bedeb17fc8920aaec5cfb"
+        );
+        let mut empty = id("acc");
+        empty.relay_url.clear();
+        assert_eq!(
+            nonce("c1", &empty),
+            hex::encode(Sha256::digest(
+                b"c1|12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk|acc|"
+            ))
+        );
+        assert!(n
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)));
+    }
+
+    #[test]
+    fn without_a_token_an_attempt_is_due_at_once_then_backs_off() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::None, None);
+        assert_eq!(m.due(t0, None), Due::Now(Why::NoToken));
+        let wait = m.attempted(t0, 0.0, None);
+        assert_eq!(wait, RETRY);
+        assert_eq!(m.due(t0 + S, None), Due::At(t0 + RETRY));
+        assert_eq!(m.due(t0 + RETRY, None), Due::Now(Why::NoToken));
+        // Accepted polls without a token say nothing of registration: the backoff goes on.
+        m.accepted();
+        assert_eq!(m.attempted(t0 + RETRY, 0.0, None), 2 * RETRY);
+    }
+
+    #[test]
+    fn the_backoff_doubles_from_retry_interval_jittered_up_to_ten_minutes() {
+        let waits: Vec<u64> = (1..=7)
+            .map(|n| retry_wait(RETRY, n, 0.0).as_secs())
+            .collect();
+        assert_eq!(waits, [30, 60, 120, 240, 480, 600, 600]);
+        for n in 1..=40 {
+            for j in [-1.0, 0.0, 0.5, 0.999, 3.0] {
+                let w = retry_wait(RETRY, n, j);
+                assert!(
+                    w >= retry_wait(RETRY, n, 0.0) && w <= RETRY_CAP,
+                    "{n} {j}: {w:?}"
+                );
+            }
+        }
+        assert_eq!(retry_wait(RETRY, 1, 0.999).as_secs(), 44);
+        assert_eq!(retry_wait(S, u32::MAX, 0.5), RETRY_CAP);
+    }
+
+    #[test]
+    fn a_held_token_is_reused_and_nothing_is_due_while_polls_pass() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::Token, Some(id("acc")));
+        assert_eq!(m.due(t0, None), Due::Idle);
+        assert!(!m.observe(id("acc")));
+        assert_eq!(m.due(t0 + 100 * S, None), Due::Idle);
+    }
+
+    #[test]
+    fn a_token_refused_for_30_s_in_a_row_is_registered_again() {
+        let t0 = Instant::now();
+        let m = Machine::new(RETRY, Held::Token, Some(id("acc")));
+        assert_eq!(m.due(t0, Some(t0)), Due::At(t0 + REJECTED_FOR));
+        assert_eq!(
+            m.due(t0 + REJECTED_FOR - S, Some(t0)),
+            Due::At(t0 + REJECTED_FOR)
+        );
+        assert_eq!(m.due(t0 + REJECTED_FOR, Some(t0)), Due::Now(Why::Rejected));
+        // A tokenless registration whose polls are refused is registered again too.
+        let tokenless = Machine::new(RETRY, Held::Tokenless, Some(id("acc")));
+        assert_eq!(
+            tokenless.due(t0 + REJECTED_FOR, Some(t0)),
+            Due::Now(Why::Rejected)
+        );
+    }
+
+    #[test]
+    fn a_refusing_mdma_is_not_stormed_re_registrations_back_off_until_a_poll_passes() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::Token, Some(id("acc")));
+        let mut now = t0 + REJECTED_FOR;
+        let mut attempts = Vec::new();
+        // MDMA registers the node every time but refuses every poll (since t0).
+        while now < t0 + Duration::from_secs(3600) {
+            match m.due(now, Some(t0)) {
+                Due::Now(why) => {
+                    assert_eq!(why, Why::Rejected);
+                    attempts.push((now - t0).as_secs());
+                    m.attempted(now, 0.0, Some((id("acc"), Held::Token)));
+                }
+                Due::At(t) => now = t,
+                Due::Idle => unreachable!(),
+            }
+        }
+        assert_eq!(
+            attempts,
+            [30, 60, 120, 240, 480, 960, 1560, 2160, 2760, 3360]
+        );
+        // Once a poll passes, the next failure starts again at retry_interval.
+        m.accepted();
+        assert_eq!(m.attempted(now, 0.0, None), RETRY);
+    }
+
+    #[test]
+    fn an_identity_change_registers_again_through_the_same_backoff() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::Token, Some(id("acc")));
+        assert!(!m.observe(id("other")));
+        assert_eq!(m.due(t0, None), Due::Now(Why::IdentityChanged));
+        m.attempted(t0, 0.0, None);
+        assert_eq!(m.due(t0 + S, None), Due::At(t0 + RETRY));
+        m.attempted(t0 + RETRY, 0.0, Some((id("other"), Held::Token)));
+        assert_eq!(m.due(t0 + 10 * RETRY, None), Due::Idle);
+        // Back to the first identity: a change again.
+        m.observe(id("acc"));
+        assert_eq!(m.due(t0 + 10 * RETRY, None), Due::Now(Why::IdentityChanged));
+    }
+
+    #[test]
+    fn a_stored_token_without_a_record_adopts_the_identity_instead_of_registering() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::Token, None);
+        assert!(m.observe(id("acc")));
+        assert_eq!(m.due(t0, None), Due::Idle);
+        assert!(!m.observe(id("acc")));
+        // Without a token nothing is adopted.
+        let mut none = Machine::new(RETRY, Held::None, None);
+        assert!(!none.observe(id("acc")));
+    }
+
+    #[test]
+    fn a_replaced_token_is_held() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::None, None);
+        m.replaced();
+        assert_eq!(m.held(), Held::Token);
+        assert_eq!(m.due(t0, None), Due::Idle);
+    }
+
+    #[test]
+    fn the_token_file_is_written_atomically_private_in_a_private_directory() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("fleet/sub/fleet-token");
+        write_private(&file, b"NEVER-LOGGED-TOKEN-1").unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"NEVER-LOGGED-TOKEN-1");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&file), 0o600);
+        assert_eq!(mode(&dir.path().join("fleet/sub")), 0o700);
+        assert_eq!(mode(&dir.path().join("fleet")), 0o700);
+        write_private(&file, b"NEVER-LOGGED-TOKEN-2").unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"NEVER-LOGGED-TOKEN-2");
+        // Nothing but the file is left in the directory (the temp file was renamed).
+        let names: Vec<_> = std::fs::read_dir(dir.path().join("fleet/sub"))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["fleet-token"]);
+        // The stored token and its record read back.
+        write_private(
+            &record_path(&file),
+            &serde_json::to_vec(&id("acc")).unwrap(),
+        )
+        .unwrap();
+        let stored = load_stored(&file);
+        assert_eq!(stored.token.unwrap().expose(), "NEVER-LOGGED-TOKEN-2");
+        assert_eq!(stored.record, Some(id("acc")));
+        assert!(stored.problem.is_none());
+        // A record with sorted keys, as the reference writes it.
+        let text = std::fs::read_to_string(record_path(&file)).unwrap();
+        assert!(
+            text.starts_with(r#"{"executor_account":"acc","peer_id":"#),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn a_missing_token_file_is_no_token_and_a_readable_one_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("fleet-token");
+        let stored = load_stored(&file);
+        assert!(stored.token.is_none() && stored.problem.is_none());
+        std::fs::write(&file, "NEVER-LOGGED-TOKEN-x").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let stored = load_stored(&file);
+        assert!(stored.token.is_none());
+        let problem = stored.problem.unwrap();
+        assert!(problem.contains("group or others"), "{problem}");
+        assert!(!problem.contains("NEVER-LOGGED-TOKEN"), "{problem}");
+    }
+}

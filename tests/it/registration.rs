@@ -1,0 +1,496 @@
+//! The fleet token: attested registration against the loopback emulators (every answer, the
+//! `tee/attest` fallback, the wait for merod's account, the restart, rejection and
+//! recovery), a replaced `fleet_token_file` picked up on a 401 and on SIGHUP, and the
+//! secrets never in the output.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use fleet_sidecar::emulator::mdma::{RegisterReply, ISSUED_TOKEN};
+use fleet_sidecar::emulator::merod::{mock_quote, ACCOUNT_ID};
+use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
+use serde_json::Value;
+use sha2::{Digest, Sha256};
+
+use crate::common::*;
+use crate::contract::{serve, ServerHandle};
+
+const RELAY: &str = "https://relay.example";
+const ENROLMENT: &str = "NEVER-LOGGED-TOKEN-enrolment";
+/// What MDMA wants before the node registered: a token the node does not have.
+const UNKNOWN: &str = "NEVER-LOGGED-TOKEN-not-the-nodes";
+
+/// A loopback GCE metadata server: `relay-url` and `enrolment-token`, answered only with
+/// `Metadata-Flavor: Google` (403 otherwise, as GCE does); records whether a request came
+/// without the header.
+struct Metadata {
+    server: ServerHandle,
+    without_header: Arc<Mutex<u32>>,
+}
+
+async fn metadata() -> Metadata {
+    let without_header = Arc::new(Mutex::new(0));
+    let seen = Arc::clone(&without_header);
+    let router = Router::new().route(
+        "/attrs/:name",
+        get(
+            move |axum::extract::Path(name): axum::extract::Path<String>, headers: HeaderMap| {
+                let seen = Arc::clone(&seen);
+                async move {
+                    if headers.get("metadata-flavor").map(|v| v.as_bytes()) != Some(b"Google") {
+                        *seen.lock().unwrap() += 1;
+                        return (StatusCode::FORBIDDEN, "").into_response();
+                    }
+                    match name.as_str() {
+                        "relay-url" => (StatusCode::OK, format!("{RELAY}\r\n")).into_response(),
+                        "enrolment-token" => (StatusCode::OK, ENROLMENT).into_response(),
+                        _ => (StatusCode::NOT_FOUND, "").into_response(),
+                    }
+                }
+            },
+        ),
+    );
+    Metadata {
+        server: serve(router).await.unwrap(),
+        without_header,
+    }
+}
+
+fn token_file(sb: &Sandbox) -> PathBuf {
+    sb.dir().join("data/fleet/fleet-token")
+}
+
+fn registration(sb: &Sandbox, md: &Metadata) -> String {
+    format!(
+        "[registration]\ntoken_file = \"{}\"\nmetadata_url = \"{}attrs/\"\nretry_interval = \"1s\"\n",
+        token_file(sb).display(),
+        md.server.url()
+    )
+}
+
+/// A sandbox whose MDMA refuses every poll until the node registered, and whose merod has
+/// an account.
+async fn fleet() -> (Sandbox, Metadata) {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_token(Some(UNKNOWN.to_owned()));
+    sb.merod.set_minted(true);
+    (sb, metadata().await)
+}
+
+fn nonce(challenge: &str) -> String {
+    hex::encode(Sha256::digest(
+        format!("{challenge}|{PEER_ID}|{ACCOUNT_ID}|{RELAY}").as_bytes(),
+    ))
+}
+
+fn merod_calls(sb: &Sandbox, path: &str) -> Vec<String> {
+    sb.merod
+        .calls()
+        .into_iter()
+        .filter(|c| c.path == path)
+        .map(|c| c.body)
+        .collect()
+}
+
+fn field<'a>(body: &'a Value, name: &str) -> Option<&'a str> {
+    body.get(name).and_then(Value::as_str)
+}
+
+async fn polls_carry(sb: &Sandbox, token: &str, limit: Duration) {
+    eventually(&format!("a poll accepted with {token}"), limit, || {
+        sb.mdma
+            .polls()
+            .iter()
+            .any(|p| p.token.as_deref() == Some(token) && p.status == 200)
+    })
+    .await;
+}
+
+fn mode(p: &Path) -> u32 {
+    std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_registers_through_the_attest_fallback_and_polls_with_its_token_at_once() {
+    let (sb, md) = fleet().await;
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+
+    // Any poll before went without a token, and was refused (so nothing was planned); the
+    // registration is usually done before the first poll.
+    let polls = sb.mdma.polls();
+    let first = polls
+        .iter()
+        .position(|p| p.token.is_some())
+        .expect("a poll with the token");
+    assert!(polls[..first].iter().all(|p| p.status == 401));
+    assert!(polls[first..].iter().all(|p| p.status == 200));
+    // One registration, as the contract says.
+    let regs = sb.mdma.registrations();
+    assert_eq!(regs.len(), 1);
+    let body = Value::Object(regs[0].body.clone().unwrap());
+    let challenge = sb.mdma.challenges()[0].clone();
+    assert_eq!(field(&body, "peer_id"), Some(PEER_ID));
+    assert_eq!(field(&body, "executor_account"), Some(ACCOUNT_ID));
+    assert_eq!(field(&body, "relay_url"), Some(RELAY));
+    assert_eq!(field(&body, "challenge"), Some(challenge.as_str()));
+    assert_eq!(field(&body, "enrolment_token"), Some(ENROLMENT));
+    let nonce = nonce(&challenge);
+    assert_eq!(
+        field(&body, "quote"),
+        Some(mock_quote(&nonce).as_str()),
+        "the quote is over sha256(challenge|peer_id|account|relay_url)"
+    );
+    // rc.25: registration-attest answers 404, so tee/attest made the quote, unbound.
+    assert!(body.get("quote_binding").is_none(), "{body}");
+    let sent = format!(r#"{{"nonce":"{nonce}"}}"#);
+    for path in [
+        "/admin-api/tee/registration-attest",
+        "/admin-api/tee/attest",
+    ] {
+        assert_eq!(
+            merod_calls(&sb, path),
+            std::slice::from_ref(&sent),
+            "{path}"
+        );
+    }
+    assert_eq!(*md.without_header.lock().unwrap(), 0);
+
+    // Stored atomically, 0600 in a 0700 directory, with whom it was issued to.
+    let file = token_file(&sb);
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), ISSUED_TOKEN);
+    assert_eq!(mode(&file), 0o600);
+    assert_eq!(mode(file.parent().unwrap()), 0o700);
+    let record: Value = serde_json::from_slice(
+        &std::fs::read(file.with_file_name("fleet-registration.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        record,
+        serde_json::json!({"executor_account": ACCOUNT_ID, "peer_id": PEER_ID, "relay_url": RELAY})
+    );
+
+    let status = d.telemetry.snapshot();
+    assert_eq!(status.fleet_token, "registered");
+    assert!(status
+        .registration
+        .as_deref()
+        .unwrap()
+        .starts_with("registered at"));
+    let metrics = d.telemetry.encode_metrics();
+    assert_eq!(
+        metric(
+            &metrics,
+            r#"fleet_sidecar_registrations_total{outcome="registered"}"#
+        ),
+        1.0
+    );
+    // Neither secret reaches the status or the metrics.
+    let shown = format!("{}{metrics}", serde_json::to_string(&status).unwrap());
+    assert!(!shown.contains("NEVER-LOGGED-TOKEN"), "{shown}");
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quote_from_registration_attest_is_sent_bound() {
+    let (sb, md) = fleet().await;
+    sb.merod.set_registration_attest(true);
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    d.stop().await;
+    let body = Value::Object(sb.mdma.registrations()[0].body.clone().unwrap());
+    assert_eq!(field(&body, "quote_binding"), Some("registration"));
+    assert!(merod_calls(&sb, "/admin-api/tee/attest").is_empty());
+    // The body has exactly the fields of proto/mdma-register.request.json.
+    let example: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("proto/mdma-register.request.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let keys = |v: &Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(&body), keys(&example));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_waits_for_merod_s_account_and_says_it_is_blocked() {
+    let (sb, md) = fleet().await;
+    sb.merod.set_minted(false);
+    let d = start(&sb, &registration(&sb, &md));
+    eventually("blocked in the status", Duration::from_secs(20), || {
+        d.telemetry
+            .snapshot()
+            .registration
+            .is_some_and(|r| r.starts_with("blocked: merod holds no account yet"))
+    })
+    .await;
+    // Nothing was asked of MDMA meanwhile; polls went on without a token.
+    assert!(sb.mdma.challenges().is_empty() && sb.mdma.registrations().is_empty());
+    assert!(sb.mdma.polls().iter().all(|p| p.token.is_none()));
+    let metrics = d.telemetry.encode_metrics();
+    assert!(
+        metric(
+            &metrics,
+            r#"fleet_sidecar_registrations_total{outcome="blocked"}"#
+        ) >= 1.0
+    );
+    assert_eq!(d.telemetry.snapshot().fleet_token, "none");
+    // The node takes part in a namespace: the account exists, registration goes ahead.
+    sb.merod.set_minted(true);
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refusal_and_an_unavailable_mdma_are_retried_with_backoff_until_registered() {
+    let (sb, md) = fleet().await;
+    sb.mdma
+        .queue_register_replies([RegisterReply::Status(403), RegisterReply::Status(503)]);
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(30)).await;
+    let metrics = d.telemetry.encode_metrics();
+    d.stop().await;
+    let regs = sb.mdma.registrations();
+    let statuses: Vec<u16> = regs.iter().map(|r| r.status).collect();
+    assert_eq!(statuses, [403, 503, 200]);
+    // Backoff: the second retry waited at least twice the first (1 s, then 2 s).
+    assert!(regs[1].at - regs[0].at >= Duration::from_secs(1));
+    assert!(regs[2].at - regs[1].at >= Duration::from_secs(2));
+    // A fresh challenge for each attempt.
+    assert_eq!(sb.mdma.challenges().len(), 3);
+    for (outcome, n) in [("refused", 1.0), ("unavailable", 1.0), ("registered", 1.0)] {
+        assert_eq!(
+            metric(
+                &metrics,
+                &format!(r#"fleet_sidecar_registrations_total{{outcome="{outcome}"}}"#)
+            ),
+            n,
+            "{outcome}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registration_without_a_token_polls_without_one() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_minted(true);
+    let md = metadata().await;
+    sb.mdma.set_register_reply(RegisterReply::Tokenless);
+    let d = start(&sb, &registration(&sb, &md));
+    eventually("tokenless", Duration::from_secs(20), || {
+        d.telemetry.snapshot().fleet_token == "tokenless"
+    })
+    .await;
+    let ok_polls = sb.mdma.polls().len();
+    eventually("polls go on", Duration::from_secs(10), || {
+        sb.mdma.polls().len() > ok_polls + 1
+    })
+    .await;
+    d.stop().await;
+    assert!(sb.mdma.polls().iter().all(|p| p.token.is_none()));
+    assert_eq!(sb.mdma.registrations().len(), 1, "no registration storm");
+    assert!(!token_file(&sb).exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stored_token_is_reused_after_a_restart_without_a_new_registration() {
+    let (sb, md) = fleet().await;
+    let extra = registration(&sb, &md);
+    let d = start(&sb, &extra);
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    d.stop().await;
+    let before = sb.mdma.polls().len();
+
+    let d = start(&sb, &extra);
+    eventually("polls after the restart", Duration::from_secs(20), || {
+        sb.mdma.polls().len() > before + 2
+    })
+    .await;
+    d.stop().await;
+    let after = &sb.mdma.polls()[before..];
+    assert!(
+        after
+            .iter()
+            .all(|p| p.token.as_deref() == Some(ISSUED_TOKEN) && p.status == 200),
+        "the first poll after the restart carries the stored token"
+    );
+    assert_eq!(sb.mdma.registrations().len(), 1);
+    assert_eq!(sb.mdma.challenges().len(), 1);
+}
+
+/// Recovery beyond the reference: MDMA rotates its key and refuses the issued token; after
+/// 30 s of refused polls the node registers again and polls with the new token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_refused_for_30_s_is_replaced_by_a_new_registration() {
+    let (sb, md) = fleet().await;
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    let rotated = "NEVER-LOGGED-TOKEN-after-the-rotation";
+    sb.mdma.set_token(Some(UNKNOWN.to_owned()));
+    sb.mdma
+        .set_register_reply(RegisterReply::Issue(rotated.to_owned()));
+    let refused_at = std::time::Instant::now();
+    eventually("a refused poll", Duration::from_secs(10), || {
+        sb.mdma.polls().last().is_some_and(|p| p.status == 401)
+    })
+    .await;
+    polls_carry(&sb, rotated, Duration::from_secs(60)).await;
+    d.stop().await;
+    let regs = sb.mdma.registrations();
+    assert_eq!(regs.len(), 2);
+    assert!(
+        regs[1].at - refused_at >= Duration::from_secs(29),
+        "registered again only after 30 s of refusals ({:?})",
+        regs[1].at - refused_at
+    );
+    assert_eq!(std::fs::read_to_string(token_file(&sb)).unwrap(), rotated);
+}
+
+/// Issue 19.8: a replaced `fleet_token_file` is used without a restart once MDMA refuses the
+/// old token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replaced_fleet_token_file_is_read_again_on_a_refused_poll() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let old = "NEVER-LOGGED-TOKEN-old";
+    let new = "NEVER-LOGGED-TOKEN-new";
+    sb.mdma.set_token(Some(old.to_owned()));
+    let file = sb.dir().join("fleet-token");
+    std::fs::write(&file, old).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let d = start(&sb, &format!("fleet_token_file = \"{}\"", file.display()));
+    polls_carry(&sb, old, Duration::from_secs(20)).await;
+    assert_eq!(d.telemetry.snapshot().fleet_token, "configured");
+    // The operator replaces the file (atomically, as a credential update does) and MDMA
+    // accepts only the new token.
+    let tmp = sb.dir().join("fleet-token.tmp");
+    std::fs::write(&tmp, new).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o600)).unwrap();
+    std::fs::rename(&tmp, &file).unwrap();
+    sb.mdma.set_token(Some(new.to_owned()));
+    polls_carry(&sb, new, Duration::from_secs(10)).await;
+    d.stop().await;
+}
+
+/// Issue 19.8, SIGHUP: the binary reads `fleet_token_file` again on SIGHUP (MDMA accepts
+/// both tokens here, so only the signal can make the new one appear). Nothing of either
+/// token reaches the output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reads_the_fleet_token_file_again_and_no_token_reaches_the_output() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let old = "NEVER-LOGGED-TOKEN-before-hup";
+    let new = "NEVER-LOGGED-TOKEN-after-hup";
+    let file = sb.dir().join("fleet-token");
+    std::fs::write(&file, old).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = sb
+        .write_config(&format!(
+            "fleet_token_file = \"{}\"\nlog_format = \"json\"",
+            file.display()
+        ))
+        .unwrap();
+    let mut daemon = spawn_daemon(&config, true, &[]);
+    polls_carry(&sb, old, Duration::from_secs(20)).await;
+    std::fs::write(&file, new).unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        sb.mdma
+            .polls()
+            .iter()
+            .all(|p| p.token.as_deref() == Some(old)),
+        "without SIGHUP (and no refusal) the token in use is kept"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGHUP,
+    )
+    .unwrap();
+    polls_carry(&sb, new, Duration::from_secs(10)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let _ = &mut daemon;
+    let out = daemon.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+        std::fs::read_to_string(sb.log_file()).unwrap_or_default()
+    );
+    assert!(
+        text.contains("SIGHUP") || text.contains("token changed"),
+        "{text}"
+    );
+    assert!(!text.contains("NEVER-LOGGED-TOKEN"), "{text}");
+}
+
+/// The binary registering: neither the issued token nor the enrolment token appears in its
+/// output, its log file, `/status`, `/metrics`, `status` or `check-config`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_secret_of_a_registration_reaches_any_output() {
+    let (sb, md) = fleet().await;
+    // One refusal first, so the failure path is logged too.
+    sb.mdma.queue_register_replies([RegisterReply::Status(403)]);
+    let listen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listen.local_addr().unwrap();
+    drop(listen);
+    let extra = format!(
+        "status_listen = \"{addr}\"\nlog_format = \"text\"\n{}",
+        registration(&sb, &md)
+    );
+    let config = sb.write_config(&extra).unwrap();
+    let daemon = spawn_daemon(&config, true, &[("RUST_LOG", "debug".as_ref())]);
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(30)).await;
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let mut shown = String::new();
+    for path in ["status", "metrics"] {
+        shown += &http
+            .get(format!("http://{addr}/{path}"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+    }
+    for cmd in [&["status"][..], &["status", "--json"], &["check-config"]] {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"))
+            .arg("--config")
+            .arg(&config)
+            .args(cmd)
+            .output()
+            .unwrap();
+        shown += &String::from_utf8_lossy(&out.stdout);
+        shown += &String::from_utf8_lossy(&out.stderr);
+    }
+    assert!(
+        shown.contains("fleet_sidecar_registrations_total"),
+        "{shown}"
+    );
+    assert!(shown.contains("\"fleet_token\":\"registered\""), "{shown}");
+    assert!(
+        shown.contains("token_file") && shown.contains("is present"),
+        "{shown}"
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let out = daemon.wait_with_output().unwrap();
+    shown += &String::from_utf8_lossy(&out.stdout);
+    shown += &String::from_utf8_lossy(&out.stderr);
+    shown += &std::fs::read_to_string(sb.log_file()).unwrap_or_default();
+    assert!(shown.contains("registration failed"), "{shown}");
+    assert!(shown.contains("registered with MDMA"), "{shown}");
+    assert!(shown.contains("no token yet"), "{shown}");
+    assert!(!shown.contains("NEVER-LOGGED-TOKEN"), "{shown}");
+}
