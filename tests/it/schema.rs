@@ -186,7 +186,7 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
 #[test]
 fn every_mdma_example_matches_the_openapi_document() {
     let doc = openapi("mdma.openapi.json");
-    assert_eq!(check_examples(&doc, "mdma.openapi.json"), 3);
+    assert_eq!(check_examples(&doc, "mdma.openapi.json"), 4);
     // The shapes the sidecar refuses (mdma::parse_should_join) break the answer schema.
     let answer = component(&doc, "ShouldJoinAnswer");
     for bad in [
@@ -204,6 +204,14 @@ fn every_mdma_example_matches_the_openapi_document() {
     let request = component(&doc, "ShouldJoinRequest");
     assert!(request
         .is_valid(&json!({"peer_id": "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk"})));
+    // A register body binds its quote only as "registration"; the fallback sends no binding.
+    let register = component(&doc, "RegisterRequest");
+    let mut body: Value = read_json(&root().join("proto/mdma-register.request.json"));
+    assert!(register.is_valid(&body));
+    body["quote_binding"] = json!("other");
+    assert!(!register.is_valid(&body));
+    body.as_object_mut().unwrap().remove("quote_binding");
+    assert!(register.is_valid(&body));
 }
 
 /// The path template of `doc` that `path` (a concrete request path) matches.
