@@ -150,6 +150,9 @@ pub(crate) struct Machine {
     attempts: u32,
     /// No attempt before this.
     not_before: Option<Instant>,
+    /// When the last registration succeeded: refusals count only from then on (polls
+    /// refused before it were refusing the old token).
+    registered_at: Option<Instant>,
 }
 
 impl Machine {
@@ -166,6 +169,7 @@ impl Machine {
             current: None,
             attempts: 0,
             not_before: None,
+            registered_at: None,
         }
     }
 
@@ -177,6 +181,10 @@ impl Machine {
     /// Whether to attempt a registration at `now`, polls having been refused since
     /// `refused_since` (if they are).
     pub(crate) fn due(&self, now: Instant, refused_since: Option<Instant>) -> Due {
+        let refused_since = match (refused_since, self.registered_at) {
+            (Some(since), Some(at)) => Some(since.max(at)),
+            (since, _) => since,
+        };
         let why = match (self.held, refused_since) {
             (Held::None, _) => Why::NoToken,
             (_, Some(since)) if now >= since + REJECTED_FOR => Why::Rejected,
@@ -219,6 +227,7 @@ impl Machine {
         let wait = retry_wait(self.retry_interval, self.attempts, jitter);
         self.not_before = Some(now + wait);
         if let Some((id, held)) = registered {
+            self.registered_at = Some(now);
             self.held = held;
             self.registered_as = Some(id.clone());
             self.current = Some(id);
@@ -234,9 +243,11 @@ impl Machine {
         }
     }
 
-    /// A token was put in place from the token file (SIGHUP): it is held from now on.
-    pub(crate) fn replaced(&mut self) {
+    /// A token was put in place from the token file (SIGHUP) at `now`: it is held from
+    /// now on, and refusals count from then.
+    pub(crate) fn replaced(&mut self, now: Instant) {
         self.held = Held::Token;
+        self.registered_at = Some(now);
     }
 }
 
@@ -562,7 +573,10 @@ impl TokenJob {
             return;
         };
         let mut verdicts = self.mdma.verdicts();
-        let mut edges = Edges::default();
+        let mut edges = Edges {
+            refused: None,
+            accepted: verdicts.borrow().accepted,
+        };
         let mut last_problem: Option<String> = None;
         loop {
             let why = tokio::select! {
@@ -620,8 +634,11 @@ impl TokenJob {
             return;
         };
         let mut verdicts = self.mdma.verdicts();
-        let mut edges = Edges::default();
         let mut accepted = verdicts.borrow().accepted;
+        let mut edges = Edges {
+            refused: None,
+            accepted,
+        };
         let mut blocked: Option<String> = None;
         let mut next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
         loop {
@@ -648,7 +665,7 @@ impl TokenJob {
                     if let Ok(Ok(token)) = tokio::task::spawn_blocking(move || read_token_file(&file)).await {
                         if self.mdma.token().as_ref() != Some(&token) {
                             self.mdma.set_token(Some(token));
-                            machine.replaced();
+                            machine.replaced(Instant::now());
                             telemetry.update(|st| st.fleet_token = Held::Token.word().to_owned());
                             info!(token_file = %reg.cfg.token_file.display(), "SIGHUP: token_file changed, polls carry the new token");
                         } else {
@@ -910,14 +927,17 @@ impl Registrar {
 }
 
 /// Logs the edges of refused polls once each: "no token yet" apart from "token rejected",
-/// and the recovery.
-#[derive(Default)]
+/// and the recovery (the next poll MDMA accepts).
 struct Edges {
+    /// While polls are refused: whether a token was sent when it began.
     refused: Option<bool>,
+    /// [`PollVerdict::accepted`] when last seen.
+    accepted: u64,
 }
 
 impl Edges {
     fn see(&mut self, v: &PollVerdict, has_token: bool) {
+        let accepted = std::mem::replace(&mut self.accepted, v.accepted) != v.accepted;
         match (v.refused_since.is_some(), self.refused) {
             (true, None) => {
                 if has_token {
@@ -927,7 +947,7 @@ impl Edges {
                 }
                 self.refused = Some(has_token);
             }
-            (false, Some(_)) if v.accepted > 0 && v.refusals == 0 => {
+            (false, Some(_)) if accepted => {
                 info!("MDMA accepts the polls again");
                 self.refused = None;
             }
@@ -1060,6 +1080,26 @@ mod tests {
     }
 
     #[test]
+    fn refusals_of_the_old_token_do_not_count_against_a_new_registration() {
+        let t0 = Instant::now();
+        let mut m = Machine::new(RETRY, Held::Token, Some(id("acc")));
+        let at = t0 + REJECTED_FOR;
+        assert_eq!(m.due(at, Some(t0)), Due::Now(Why::Rejected));
+        m.attempted(at, 0.0, Some((id("acc"), Held::Token)));
+        // The next poll with the new token comes late (failed polls back off): the streak
+        // of the old token's refusals is still running, but counts only from the
+        // registration on.
+        let later = at + REJECTED_FOR - S;
+        assert_eq!(m.due(later, Some(t0)), Due::At(at + REJECTED_FOR));
+        // Refused for 30 s after it too: the new token is rejected as well.
+        assert_eq!(m.due(at + REJECTED_FOR, Some(t0)), Due::Now(Why::Rejected));
+        // A token put in place by SIGHUP starts the count afresh too.
+        let mut m = Machine::new(RETRY, Held::None, None);
+        m.replaced(at);
+        assert_eq!(m.due(at + S, Some(t0)), Due::At(at + REJECTED_FOR));
+    }
+
+    #[test]
     fn an_identity_change_registers_again_through_the_same_backoff() {
         let t0 = Instant::now();
         let mut m = Machine::new(RETRY, Held::Token, Some(id("acc")));
@@ -1090,7 +1130,7 @@ mod tests {
     fn a_replaced_token_is_held() {
         let t0 = Instant::now();
         let mut m = Machine::new(RETRY, Held::None, None);
-        m.replaced();
+        m.replaced(t0);
         assert_eq!(m.held(), Held::Token);
         assert_eq!(m.due(t0, None), Due::Idle);
     }
