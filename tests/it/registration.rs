@@ -486,11 +486,65 @@ async fn no_secret_of_a_registration_reaches_any_output() {
     )
     .unwrap();
     let out = daemon.wait_with_output().unwrap();
+    // Each line is on stderr and in the log file: count on stderr.
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     shown += &String::from_utf8_lossy(&out.stdout);
-    shown += &String::from_utf8_lossy(&out.stderr);
+    shown += &stderr;
     shown += &std::fs::read_to_string(sb.log_file()).unwrap_or_default();
     assert!(shown.contains("registration failed"), "{shown}");
     assert!(shown.contains("registered with MDMA"), "{shown}");
-    assert!(shown.contains("no token yet"), "{shown}");
+    assert_eq!(
+        stderr.matches("refuses polls without a token").count(),
+        1,
+        "'no token yet' is said once, on the edge"
+    );
+    assert_eq!(stderr.matches("MDMA accepts the polls again").count(), 1);
     assert!(!shown.contains("NEVER-LOGGED-TOKEN"), "{shown}");
+}
+
+/// A token MDMA stops accepting is logged as rejected once, and the recovery once (here by
+/// the replaced `fleet_token_file`, read again on the refused poll).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rejected_token_is_logged_once_on_the_edge_and_once_on_recovery() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let old = "NEVER-LOGGED-TOKEN-rejected";
+    let new = "NEVER-LOGGED-TOKEN-accepted";
+    sb.mdma.set_token(Some(old.to_owned()));
+    let file = sb.dir().join("fleet-token");
+    std::fs::write(&file, old).unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let config = sb
+        .write_config(&format!("fleet_token_file = \"{}\"", file.display()))
+        .unwrap();
+    let daemon = spawn_daemon(&config, true, &[]);
+    polls_carry(&sb, old, Duration::from_secs(20)).await;
+    sb.mdma.set_token(Some(new.to_owned()));
+    let before = sb.mdma.polls().len();
+    eventually("three refused polls", Duration::from_secs(20), || {
+        sb.mdma.polls()[before..]
+            .iter()
+            .filter(|p| p.status == 401)
+            .count()
+            >= 3
+    })
+    .await;
+    std::fs::write(&file, new).unwrap();
+    polls_carry(&sb, new, Duration::from_secs(20)).await;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(daemon.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let out = daemon.wait_with_output().unwrap();
+    // Each line is on stderr and in the log file: count on stderr.
+    let text = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(text.matches("token rejected").count(), 1, "{text}");
+    assert_eq!(
+        text.matches("MDMA accepts the polls again").count(),
+        1,
+        "{text}"
+    );
+    assert!(!text.contains("no token yet"), "{text}");
+    let all = text + &std::fs::read_to_string(sb.log_file()).unwrap_or_default();
+    assert!(!all.contains("NEVER-LOGGED-TOKEN"), "{all}");
 }
