@@ -818,11 +818,13 @@ impl MdmaClient {
     }
 
     /// The token sent now (for comparing with a file read again).
+    #[cfg(feature = "daemon")]
     pub(crate) fn token(&self) -> Option<FleetToken> {
         self.token.get()
     }
 
     /// The verdicts of this client's polls, as they change.
+    #[cfg(feature = "daemon")]
     pub(crate) fn verdicts(&self) -> watch::Receiver<PollVerdict> {
         self.token.verdict.subscribe()
     }
