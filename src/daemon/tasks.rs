@@ -170,6 +170,7 @@ impl JoinEnd {
             }
             JoinEnd::NotAssigned => {
                 info!(namespace_id = %id, outcome = "not_assigned", duration, "admitted, but MDMA no longer assigns it: recorded as admitted, not confirmed; it is left after leave_grace unless assigned again");
+            }
             JoinEnd::Withdrawn => {
                 // Still recorded as joining, so a leave asks merod before dropping it (an
                 // earlier run may have sent a fleet-join).

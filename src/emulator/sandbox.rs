@@ -4,6 +4,7 @@
 //! The demo and the integration tests run the real daemon in it, unprivileged.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use tempfile::TempDir;
 
@@ -13,6 +14,7 @@ use crate::config::{Config, ConfigError};
 use crate::daemon::Deps;
 use crate::mdma::MdmaClient;
 use crate::merod::MerodClient;
+use crate::telemetry::Telemetry;
 
 /// The PeerId written into the sandbox's merod config.toml.
 pub const PEER_ID: &str = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk";
@@ -120,6 +122,12 @@ impl Sandbox {
     pub fn deps(&self, cfg: &Config) -> Result<Deps, Box<dyn std::error::Error + Send + Sync>> {
         let mdma = MdmaClient::new(&cfg.mdma_url, cfg.fleet_token.clone(), None)?;
         let merod = MerodClient::new(&self.merod.url())?;
-        Ok(Deps::real(cfg, mdma, merod)?)
+        Ok(Deps::real(
+            cfg,
+            mdma,
+            Arc::new(merod.clone()),
+            merod,
+            Arc::new(Telemetry::new()),
+        )?)
     }
 }
