@@ -387,9 +387,16 @@ pub enum ConfigError {
         /// The parser's message, naming the key.
         message: String,
     },
-    /// `mdma_url` is missing or empty.
+    /// `mdma_url` is missing or empty (the daemon's check: [`Config::load`]).
     #[error("config file {path}: mdma_url is not set (the sidecar cannot poll without it)")]
     MissingMdmaUrl {
+        /// The config file.
+        path: PathBuf,
+    },
+    /// [`MdmaClient::from_tool_config`]: `mdma_url` is missing or empty (the tool's wording of
+    /// [`ConfigError::MissingMdmaUrl`], which is the daemon's).
+    #[error("config file {path}: mdma_url is not set, so there is no MDMA to call")]
+    NoMdmaUrl {
         /// The config file.
         path: PathBuf,
     },
@@ -577,16 +584,13 @@ impl MdmaClient {
     /// ([`ToolConfig::mdma_credentials`]: `fleet_token` or `fleet_token_file`, with the
     /// daemon's checks) and `mdma_ca_file`, with the daemon's HTTP rules and timeout.
     ///
-    /// Errors: [`ConfigError::MissingMdmaUrl`] when `mdma_url` is not set,
+    /// Errors: [`ConfigError::NoMdmaUrl`] when `mdma_url` is not set,
     /// [`ConfigError::Invalid`] for a token that cannot be used, [`ConfigError::MdmaClient`]
     /// when the client cannot be built (the CA file).
     pub fn from_tool_config(cfg: &ToolConfig) -> Result<Self, ConfigError> {
-        let url = cfg
-            .mdma_url
-            .clone()
-            .ok_or_else(|| ConfigError::MissingMdmaUrl {
-                path: cfg.path.clone(),
-            })?;
+        let url = cfg.mdma_url.clone().ok_or_else(|| ConfigError::NoMdmaUrl {
+            path: cfg.path.clone(),
+        })?;
         let credentials = cfg.mdma_credentials()?;
         let mut builder = Self::builder(url);
         if let Some(token) = credentials.token {

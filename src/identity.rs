@@ -84,6 +84,23 @@ pub enum IdentityError {
     },
 }
 
+impl IdentityError {
+    /// The failure's one classification, stable for a program to match (the `kind` of its
+    /// `Serialize` form, `{"kind": …, "message": …}`): `read`, `parse`, `missing-peer-id`,
+    /// `invalid-peer-id`, `invalid-listen`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            IdentityError::Read { .. } => "read",
+            IdentityError::Parse { .. } => "parse",
+            IdentityError::MissingPeerId { .. } => "missing-peer-id",
+            IdentityError::InvalidPeerId { .. } => "invalid-peer-id",
+            IdentityError::InvalidListen { .. } => "invalid-listen",
+        }
+    }
+}
+
+serialize_kind_and_message!(IdentityError);
+
 /// Why a `[server].listen` multiaddr gives no admin URL.
 #[derive(Debug, thiserror::Error)]
 pub enum ListenAddrError {
@@ -319,6 +336,20 @@ fn multiaddr_to_url(text: &str) -> Result<Url, ListenAddrError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_have_a_kind_and_serialize_as_kind_and_message() {
+        let e = IdentityError::MissingPeerId {
+            path: PathBuf::from("/m/config.toml"),
+        };
+        assert_eq!(e.kind(), "missing-peer-id");
+        assert_eq!(
+            serde_json::to_value(&e).unwrap(),
+            serde_json::json!({"kind": "missing-peer-id", "message": e.to_string()})
+        );
+        let unread = read_peer_id(Path::new("/nonexistent/config.toml")).unwrap_err();
+        assert_eq!(unread.kind(), "read");
+    }
 
     const PEER: &str = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk";
 

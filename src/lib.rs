@@ -25,7 +25,7 @@
 //! | the sidecar's config | [`ToolConfig`] (`[merod]`, `state_file`, `[tdx]`, `mdma_url`; nothing required), [`ToolConfig::mdma_credentials`] (token and CA file, the daemon's checks), [`resolve_admin_url`], [`read_peer_id`]; [`Config`] is the daemon's (every check) |
 //! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`], and through the [`Node`] trait `probe`, `fleet_join`, `leave_namespace`, `holds_namespace`), [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
 //! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` and `confirm` |
-//! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
+//! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`read_mrtd_bounded_async`] from async code; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`RegisterRequest`], [`Registered`], [`RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
@@ -35,6 +35,15 @@
 //! lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`StateFormat`] by name,
 //! [`MrtdReading`], [`StateReport`] and [`StateFile`] as JSON objects), so
 //! `serde_json::json!({"mrtd": reading.mrtd, "namespaces": held})` is a body to post.
+//!
+//! Errors have one machine-readable form. [`MrtdError`], [`MrtdUnavailable`], [`MerodError`],
+//! [`StateError`] and [`IdentityError`] each have `kind()`, a stable kebab-case `&'static str`
+//! naming the failure (e.g. `timeout` apart from `call` for a refused merod call, `not-present`
+//! for a missing sysfs file, `no-sources` for an MRTD read with nothing left to try), and are
+//! `Serialize` as `{"kind": <kind()>, "message": <Display>}` ([`MrtdUnavailable`] adds
+//! `failures`, one `{"source", "kind", "message"}` per source tried).
+//! [`PollError::metric_label`] is the same idea for the poll. A refusal by MDMA,
+//! [`RequestError::Status`], keeps the start of MDMA's answer (its reason, never a header).
 //! The daemon makes its merod and MDMA calls through these same clients.
 //!
 //! A tool that compares the state with what merod holds (the whole of
@@ -70,14 +79,13 @@
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! use std::path::Path;
 //! use std::time::Duration;
-//! use fleet_sidecar::{read_mrtd_bounded, resolve_admin_url, MdmaClient, MerodClient, ToolConfig};
+//! use fleet_sidecar::{read_mrtd_bounded_async, resolve_admin_url, MdmaClient, MerodClient, ToolConfig};
 //!
 //! let cfg = ToolConfig::load(Path::new("/etc/calimero/fleet-sidecar.toml"))?;
 //! let held = MerodClient::new(&resolve_admin_url(&cfg.merod).url)?.list_namespaces().await?;
-//! // Blocking, at most 5 s; looks only (no configfs-tsm quote).
-//! let tdx = cfg.tdx.without_side_effects();
-//! let mrtd = tokio::task::spawn_blocking(move || read_mrtd_bounded(&tdx, Duration::from_secs(5)))
-//!     .await?
+//! // At most 5 s, off the runtime's threads; looks only (no configfs-tsm quote).
+//! let mrtd = read_mrtd_bounded_async(&cfg.tdx.without_side_effects(), Duration::from_secs(5))
+//!     .await
 //!     .ok();
 //! let body = serde_json::json!({"mrtd": mrtd.map(|r| r.mrtd), "namespaces": held});
 //! let answer = MdmaClient::from_tool_config(&cfg)?
@@ -95,7 +103,8 @@
 //! (`127.0.0.1`, a free port, in memory) that answer with the shapes recorded from a real
 //! merod 0.11 and the fleet's MDMA: the namespace listing in pages of `offset`/`limit`,
 //! fleet-join, leave, membership, readiness; should-join, confirm, and any path you script.
-//! They inject failures and hangs (`set_join`, `set_leave`, `set_list`, `set_ready`;
+//! They inject failures and hangs (`set_join`, `set_leave`, `set_list` (all pages, or after
+//! the first n with `ListBehaviour::ErrorAfterPages`), `set_ready`;
 //! `set_reply`, `fail_next_confirms`, `set_answer`) and record every call. They need a tokio
 //! runtime and nothing of the daemon. A test (the whole of it; `library-alone/tests/inventory.rs`
 //! in the repository goes further):
@@ -160,6 +169,22 @@ leave, for a tool that wants to show what the sidecar would do."
 //! (`docs/mdma.md`, `docs/merod-admin.md`, `docs/tdx.md`); ARCHITECTURE.md gives the
 //! invariants.
 
+/// `Serialize` for an error type with a `kind()`: `{"kind": <kind()>, "message": <Display>}`
+/// (the one JSON form of the library's errors; see the front page).
+macro_rules! serialize_kind_and_message {
+    ($ty:ty) => {
+        impl serde::Serialize for $ty {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                use serde::ser::SerializeStruct;
+                let mut out = s.serialize_struct(stringify!($ty), 2)?;
+                out.serialize_field("kind", self.kind())?;
+                out.serialize_field("message", &self.to_string())?;
+                out.end()
+            }
+        }
+    };
+}
+
 #[cfg(feature = "daemon")]
 mod backoff;
 #[cfg(feature = "daemon")]
@@ -211,9 +236,9 @@ pub use merod::{
     PROBE_TIMEOUT,
 };
 pub use mrtd::{
-    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded, read_saved, Mrtd,
-    MrtdError, MrtdReading, MrtdSource, MrtdUnavailable, SavedEvidence, TdxConfig,
-    MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
+    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded,
+    read_mrtd_bounded_async, read_saved, Mrtd, MrtdError, MrtdReading, MrtdSource, MrtdUnavailable,
+    SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
 };
 pub use state::{
     inspect_state, Absence, Repair, State, StateError, StateFile, StateFormat, StateReport,

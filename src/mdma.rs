@@ -67,14 +67,61 @@ pub enum RequestError {
         /// The bound.
         timeout: Duration,
     },
-    /// An answer with a status that does not count as success.
-    #[error("POST {url}: HTTP {status}")]
+    /// An answer with a status that does not count as success. The message ends with the
+    /// start of the answer's body (`POST <url>: HTTP 403: {"error":"unknown node"}`), so a
+    /// tool can print MDMA's reason.
+    #[error("POST {url}: HTTP {status}{}", reason_suffix(.body))]
     Status {
         /// The request URL.
         url: Url,
         /// The HTTP status.
         status: u16,
+        /// The start of the answer's body, for people: read lossily as UTF-8 (at most 4 KiB
+        /// read), surrounding whitespace trimmed, control characters escaped (`\n`,
+        /// `\u{1b}`), cut to at most 512 chars (then ending in `…`), the client's own token
+        /// replaced by `[redacted]` should MDMA echo it. Empty when the body was empty or
+        /// could not be read. Never holds a request header.
+        body: String,
     },
+}
+
+/// Bytes of a refusal's body read for [`RequestError::Status`]'s `body`.
+const REFUSAL_READ: usize = 4096;
+/// Chars of a refusal's body kept in [`RequestError::Status`]'s `body`.
+const REFUSAL_CHARS: usize = 512;
+
+/// `: <body>` after the status, or nothing for an empty body.
+fn reason_suffix(body: &str) -> String {
+    if body.is_empty() {
+        String::new()
+    } else {
+        format!(": {body}")
+    }
+}
+
+/// The excerpt of a refusal's body kept in [`RequestError::Status`] (see its `body`).
+fn refusal_excerpt(bytes: &[u8], token: Option<&FleetToken>) -> String {
+    let mut text = String::from_utf8_lossy(bytes).trim().to_owned();
+    if let Some(token) = token.map(FleetToken::expose).filter(|t| !t.is_empty()) {
+        text = text.replace(token, "[redacted]");
+    }
+    let mut out = String::new();
+    let mut kept = 0;
+    for c in text.chars() {
+        let piece: String = if c.is_control() {
+            c.escape_default().collect()
+        } else {
+            c.into()
+        };
+        let n = piece.chars().count();
+        if kept + n > REFUSAL_CHARS - 1 {
+            out.push('…');
+            return out;
+        }
+        out.push_str(&piece);
+        kept += n;
+    }
+    out
 }
 
 impl RequestError {
@@ -777,14 +824,29 @@ impl MdmaClient {
             .send()
             .await
             .map_err(|e| RequestError::from_reqwest(url, self.timeout, e))?;
-        let status = resp.status();
-        if status.is_success() {
+        if resp.status().is_success() {
             Ok(resp)
         } else {
-            Err(RequestError::Status {
-                url: url.clone(),
-                status: status.as_u16(),
-            })
+            Err(self.refused(url, resp).await)
+        }
+    }
+
+    /// [`RequestError::Status`] for a refusal, with the start of its body (never a header).
+    async fn refused(&self, url: &Url, mut resp: reqwest::Response) -> RequestError {
+        let status = resp.status().as_u16();
+        let mut bytes = Vec::new();
+        // Within the request's own timeout; a body that fails to arrive is left out.
+        while bytes.len() < REFUSAL_READ {
+            match resp.chunk().await {
+                Ok(Some(chunk)) => bytes.extend_from_slice(&chunk),
+                Ok(None) | Err(_) => break,
+            }
+        }
+        bytes.truncate(REFUSAL_READ);
+        RequestError::Status {
+            url: url.clone(),
+            status,
+            body: refusal_excerpt(&bytes, self.token.get().as_ref()),
         }
     }
 
@@ -1144,13 +1206,8 @@ impl ControlPlane for MdmaClient {
         self.token
             .record(sent.as_ref().ok().map(|r| r.status().as_u16()));
         let resp = sent.map_err(fail)?;
-        let status = resp.status().as_u16();
-        if status != 200 {
-            return Err(RequestError::Status {
-                url: url.clone(),
-                status,
-            }
-            .into());
+        if resp.status().as_u16() != 200 {
+            return Err(self.refused(url, resp).await.into());
         }
         let bytes = read_capped(resp).await.map_err(|e| match e {
             BodyError::TooLarge => PollError::Malformed {
@@ -1230,6 +1287,39 @@ fn parse_two_step(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refusal_keeps_a_capped_escaped_excerpt_of_its_body_without_the_token() {
+        let token = FleetToken::new("NEVER-LOGGED-TOKEN");
+        let body = "  {\"error\":\"unknown node\"}\n\u{1b}[31m echo NEVER-LOGGED-TOKEN \n";
+        assert_eq!(
+            refusal_excerpt(body.as_bytes(), Some(&token)),
+            r#"{"error":"unknown node"}\n\u{1b}[31m echo [redacted]"#
+        );
+        assert_eq!(refusal_excerpt(b"\xff\xfeok", None), "\u{fffd}\u{fffd}ok");
+        assert_eq!(refusal_excerpt(b"", None), "");
+        let long = refusal_excerpt("é".repeat(2000).as_bytes(), None);
+        assert_eq!(long.chars().count(), REFUSAL_CHARS);
+        assert!(long.ends_with("é…"), "{long}");
+        let escapes = refusal_excerpt(&[0x07; 600], None);
+        assert!(escapes.chars().count() <= REFUSAL_CHARS, "{escapes}");
+        let url: Url = "https://mdma.example/api/fleet/confirm".parse().unwrap();
+        let refused = RequestError::Status {
+            url: url.clone(),
+            status: 403,
+            body: "no such node".into(),
+        };
+        assert_eq!(
+            refused.to_string(),
+            "POST https://mdma.example/api/fleet/confirm: HTTP 403: no such node"
+        );
+        let bare = RequestError::Status {
+            url,
+            status: 503,
+            body: String::new(),
+        };
+        assert!(bare.to_string().ends_with("HTTP 503"), "{bare}");
+    }
 
     const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
     const B: &str = "abababababababababababababababababababababababababababababababab";

@@ -191,7 +191,22 @@ impl MerodError {
     pub fn is_timeout(&self) -> bool {
         matches!(self, MerodError::Timeout { .. })
     }
+
+    /// The failure's one classification, stable for a program to match (the `kind` of its
+    /// `Serialize` form, `{"kind": …, "message": …}`): `call` (refused, reset, or a non-2xx
+    /// answer as calimero-client reports it), `timeout`, `status`, `answer` (a 2xx of an
+    /// unexpected shape).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MerodError::Call { .. } => "call",
+            MerodError::Timeout { .. } => "timeout",
+            MerodError::Status { .. } => "status",
+            MerodError::Answer { .. } => "answer",
+        }
+    }
 }
+
+serialize_kind_and_message!(MerodError);
 
 /// The node as the daemon sees it; [`MerodClient`] is the real one, tests supply their own.
 #[async_trait]

@@ -230,8 +230,10 @@ impl Default for TdxConfig {
 impl TdxConfig {
     /// This table with the sources that have side effects left out (see
     /// [`MrtdSource::has_side_effects`]: the configfs-tsm `quote`), for a tool that must
-    /// only look. The order of the others is kept; the result may have no source left, which
-    /// [`TdxConfig::validate`] refuses and a read reports as no source configured.
+    /// only look. The order of the others is kept; the result may have no source left (e.g.
+    /// from `sources = ["quote"]`), which [`TdxConfig::validate`] refuses with
+    /// [`MrtdError::NoSources`] and [`read_mrtd`] and [`read_mrtd_bounded`] refuse with an
+    /// [`MrtdUnavailable`] of kind `no-sources` (no entry in `failures`, nothing tried).
     ///
     /// ```
     /// use fleet_sidecar::{MrtdSource, TdxConfig};
@@ -394,6 +396,44 @@ pub enum MrtdError {
     Reader(String),
 }
 
+impl MrtdError {
+    /// The failure's one classification, stable for a program to match (the `kind` of its
+    /// `Serialize` form, `{"kind": …, "message": …}`): `not-present` (the path does not
+    /// exist: not a TD, or no such interface), `permission-denied`, `io` (any other I/O
+    /// error), `too-large`, `invalid` (the data read is not valid), `wrong-length`,
+    /// `truncated`, `bad-report-type`, `unsupported-quote-version`, `unsupported-quote-body`,
+    /// `bad-tee-type`, `all-zero`, `ioctl`, `tsm-provider`, `tsm-generation`, `bad-hex`,
+    /// `no-sources`, `duplicate-source`, `timeout`, `reader`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            MrtdError::Io { source, .. } => match source.kind() {
+                io::ErrorKind::NotFound => "not-present",
+                io::ErrorKind::PermissionDenied => "permission-denied",
+                _ => "io",
+            },
+            MrtdError::TooLarge { .. } => "too-large",
+            MrtdError::Invalid { .. } => "invalid",
+            MrtdError::WrongLength { .. } => "wrong-length",
+            MrtdError::Truncated { .. } => "truncated",
+            MrtdError::BadReportType(_) => "bad-report-type",
+            MrtdError::UnsupportedQuoteVersion(_) => "unsupported-quote-version",
+            MrtdError::UnsupportedQuoteBody(_) => "unsupported-quote-body",
+            MrtdError::BadTeeType(_) => "bad-tee-type",
+            MrtdError::AllZero => "all-zero",
+            MrtdError::Ioctl { .. } => "ioctl",
+            MrtdError::TsmProvider { .. } => "tsm-provider",
+            MrtdError::TsmGeneration { .. } => "tsm-generation",
+            MrtdError::BadHex { .. } => "bad-hex",
+            MrtdError::NoSources => "no-sources",
+            MrtdError::DuplicateSource(_) => "duplicate-source",
+            MrtdError::Timeout { .. } => "timeout",
+            MrtdError::Reader(_) => "reader",
+        }
+    }
+}
+
+serialize_kind_and_message!(MrtdError);
+
 fn describe_io(e: &io::Error) -> String {
     match e.kind() {
         io::ErrorKind::NotFound => {
@@ -436,20 +476,43 @@ impl fmt::Display for MrtdReading {
     }
 }
 
-/// Every source tried failed: one entry per source, in the order tried.
+/// No MRTD: every source tried failed, or there was no source to try.
+///
+/// `failures` has one entry per source tried, in order; it is empty exactly when the
+/// configuration left no source to try ([`MrtdUnavailable::kind`] `no-sources`): `sources`
+/// empty, or only sources with side effects, all left out by
+/// [`TdxConfig::without_side_effects`].
 ///
 /// `Display`: `no MRTD source worked: ` then each `source: reason`, separated by `; `, on one
-/// line.
+/// line; with no source, `no MRTD source to try: …`. `Serialize`: `{"kind": …, "message": …,
+/// "failures": [{"source": "sysfs", "kind": …, "message": …}, …]}` (see
+/// [`MrtdUnavailable::kind`] and [`MrtdError::kind`]).
 #[derive(Debug)]
 pub struct MrtdUnavailable {
-    /// Each source tried with its error, in order.
+    /// Each source tried with its error, in order (empty: no source to try).
     pub failures: Vec<(MrtdSource, MrtdError)>,
+}
+
+impl MrtdUnavailable {
+    /// `no-sources` (nothing was tried: see the type), `timeout` (the last source tried gave
+    /// no answer within the deadline of [`read_mrtd_bounded`]) or `failed` (every source
+    /// answered, with an error).
+    pub fn kind(&self) -> &'static str {
+        match self.failures.last() {
+            None => "no-sources",
+            Some((_, MrtdError::Timeout { .. })) => "timeout",
+            Some(_) => "failed",
+        }
+    }
 }
 
 impl fmt::Display for MrtdUnavailable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         if self.failures.is_empty() {
-            return f.write_str("no MRTD source configured");
+            return f.write_str(
+                "no MRTD source to try: [tdx] sources is empty, or lists only sources with \
+                 side effects and they were left out",
+            );
         }
         f.write_str("no MRTD source worked: ")?;
         for (i, (source, error)) in self.failures.iter().enumerate() {
@@ -462,6 +525,32 @@ impl fmt::Display for MrtdUnavailable {
     }
 }
 
+impl Serialize for MrtdUnavailable {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        #[derive(Serialize)]
+        struct Failure {
+            source: MrtdSource,
+            kind: &'static str,
+            message: String,
+        }
+        let failures: Vec<Failure> = self
+            .failures
+            .iter()
+            .map(|(source, e)| Failure {
+                source: *source,
+                kind: e.kind(),
+                message: e.to_string(),
+            })
+            .collect();
+        let mut out = s.serialize_struct("MrtdUnavailable", 3)?;
+        out.serialize_field("kind", self.kind())?;
+        out.serialize_field("message", &self.to_string())?;
+        out.serialize_field("failures", &failures)?;
+        out.end()
+    }
+}
+
 impl std::error::Error for MrtdUnavailable {}
 
 /// Tries `cfg.sources` in order; the first source that yields a valid MRTD wins.
@@ -471,8 +560,8 @@ impl std::error::Error for MrtdUnavailable {}
 /// [`read_mrtd_bounded`]; see [`MrtdSource`] for what each source does to the machine.
 ///
 /// # Errors
-/// [`MrtdUnavailable`] with one `(source, error)` per source tried when none worked (and no
-/// entry when `cfg.sources` is empty, which [`TdxConfig::validate`] rejects).
+/// [`MrtdUnavailable`] with one `(source, error)` per source tried when none worked; of kind
+/// `no-sources`, with no entry, when `cfg.sources` is empty.
 pub fn read_mrtd(cfg: &TdxConfig) -> Result<MrtdReading, MrtdUnavailable> {
     let mut failures = Vec::new();
     for &source in &cfg.sources {
@@ -492,7 +581,7 @@ pub fn read_mrtd(cfg: &TdxConfig) -> Result<MrtdReading, MrtdUnavailable> {
 /// [`TdxConfig::without_side_effects`] to leave out the ones that change anything.
 ///
 /// Blocks the calling thread for at most `within` (plus the thread's start); from async
-/// code, call it under `tokio::task::spawn_blocking`. A source that never answers (a FIFO in
+/// code, use [`read_mrtd_bounded_async`]. A source that never answers (a FIFO in
 /// place of the sysfs file, a wedged device) keeps its thread blocked in the kernel after
 /// this returns: nothing can interrupt a blocked `read(2)` from outside.
 ///
@@ -515,11 +604,17 @@ pub fn read_mrtd(cfg: &TdxConfig) -> Result<MrtdReading, MrtdUnavailable> {
 /// # Errors
 /// [`MrtdUnavailable`] with one `(source, error)` per source tried, in order, the last one
 /// [`MrtdError::Timeout`] when the deadline passed ([`MrtdError::Reader`] when the thread
-/// could not start); no entry when `cfg.sources` is empty.
+/// could not start); of kind `no-sources`, with no entry and no thread started, when
+/// `cfg.sources` is empty (as [`TdxConfig::without_side_effects`] leaves `sources = ["quote"]`).
 pub fn read_mrtd_bounded(
     cfg: &TdxConfig,
     within: Duration,
 ) -> Result<MrtdReading, MrtdUnavailable> {
+    if cfg.sources.is_empty() {
+        return Err(MrtdUnavailable {
+            failures: Vec::new(),
+        });
+    }
     let started = Instant::now();
     let (tx, rx) = mpsc::channel();
     let reader_cfg = cfg.clone();
@@ -566,6 +661,61 @@ pub fn read_mrtd_bounded(
         }
     }
     Err(MrtdUnavailable { failures })
+}
+
+/// [`read_mrtd_bounded`] from async code: runs it under `tokio::task::spawn_blocking`, so the
+/// runtime's worker threads never block (needs a tokio runtime). Returns after at most
+/// `within` plus the start of the blocking task.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// use std::time::Duration;
+/// use fleet_sidecar::{read_mrtd_bounded_async, MrtdSource, TdxConfig};
+///
+/// let cfg = TdxConfig { sources: vec![MrtdSource::Quote], ..TdxConfig::default() };
+/// let e = read_mrtd_bounded_async(&cfg.without_side_effects(), Duration::from_secs(2))
+///     .await
+///     .unwrap_err();
+/// assert_eq!(e.kind(), "no-sources");
+/// # }
+/// ```
+///
+/// # Errors
+/// As [`read_mrtd_bounded`]; a blocking task that panicked or was cancelled (the runtime
+/// shutting down) is an entry [`MrtdError::Reader`] for the first source.
+pub async fn read_mrtd_bounded_async(
+    cfg: &TdxConfig,
+    within: Duration,
+) -> Result<MrtdReading, MrtdUnavailable> {
+    let owned = cfg.clone();
+    match tokio::task::spawn_blocking(move || read_mrtd_bounded(&owned, within)).await {
+        Ok(result) => result,
+        Err(e) => Err(reader_task_failed(cfg, &e)),
+    }
+}
+
+/// The error of a blocking read task that ended without an answer: an entry
+/// [`MrtdError::Reader`] for the first source (none when there is no source).
+fn reader_task_failed(cfg: &TdxConfig, e: &tokio::task::JoinError) -> MrtdUnavailable {
+    let what = if e.is_panic() {
+        "panicked"
+    } else {
+        "was cancelled"
+    };
+    MrtdUnavailable {
+        failures: cfg
+            .sources
+            .first()
+            .map(|&first| {
+                (
+                    first,
+                    MrtdError::Reader(format!("ran in a blocking task that {what}")),
+                )
+            })
+            .into_iter()
+            .collect(),
+    }
 }
 
 /// Reads one source: a raw read of the path `cfg` gives for it, then the pure parser.
@@ -1677,6 +1827,73 @@ mod tests {
     }
 
     #[test]
+    fn look_only_on_quote_alone_is_an_explicit_no_sources_error() {
+        let cfg = TdxConfig {
+            sources: vec![MrtdSource::Quote],
+            ..TdxConfig::default()
+        }
+        .without_side_effects();
+        let e = read_mrtd_bounded(&cfg, Duration::from_secs(1)).unwrap_err();
+        assert_eq!(e.kind(), "no-sources");
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["kind"], "no-sources");
+        assert_eq!(json["message"], e.to_string());
+        assert!(e.to_string().contains("side effects"), "{e}");
+        assert_eq!(json["failures"], serde_json::json!([]));
+        assert_eq!(read_mrtd(&cfg).unwrap_err().kind(), "no-sources");
+    }
+
+    #[test]
+    fn errors_have_a_kind_and_serialize_as_kind_and_message() {
+        let mut t = tree();
+        t.cfg.sources = vec![MrtdSource::SysfsLegacy, MrtdSource::Sysfs];
+        write(&t.cfg.mrtd_path, &[0u8; 48]);
+        let e = read_mrtd(&t.cfg).unwrap_err();
+        assert_eq!(e.kind(), "failed");
+        let json = serde_json::to_value(&e).unwrap();
+        assert_eq!(json["kind"], "failed");
+        assert_eq!(json["failures"][0]["source"], "sysfs-legacy");
+        assert_eq!(json["failures"][0]["kind"], "not-present");
+        assert_eq!(json["failures"][1]["source"], "sysfs");
+        assert_eq!(json["failures"][1]["kind"], "invalid");
+        assert_eq!(json["failures"][1]["message"], e.failures[1].1.to_string());
+        let timeout = MrtdUnavailable {
+            failures: vec![(
+                MrtdSource::Sysfs,
+                MrtdError::Timeout {
+                    path: t.cfg.mrtd_path.clone(),
+                    after: Duration::from_secs(1),
+                },
+            )],
+        };
+        assert_eq!(timeout.kind(), "timeout");
+        let one = serde_json::to_value(MrtdError::AllZero).unwrap();
+        assert_eq!(
+            one,
+            serde_json::json!({"kind": "all-zero", "message": "all-zero MRTD: wrong read"})
+        );
+    }
+
+    #[tokio::test]
+    async fn the_async_read_reads_and_names_a_failed_task() {
+        let t = tree();
+        let mut cfg = t.cfg.clone();
+        cfg.sources = vec![MrtdSource::Sysfs];
+        write(&cfg.mrtd_path, &[7u8; 48]);
+        let reading = read_mrtd_bounded_async(&cfg, Duration::from_secs(2))
+            .await
+            .unwrap();
+        assert_eq!(reading.source, MrtdSource::Sysfs);
+        let panicked = tokio::task::spawn_blocking(|| panic!("reader")).await;
+        let e = reader_task_failed(&cfg, &panicked.unwrap_err());
+        assert!(
+            matches!(&e.failures[..], [(MrtdSource::Sysfs, MrtdError::Reader(why))] if why.contains("panicked")),
+            "{e}"
+        );
+        assert_eq!(e.failures[0].1.kind(), "reader");
+    }
+
+    #[test]
     fn chain_empty_sources() {
         let mut t = tree();
         t.cfg.sources.clear();
@@ -1684,7 +1901,8 @@ mod tests {
             panic!("expected failure")
         };
         assert!(e.failures.is_empty());
-        assert_eq!(e.to_string(), "no MRTD source configured");
+        assert_eq!(e.kind(), "no-sources");
+        assert!(e.to_string().starts_with("no MRTD source to try: "), "{e}");
     }
 
     #[test]

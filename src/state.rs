@@ -458,7 +458,21 @@ pub enum StateError {
     },
 }
 
+serialize_kind_and_message!(StateError);
+
 impl StateError {
+    /// The failure's one classification, stable for a program to match (the `kind` of its
+    /// `Serialize` form, `{"kind": …, "message": …}`): `read`, `corrupt`,
+    /// `unsupported-version`, `write`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            StateError::Read { .. } => "read",
+            StateError::Corrupt { .. } => "corrupt",
+            StateError::UnsupportedVersion { .. } => "unsupported-version",
+            StateError::Write { .. } => "write",
+        }
+    }
+
     /// A key that stays the same while the same fault repeats (variant, step, OS error),
     /// unlike the message, which may name a random temp file: for logging a fault once.
     pub fn stable_key(&self) -> String {
@@ -888,6 +902,21 @@ fn set_readable(file: &std::fs::File) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_have_a_kind_and_serialize_as_kind_and_message() {
+        let e = StateError::UnsupportedVersion {
+            path: PathBuf::from("/s.json"),
+            version: 9,
+        };
+        assert_eq!(e.kind(), "unsupported-version");
+        assert_eq!(
+            serde_json::to_value(&e).unwrap(),
+            serde_json::json!({"kind": "unsupported-version", "message": e.to_string()})
+        );
+        let corrupt = parse_state(b"[", Path::new("/s.json")).unwrap_err();
+        assert_eq!(serde_json::to_value(&corrupt).unwrap()["kind"], "corrupt");
+    }
 
     fn id(n: u8) -> GroupId {
         GroupId::from_bytes([n; 32])

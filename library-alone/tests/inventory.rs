@@ -126,6 +126,17 @@ async fn the_fakes_inject_failures_and_hangs_the_tool_sees_as_typed_errors() {
     merod.set_list(ListBehaviour::Error { status: 500 });
     let err = quick.list_namespaces().await.unwrap_err();
     assert!(err.to_string().contains("HTTP 500"), "{err}");
+    // A failure in the middle of a walk over pages fails the whole listing.
+    for n in 0..150 {
+        merod.hold(&id(n));
+    }
+    merod.set_list(ListBehaviour::ErrorAfterPages {
+        pages: 1,
+        status: 503,
+    });
+    let err = quick.list_namespaces().await.unwrap_err();
+    assert_eq!(err.kind(), "status", "{err}");
+    assert_eq!(serde_json::to_value(&err).unwrap()["kind"], "status");
 
     // MDMA: no scripted answer is a 404, a hang a timeout, a path leaving the base refused.
     let creds = cfg.mdma_credentials().unwrap();
@@ -155,10 +166,30 @@ async fn the_fakes_inject_failures_and_hangs_the_tool_sees_as_typed_errors() {
     mdma.set_answer("api/fleet/inventory", CallReply::Json(200, json!({})));
     assert_eq!(refused_with(&stranger).await, 401);
 
-    // A config without mdma_url cannot build the client.
+    // A refusal keeps the start of MDMA's answer (its reason), never the token.
+    let reason = json!({"error": "unknown node", "echo": TOKEN});
+    mdma.set_answer("api/fleet/inventory", CallReply::Json(403, reason));
+    assert_eq!(refused_with(&client).await, 403);
+    let err = client
+        .post_json("api/fleet/inventory", &json!({}))
+        .await
+        .unwrap_err();
+    let CallError::Request(RequestError::Status { body, .. }) = &err else {
+        panic!("not refused with a status: {err}")
+    };
+    assert!(body.contains(r#""error":"unknown node""#), "{body}");
+    assert!(
+        body.contains("[redacted]") && !body.contains(TOKEN),
+        "{body}"
+    );
+    assert!(err.to_string().contains("HTTP 403: {"), "{err}");
+
+    // A config without mdma_url cannot build the client, and says so in a tool's words.
     let bare = ToolConfig::from_toml("", std::path::Path::new("t.toml")).unwrap();
-    assert!(matches!(
-        MdmaClient::from_tool_config(&bare),
-        Err(ConfigError::MissingMdmaUrl { .. })
-    ));
+    let err = MdmaClient::from_tool_config(&bare).unwrap_err();
+    assert!(matches!(err, ConfigError::NoMdmaUrl { .. }), "{err}");
+    assert_eq!(
+        err.to_string(),
+        "config file t.toml: mdma_url is not set, so there is no MDMA to call"
+    );
 }

@@ -200,7 +200,11 @@ mod tests {
             timeout: Duration::from_secs(11),
         };
         assert_eq!(deadline.metric_label(), "timeout");
-        let status = PollError::Request(RequestError::Status { url, status: 503 });
+        let status = PollError::Request(RequestError::Status {
+            url,
+            status: 503,
+            body: String::new(),
+        });
         assert_eq!(status.metric_label(), "status");
     }
 }

@@ -247,7 +247,7 @@ impl std::fmt::Debug for MdmaEmulator {
 impl MdmaEmulator {
     /// Starts the emulator on `127.0.0.1:0`. With `Some(token)` every request must carry
     /// `X-Fleet-Token: <token>`.
-    pub async fn start(token: Option<String>) -> std::io::Result<Self> {
+    pub async fn start(token: Option<String>) -> Result<Self, std::io::Error> {
         let (poll_count, _) = watch::channel(0usize);
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {

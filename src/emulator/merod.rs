@@ -128,6 +128,16 @@ pub enum ListBehaviour {
     },
     /// 200 with exactly this body (for wrong-shape tests).
     RawBody(String),
+    /// The first `pages` listing requests after [`MerodEmulator::set_list`] answer as
+    /// [`ListBehaviour::Normal`]; every later one answers `status` as
+    /// [`ListBehaviour::Error`] does. `ErrorAfterPages { pages: 1, status: 500 }` fails the
+    /// second page of a listing longer than one page (a failure in the middle of a walk).
+    ErrorAfterPages {
+        /// Listing requests answered normally first.
+        pages: usize,
+        /// The HTTP status of every later one.
+        status: u16,
+    },
 }
 
 /// One request as received by the emulator.
@@ -300,6 +310,8 @@ struct Inner {
     default_leave: LeaveBehaviour,
     leave: HashMap<String, LeaveBehaviour>,
     list: ListBehaviour,
+    /// Listing requests answered since the last [`MerodEmulator::set_list`].
+    listed: usize,
     /// Refusals already served under `RefuseThenAdmit`, per namespace.
     refused: HashMap<String, u32>,
     ready: bool,
@@ -348,7 +360,7 @@ impl std::fmt::Debug for MerodEmulator {
 impl MerodEmulator {
     /// Starts the emulator on `127.0.0.1:0`: ready, holding nothing, joins admitted and leaves
     /// done at once.
-    pub async fn start() -> std::io::Result<Self> {
+    pub async fn start() -> Result<Self, std::io::Error> {
         let shared = Arc::new(Shared {
             inner: Mutex::new(Inner {
                 default_join: JoinBehaviour::default(),
@@ -356,6 +368,7 @@ impl MerodEmulator {
                 default_leave: LeaveBehaviour::default(),
                 leave: HashMap::new(),
                 list: ListBehaviour::default(),
+                listed: 0,
                 refused: HashMap::new(),
                 ready: true,
                 held: BTreeSet::new(),
@@ -411,9 +424,12 @@ impl MerodEmulator {
             .insert(group_id.to_ascii_lowercase(), behaviour);
     }
 
-    /// How the namespace listing behaves from now on (default [`ListBehaviour::Normal`]).
+    /// How the namespace listing behaves from now on (default [`ListBehaviour::Normal`]);
+    /// restarts the count of [`ListBehaviour::ErrorAfterPages`].
     pub fn set_list(&self, behaviour: ListBehaviour) {
-        lock(&self.shared.inner).list = behaviour;
+        let mut inner = lock(&self.shared.inner);
+        inner.list = behaviour;
+        inner.listed = 0;
     }
 
     /// While false, `/admin-api/peers` answers 503 `{"error":"starting"}` and
@@ -867,9 +883,16 @@ async fn list_namespaces(shared: &Shared, uri: &Uri) -> Answer {
         Ok(paging) => paging,
         Err(message) => return json_response(400, json!({ "error": message.0 })),
     };
-    let behaviour = lock(&shared.inner).list.clone();
+    let (behaviour, listed) = {
+        let mut inner = lock(&shared.inner);
+        inner.listed += 1;
+        (inner.list.clone(), inner.listed)
+    };
     match behaviour {
-        ListBehaviour::Normal => {}
+        ListBehaviour::ErrorAfterPages { pages, status } if listed > pages => {
+            return error_status(status)
+        }
+        ListBehaviour::Normal | ListBehaviour::ErrorAfterPages { .. } => {}
         ListBehaviour::Hang => return std::future::pending().await,
         ListBehaviour::Error { status } => return error_status(status),
         ListBehaviour::RawBody(body) => return super::raw_json_response(200, body),
@@ -1369,6 +1392,29 @@ mod tests {
 
     /// merod (recorded: `registration-attest` on rc.25; a GET of fleet-join) answers an
     /// unknown route 404 and a known route with another method 405, both empty.
+    #[tokio::test]
+    async fn the_listing_can_fail_after_some_pages() {
+        let emu = MerodEmulator::start().await.unwrap();
+        emu.hold(ID);
+        emu.set_list(ListBehaviour::ErrorAfterPages {
+            pages: 2,
+            status: 503,
+        });
+        let page = "admin-api/namespaces?offset=0&limit=1";
+        assert_eq!(get_json(&emu, page).await.0, 200);
+        assert_eq!(get_json(&emu, "admin-api/namespaces?limit=x").await.0, 400);
+        assert_eq!(get_json(&emu, page).await.0, 200);
+        assert_eq!(get_json(&emu, page).await.0, 503);
+        assert_eq!(get_json(&emu, page).await.0, 503);
+        // Setting it again restarts the count.
+        emu.set_list(ListBehaviour::ErrorAfterPages {
+            pages: 1,
+            status: 500,
+        });
+        assert_eq!(get_json(&emu, page).await.0, 200);
+        assert_eq!(get_json(&emu, page).await.0, 500);
+    }
+
     #[tokio::test]
     async fn unknown_routes_answer_404_other_methods_405_empty_and_are_recorded() {
         let emu = MerodEmulator::start().await.unwrap();

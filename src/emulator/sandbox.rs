@@ -36,7 +36,7 @@ impl Sandbox {
     /// Starts both emulators (MDMA expecting `token` when set) and lays out the directory.
     ///
     /// Errors: the I/O error of binding a port or writing a file.
-    pub async fn start(token: Option<&str>) -> std::io::Result<Self> {
+    pub async fn start(token: Option<&str>) -> Result<Self, std::io::Error> {
         let dir = tempfile::Builder::new()
             .prefix("fleet-sidecar-")
             .tempdir()?;
@@ -97,7 +97,7 @@ impl Sandbox {
     /// Writes [`Sandbox::config_text`] to `{dir}/fleet-sidecar.toml` and returns its path.
     ///
     /// Errors: the I/O error of the write.
-    pub fn write_config(&self, extra: &str) -> std::io::Result<PathBuf> {
+    pub fn write_config(&self, extra: &str) -> Result<PathBuf, std::io::Error> {
         let path = self.dir.path().join("fleet-sidecar.toml");
         std::fs::write(&path, self.config_text(extra))?;
         Ok(path)

@@ -156,7 +156,12 @@ impl ControlPlane for Fake {
                     .expect_err("no host, no request"),
             }
             .into()),
-            Some(Poll::Status) => Err(RequestError::Status { url, status: 503 }.into()),
+            Some(Poll::Status) => Err(RequestError::Status {
+                url,
+                status: 503,
+                body: String::new(),
+            }
+            .into()),
             Some(Poll::Malformed) => Err(PollError::Malformed {
                 url,
                 source: parse_should_join(b"{\"assignments\":7}").expect_err("not an array"),
@@ -183,6 +188,7 @@ impl ControlPlane for Fake {
             Err(RequestError::Status {
                 url: url::Url::parse("https://mdma.test/api/fleet/confirm").unwrap(),
                 status: 500,
+                body: String::new(),
             })
         }
     }
