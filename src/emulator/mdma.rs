@@ -107,7 +107,7 @@ pub fn fleet_answer(entries: usize, addrs: usize) -> String {
             body.push_str(&format!(
                 r#""/ip6/2001:0db8:85a3:0000:0000:8a2e:{:04x}:{a:04x}/udp/65535/quic-v1/p2p/{}""#,
                 i % 0x1_0000,
-                crate::emulator::sandbox::PEER_ID
+                ADMITTER_PEER_ID
             ));
         }
         body.push_str("]}");
@@ -605,12 +605,19 @@ fn confirm(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
     json_response(status, body)
 }
 
+/// The admitting node's PeerId in [`fleet_answer`]'s addresses (any well-formed one).
+const ADMITTER_PEER_ID: &str = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk";
+
 fn challenge(shared: &Shared) -> Answer {
     let mut inner = lock(&shared.inner);
+    // Unique per emulator run and call; no randomness needed (and the `testing` fakes take
+    // none of the daemon's dependencies, fastrand among them).
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
     let challenge = format!(
-        "emulated-challenge-{}-{:016x}",
+        "emulated-challenge-{}-{nanos:08x}",
         inner.challenges.len() + 1,
-        fastrand::u64(..)
     );
     inner.challenges.push(challenge.clone());
     drop(inner);

@@ -395,6 +395,8 @@ fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f:
                 delay: std::time::Duration::ZERO,
             },
         ),
+        // Recorded once the node had taken part in a namespace (its account minted).
+        "identity-after-join" => merod.set_minted(true),
         // Everything else was recorded on a node holding nothing of the namespace asked.
         _ => {}
     }

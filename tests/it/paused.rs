@@ -383,7 +383,8 @@ async fn a_join_waiting_for_a_slot_is_not_sent_once_the_latest_poll_withdrew_it(
         w.assignments.extend([id(1), id(2)]);
         w.join_script = vec![Join::Hang, Join::Admitted];
     });
-    let running = fake.run(node.config("max_concurrent_joins = 1"));
+    // No leave grace: the withdrawn joining namespace is dropped within the test's 100 s.
+    let running = fake.run(node.config("max_concurrent_joins = 1\nleave_grace = \"0s\""));
     tokio::time::sleep(Duration::from_secs(5)).await;
     let (first, waiting) = fake.with(|w| {
         assert_eq!(w.joins.len(), 1, "one slot: {:?}", w.joins);
