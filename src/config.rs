@@ -509,6 +509,8 @@ pub struct ToolConfig {
     pub mdma_ca_file: Option<PathBuf>,
     fleet_token: Option<FleetToken>,
     fleet_token_file: Option<PathBuf>,
+    /// `[registration].token_file`: where the daemon keeps the token it earned.
+    registration_token_file: Option<PathBuf>,
 }
 
 /// What a tool sends MDMA to be recognised as this node's: the fleet token and the extra
@@ -556,6 +558,7 @@ impl ToolConfig {
             mdma_ca_file: raw.mdma_ca_file,
             fleet_token: raw.fleet_token,
             fleet_token_file: raw.fleet_token_file,
+            registration_token_file: raw.registration.and_then(|r| r.token_file),
         })
     }
 
@@ -567,13 +570,36 @@ impl ToolConfig {
     ///
     /// Errors: [`ConfigError::Invalid`] naming `fleet_token` or `fleet_token_file` (never
     /// the token itself).
+    ///
+    /// With neither key but a `[registration]` table, the token is the one the daemon
+    /// earned by attested registration, read from `[registration].token_file` with the same
+    /// checks; a file not there yet (the node has not registered) gives no token. Errors for
+    /// that file name `registration.token_file`.
     pub fn mdma_credentials(&self) -> Result<MdmaCredentials, ConfigError> {
-        Ok(MdmaCredentials {
-            token: resolve_token(
+        let token = match (
+            &self.fleet_token,
+            &self.fleet_token_file,
+            &self.registration_token_file,
+        ) {
+            (None, None, Some(file)) => match std::fs::symlink_metadata(file) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                _ => Some(
+                    read_token_file(file).map_err(|reason| ConfigError::Invalid {
+                        path: self.path.clone(),
+                        key: "registration.token_file",
+                        value: file.display().to_string(),
+                        reason: reason.to_string(),
+                    })?,
+                ),
+            },
+            _ => resolve_token(
                 self.fleet_token.clone(),
                 self.fleet_token_file.as_deref(),
                 &self.path,
             )?,
+        };
+        Ok(MdmaCredentials {
+            token,
             ca_file: self.mdma_ca_file.clone(),
         })
     }
@@ -581,7 +607,8 @@ impl ToolConfig {
 
 impl MdmaClient {
     /// A client for the MDMA a tool's config names: `mdma_url`, the token
-    /// ([`ToolConfig::mdma_credentials`]: `fleet_token` or `fleet_token_file`, with the
+    /// ([`ToolConfig::mdma_credentials`]: `fleet_token`, `fleet_token_file` or the registration
+    /// `token_file`, with the
     /// daemon's checks) and `mdma_ca_file`, with the daemon's HTTP rules and timeout.
     ///
     /// Errors: [`ConfigError::NoMdmaUrl`] when `mdma_url` is not set,
@@ -1659,6 +1686,30 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             tool.state_file,
             PathBuf::from("/var/lib/calimero/fleet-confirmed.json")
         );
+    }
+
+    #[test]
+    fn a_tool_reads_the_token_registration_earned_with_the_same_checks() {
+        use std::os::unix::fs::PermissionsExt;
+        let path = Path::new("/etc/calimero/fleet-sidecar.toml");
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("fleet").join("fleet-token");
+        let text = format!("[registration]\ntoken_file = \"{}\"\n", file.display());
+        let tool = ToolConfig::from_toml(&text, path).unwrap();
+        // Not registered yet: no token, no error.
+        assert!(tool.mdma_credentials().unwrap().token.is_none());
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(&file, "NEVER-LOGGED-TOKEN-earned").unwrap();
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(
+            tool.mdma_credentials().unwrap().token.unwrap().expose(),
+            "NEVER-LOGGED-TOKEN-earned"
+        );
+        // Readable by others: refused as the daemon refuses fleet_token_file, naming the key.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let err = tool.mdma_credentials().unwrap_err().to_string();
+        assert!(err.contains("registration.token_file"), "{err}");
+        assert!(!err.contains("NEVER-LOGGED-TOKEN"), "{err}");
     }
 
     #[test]
