@@ -125,9 +125,12 @@ async fn a_kept_alive_connection_closed_as_it_is_reused_costs_no_failed_poll() {
     // Polls 2 and 4 found their kept-alive connection closed and were sent once more.
     assert_eq!(resends.load(Ordering::SeqCst), 2);
     assert_eq!(requests.load(Ordering::SeqCst), 6);
-    assert_eq!(
-        connections.load(Ordering::SeqCst),
-        4,
+    // The server answers only the first request of a connection, so the two answered
+    // resends went on fresh connections. Their count is at least 4, not exactly: the
+    // pooled client may race a new connect against a pooled connection coming free (seen
+    // under load as a fifth connection that carried no request).
+    assert!(
+        connections.load(Ordering::SeqCst) >= 4,
         "each resend on a fresh connection"
     );
 }
