@@ -10,26 +10,35 @@
 //!   will re-join it while MDMA assigns it.
 //! - **confirmed but not admitted**: must be impossible (the sidecar confirms only what it
 //!   recorded as admitted). Flagged, with what loading the file repaired.
+//! - **orphans** (with `--status HOST:PORT`, the running daemon's status listener): held by
+//!   merod, not in the state, and neither assigned nor retained by the daemon's latest
+//!   poll (`reconcile::orphans`). The daemon leaves them alone unless `leave_orphans = true`.
+//!
+//! It also says when the state file is the fleet's Bash sidecar's (a bare array: the
+//! admitted ids and leave timers of the files beside it are imported, and counted here) and
+//! when its directory is on a RAM filesystem (lost at reboot).
 //!
 //! It reads only `[merod]` and `state_file` of the sidecar's config (no MDMA keys needed, the
 //! token file is never opened) and never calls MDMA: a `should-join` from a tool would count
 //! as the node's heartbeat.
 //!
 //! ```text
-//! cargo run --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--json]
+//! cargo run --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--json] [--status 127.0.0.1:9464]
 //! ```
 //!
-//! Exit status: 0 in sync, 1 drift found, 2 the config, the state file or merod could not
-//! be read.
+//! Exit status: 0 in sync, 1 drift found (orphans included), 2 the config, the state file,
+//! merod or the status listener could not be read.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
+use fleet_sidecar::daemon::LiveStatus;
+use fleet_sidecar::reconcile::{self, Desired};
 use fleet_sidecar::{
-    resolve_admin_url, GroupId, MerodClient, Repair, StateFile, StateStore, ToolConfig,
-    DEFAULT_CONFIG_PATH,
+    resolve_admin_url, volatile, GroupId, MerodClient, Repair, State, StateFile, StateStore,
+    ToolConfig, DEFAULT_CONFIG_PATH,
 };
 use serde::Serialize;
 
@@ -43,6 +52,21 @@ struct Args {
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
+    /// The running daemon's status listener (`status_listen`), to tell orphans apart: its
+    /// `/status` gives the latest poll's assignments and retains.
+    #[arg(long, value_name = "HOST:PORT")]
+    status: Option<String>,
+}
+
+/// What the Bash sidecar's files beside a bare-array state file brought in.
+#[derive(Debug, Serialize)]
+pub struct Imported {
+    /// Admitted ids (the confirmed ones included).
+    pub admitted: usize,
+    /// Leave timers of admitted ids carried over.
+    pub timers: usize,
+    /// Leaves of the last hour counted against the budget.
+    pub recent_leaves: usize,
 }
 
 /// What the tool found.
@@ -68,25 +92,53 @@ pub struct Drift {
     pub confirmed_not_admitted: BTreeSet<GroupId>,
     /// What loading the file repaired, in words.
     pub repairs: Vec<String>,
+    /// Held by merod, not in the state, neither assigned nor retained by the daemon's latest
+    /// poll; `None` without `--status` (then `held_not_in_state` may include assigned ones).
+    pub orphans: Option<BTreeSet<GroupId>>,
+    /// The state file is the Bash sidecar's: what its files beside it brought in.
+    pub bash_import: Option<Imported>,
+    /// The state file's directory is on a RAM filesystem: which (lost at reboot).
+    pub state_ram_filesystem: Option<String>,
 }
 
 impl Drift {
     /// Whether anything differs.
     pub fn found(&self) -> bool {
         !(self.held_not_in_state.is_empty()
+            && self.orphans.as_ref().is_none_or(BTreeSet::is_empty)
             && self.admitted_not_held.is_empty()
             && self.confirmed_not_admitted.is_empty()
             && self.repairs.is_empty())
     }
 }
 
-/// Reads the config, the state file and merod's listing, and compares them.
+/// The running daemon's live status from its listener at `addr` (2 s bound).
+async fn live_status(addr: &str) -> Result<LiveStatus, Box<dyn std::error::Error>> {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(std::time::Duration::from_secs(2))
+        .build()?;
+    let status = client
+        .get(format!("http://{addr}/status"))
+        .send()
+        .await?
+        .error_for_status()?
+        .json()
+        .await?;
+    Ok(status)
+}
+
+/// Reads the config, the state file, merod's listing and (with `status`, a `host:port`) the
+/// daemon's live status, and compares them.
 ///
 /// Errors: a one-line description of what could not be read.
-pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>> {
+pub async fn inspect(
+    config: &Path,
+    status: Option<&str>,
+) -> Result<Drift, Box<dyn std::error::Error>> {
     let cfg = ToolConfig::load(config)?;
     let admin_url = resolve_admin_url(&cfg.merod).url;
-    let (present, admitted, joining, confirmed_not_admitted, repairs) =
+    let (present, admitted, joining, confirmed_not_admitted, repairs, bash_import) =
         match StateStore::new(&cfg.state_file).inspect()? {
             StateFile::Missing => (
                 false,
@@ -94,6 +146,7 @@ pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>>
                 BTreeSet::new(),
                 BTreeSet::new(),
                 Vec::new(),
+                None,
             ),
             StateFile::Present(report) => {
                 let flagged = report
@@ -107,16 +160,39 @@ pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>>
                     })
                     .collect();
                 let words = report.repairs.iter().map(ToString::to_string).collect();
+                let imported = report.bash_import.map(|i| Imported {
+                    admitted: i.admitted.len(),
+                    timers: i.absence_observed.len(),
+                    recent_leaves: i.recent_leaves_ago.len(),
+                });
                 (
                     true,
                     report.state.admitted,
                     report.state.joining,
                     flagged,
                     words,
+                    imported,
                 )
             }
         };
     let held = MerodClient::new(&admin_url)?.list_namespaces().await?;
+    let orphans = match status {
+        None => None,
+        Some(addr) => {
+            let live = live_status(addr).await?;
+            let desired = Desired {
+                assigned: live.desired.into_iter().collect(),
+                retain: live.retain.into_iter().collect(),
+            };
+            let state = State {
+                admitted: admitted.clone(),
+                joining: joining.clone(),
+                ..State::default()
+            };
+            Some(reconcile::orphans(&held, &state, &desired))
+        }
+    };
+    let state_ram_filesystem = volatile::check_state_dir(&cfg.state_file)?.map(|fs| fs.to_string());
     Ok(Drift {
         state_file: cfg.state_file,
         state_file_present: present,
@@ -132,6 +208,9 @@ pub async fn inspect(config: &Path) -> Result<Drift, Box<dyn std::error::Error>>
         admitted_not_held: admitted.difference(&held).copied().collect(),
         confirmed_not_admitted,
         repairs,
+        orphans,
+        bash_import,
+        state_ram_filesystem,
     })
 }
 
@@ -158,10 +237,25 @@ pub fn render_text(drift: &Drift) -> String {
             &drift.confirmed_not_admitted,
         ),
     ];
-    for (what, ids) in rows {
+    let orphans = drift.orphans.clone().unwrap_or_default();
+    for (what, ids) in rows
+        .into_iter()
+        .chain([("ORPHAN: held, not assigned/retained", &orphans)])
+    {
         for id in ids {
             out.push_str(&format!("{what:<36} {id}\n"));
         }
+    }
+    if let Some(i) = &drift.bash_import {
+        out.push_str(&format!(
+            "Bash sidecar's files imported: {} admitted, {} leave timers, {} recent leaves (the daemon's first write turns the state into its own format)\n",
+            i.admitted, i.timers, i.recent_leaves
+        ));
+    }
+    if let Some(fs) = &drift.state_ram_filesystem {
+        out.push_str(&format!(
+            "ERROR: the state file's directory is on a RAM filesystem ({fs}): lost at reboot\n"
+        ));
     }
     for repair in &drift.repairs {
         out.push_str(&format!("repaired on load: {repair}\n"));
@@ -177,7 +271,7 @@ pub fn render_text(drift: &Drift) -> String {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let args = Args::parse();
-    match inspect(&args.config).await {
+    match inspect(&args.config, args.status.as_deref()).await {
         Ok(drift) => {
             if args.json {
                 match serde_json::to_string_pretty(&drift) {

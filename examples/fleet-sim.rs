@@ -57,6 +57,10 @@ impl Node for StandIn {
     async fn holds_namespace(&self, _group_id: GroupId) -> Result<bool, MerodError> {
         Ok(true)
     }
+    /// Lists nothing: a simulated node has no orphans.
+    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        Ok(BTreeSet::new())
+    }
 }
 
 /// A distinct, well-formed PeerId per node: `12D3KooW` and `i` in base58, padded to 52 chars.

@@ -106,6 +106,11 @@ pub(crate) struct RawConfig {
     /// Deadline of one leave call (default 60 s).
     #[serde(default = "defaults::leave_timeout", with = "humantime_serde")]
     pub leave_timeout: Duration,
+    /// Whether orphans (namespaces merod holds that are neither in the state, assigned nor
+    /// retained) are taken as admitted, and so left like any withdrawn namespace (default
+    /// `false`: reported only). For dedicated fleet nodes.
+    #[serde(default)]
+    pub leave_orphans: bool,
     /// The `[merod]` table.
     #[serde(default)]
     pub merod: RawMerod,
@@ -277,6 +282,9 @@ pub struct Config {
     pub join_timeout: Duration,
     /// Deadline of one leave call.
     pub leave_timeout: Duration,
+    /// `leave_orphans`: orphans are taken as admitted (left through the grace, the guard
+    /// and the budget) instead of only reported.
+    pub leave_orphans: bool,
     /// merod's location.
     pub merod: MerodConfig,
     /// MRTD sources.
@@ -921,6 +929,7 @@ impl RawConfig {
             max_concurrent_joins: self.max_concurrent_joins,
             join_timeout,
             leave_timeout,
+            leave_orphans: self.leave_orphans,
             merod,
             tdx: self.tdx,
             warnings,

@@ -233,6 +233,7 @@ fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
         joining: &work.joining,
         leaving: &work.leaving,
         waiting: &planner.waiting,
+        orphans: &planner.orphans,
         mass_drop: planner.guard.mass_drop,
         mass_drop_hold: planner.policy.mass_drop_hold,
         now: Instant::now(),

@@ -241,8 +241,8 @@ pub use mrtd::{
     SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
 };
 pub use state::{
-    inspect_state, Absence, Repair, State, StateError, StateFile, StateFormat, StateReport,
-    StateStore, STATE_VERSION,
+    bash_import, inspect_state, volatile, Absence, Repair, State, StateError, StateFile,
+    StateFormat, StateReport, StateStore, STATE_VERSION,
 };
 
 // The parsers and the state writer as pure functions, for the contract and schema tests and

@@ -232,6 +232,12 @@ pub trait Node: Send + Sync + 'static {
     ///
     /// Errors: [`MerodError`] for any other answer: membership unknown.
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError>;
+
+    /// Every namespace merod holds (`GET /admin-api/namespaces`, all pages): what orphans
+    /// are found in.
+    ///
+    /// Errors: [`MerodError`]: the list is unknown.
+    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError>;
 }
 
 /// calimero-client wants somewhere to keep JWTs; a headless proxy-mode caller has none.
@@ -721,6 +727,10 @@ impl Node for MerodClient {
                 .map_err(|e| self.client_error(op, &path, e))
         })
         .await
+    }
+
+    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        MerodClient::list_namespaces(self).await
     }
 
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError> {

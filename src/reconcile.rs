@@ -507,6 +507,27 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
     }
 }
 
+/// Orphans: namespaces merod holds (`held`, its latest list, any order) that are neither in the state
+/// (admitted or joining), assigned nor retained by the latest successful poll. Nothing the
+/// sidecar did or will do explains them (a join by hand, the Bash sidecar's, a state file
+/// lost with a RAM `/var`). Pure; `leave_orphans` decides what is done with them (the
+/// default: nothing but reporting them).
+pub fn orphans<'a>(
+    held: impl IntoIterator<Item = &'a GroupId>,
+    state: &State,
+    desired: &Desired,
+) -> BTreeSet<GroupId> {
+    held.into_iter()
+        .filter(|id| {
+            !state.admitted.contains(id)
+                && !state.joining.contains(id)
+                && !desired.assigned.contains(id)
+                && !desired.retain.contains(id)
+        })
+        .copied()
+        .collect()
+}
+
 /// What an executed action established, to fold into the state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {

@@ -27,6 +27,8 @@
 //! no clock: each absence loads as observed for 0 s), version 2 (version 3 without
 //! `joining`), version 1, `{"version": 1, "confirmed": [...]}`, and a bare JSON array of ids
 //! (the Bash sidecar's confirmed set); the last two load with `admitted = confirmed`.
+//! A bare array read from a file ([`StateStore::load`], [`StateStore::inspect`]) brings in
+//! the Bash sidecar's files beside it too ([`bash_import`]): its admitted ids join `admitted`.
 //!
 //! Writes are atomic — temp file in the same directory, fsync, rename, fsync the directory —
 //! and happen only when the document changed. A missing file is a first start (empty
@@ -41,6 +43,11 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::ids::GroupId;
+
+pub mod bash_import;
+pub mod volatile;
+
+use bash_import::{BashImport, ImportError};
 
 /// The version [`StateStore::save`] writes.
 pub const STATE_VERSION: u32 = 4;
@@ -318,6 +325,11 @@ pub struct StateReport {
     pub state: State,
     /// What loading changed to restore the invariants (empty for a sound file).
     pub repairs: Vec<Repair>,
+    /// For a bare array read from a file: what the Bash sidecar's files beside it brought
+    /// in (already in [`StateReport::state`]). `None` for every other format, and from
+    /// [`inspect_state`], which reads bytes only. Serialized only when present.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bash_import: Option<BashImport>,
 }
 
 /// What a state file path holds: [`StateStore::inspect`] tells "no file" apart from a file.
@@ -347,6 +359,15 @@ impl std::fmt::Display for StateReport {
         )?;
         for repair in &self.repairs {
             writeln!(f, "repaired on load: {repair}")?;
+        }
+        if let Some(i) = &self.bash_import {
+            writeln!(
+                f,
+                "imported from the Bash sidecar's files: admitted {}, leave timers {}, recent leaves {}",
+                i.admitted.len(),
+                i.absence_observed.len(),
+                i.recent_leaves_ago.len()
+            )?;
         }
         Ok(())
     }
@@ -446,6 +467,9 @@ pub enum StateError {
         /// The version found.
         version: u64,
     },
+    /// A Bash sidecar file beside a bare-array state file is unreadable or corrupt.
+    #[error(transparent)]
+    Import(#[from] ImportError),
     /// Writing the new document failed; the previous file is untouched.
     #[error("cannot write state file {path} ({step}): {source}")]
     Write {
@@ -480,6 +504,7 @@ impl StateError {
             StateError::Read { source, .. } => format!("read:{:?}", source.kind()),
             StateError::Corrupt { reason, .. } => format!("corrupt:{reason}"),
             StateError::UnsupportedVersion { version, .. } => format!("version:{version}"),
+            StateError::Import(e) => format!("import:{e}"),
             StateError::Write { step, source, .. } => format!(
                 "write:{step}:{:?}:{:?}",
                 source.kind(),
@@ -514,7 +539,41 @@ pub fn inspect_state(bytes: &[u8], path: &Path) -> Result<StateReport, StateErro
         on_disk,
         state,
         repairs,
+        bash_import: None,
     })
+}
+
+/// For a bare-array state file at `path`: reads the Bash sidecar's files beside it and adds
+/// what they hold to `report.state` (admitted ids), keeping the import in
+/// `report.bash_import`. Other formats are left as they are. `now_unix` dates the timers.
+///
+/// Errors: [`StateError::Import`] naming a side file that is there but unreadable or corrupt.
+fn import_bash_files(
+    report: &mut StateReport,
+    path: &Path,
+    now_unix: u64,
+) -> Result<(), StateError> {
+    if report.format != StateFormat::BareArray {
+        return Ok(());
+    }
+    let files = bash_import::read_beside(path)?;
+    let import = bash_import::map_import(&report.on_disk.confirmed, &files, now_unix);
+    // The bare format has no joining set and no counts: adding admitted ids keeps every
+    // invariant of `State`.
+    report
+        .state
+        .admitted
+        .extend(import.admitted.iter().copied());
+    report.bash_import = Some(import);
+    Ok(())
+}
+
+/// The wall-clock time in Unix seconds (0 before 1970: every Bash timer then observes
+/// nothing, which only delays a leave).
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 /// The document's format and its sets as written.
@@ -738,7 +797,17 @@ impl StateStore {
                 })
             }
         };
-        let report = inspect_state(&bytes, &self.path)?;
+        let mut report = inspect_state(&bytes, &self.path)?;
+        import_bash_files(&mut report, &self.path, unix_now())?;
+        if let Some(import) = &report.bash_import {
+            tracing::info!(
+                path = %self.path.display(),
+                admitted = import.admitted.len(),
+                timers = import.absence_observed.len(),
+                recent_leaves = import.recent_leaves_ago.len(),
+                "state file in the Bash sidecar's format: its files beside it imported; the first write turns it into this sidecar's format and leaves them as they are"
+            );
+        }
         for repair in &report.repairs {
             tracing::warn!(path = %self.path.display(), "state file repaired on load: {repair}");
         }
@@ -755,7 +824,11 @@ impl StateStore {
     /// [`StateError::UnsupportedVersion`].
     pub fn inspect(&self) -> Result<StateFile, StateError> {
         match std::fs::read(&self.path) {
-            Ok(bytes) => inspect_state(&bytes, &self.path).map(StateFile::Present),
+            Ok(bytes) => {
+                let mut report = inspect_state(&bytes, &self.path)?;
+                import_bash_files(&mut report, &self.path, unix_now())?;
+                Ok(StateFile::Present(report))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(StateFile::Missing),
             Err(source) => Err(StateError::Read {
                 path: self.path.clone(),
@@ -1511,5 +1584,55 @@ mod tests {
         assert_eq!(report.repairs, vec![Repair::ReadingAfterClock(2)]);
         assert_eq!(report.state.absence_observed(&a), Some(Duration::ZERO));
         assert_eq!(report.state.recent_leaves_ms, vec![500, 1000]);
+    }
+
+    #[test]
+    fn a_bash_state_file_brings_in_the_files_beside_it_until_the_first_write() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("fleet-confirmed.json");
+        std::fs::write(&path, format!("[\"{}\"]", id(1))).unwrap();
+        let admitted = format!("[\"{}\",\"{}\"]", id(1), id(2));
+        std::fs::write(dir.path().join(bash_import::ADMITTED_FILE), &admitted).unwrap();
+        let mut store = StateStore::new(&path);
+        let state = store.load().unwrap().unwrap();
+        assert_eq!(
+            state.admitted,
+            [id(1), id(2)].into(),
+            "admitted ids imported"
+        );
+        assert_eq!(state.confirmed, [id(1)].into(), "not confirmed again");
+        let StateFile::Present(report) = store.inspect().unwrap() else {
+            panic!("a present file")
+        };
+        assert_eq!(report.state, state);
+        assert_eq!(
+            report.bash_import.map(|i| i.admitted),
+            Some([id(1), id(2)].into())
+        );
+
+        // A corrupt side file stops the load, naming it; so does an unreadable one.
+        let pending = dir.path().join(bash_import::LEAVE_PENDING_FILE);
+        std::fs::write(&pending, b"").unwrap();
+        let err = StateStore::new(&path).load().unwrap_err();
+        assert!(matches!(err, StateError::Import(_)), "{err}");
+        assert!(
+            err.to_string().contains(bash_import::LEAVE_PENDING_FILE),
+            "{err}"
+        );
+        assert!(StateStore::new(&path).inspect().is_err());
+        std::fs::write(&pending, b"{}").unwrap();
+
+        // The first write is this sidecar's format; the Bash files are left as they are,
+        // and no longer read.
+        assert!(store.save(&state).unwrap(), "an imported state is written");
+        assert!(std::fs::read_to_string(&path)
+            .unwrap()
+            .contains("\"version\": 4"));
+        assert_eq!(
+            std::fs::read_to_string(dir.path().join(bash_import::ADMITTED_FILE)).unwrap(),
+            admitted
+        );
+        std::fs::write(&pending, b"").unwrap();
+        assert_eq!(StateStore::new(&path).load().unwrap(), Some(state));
     }
 }

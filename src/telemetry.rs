@@ -142,6 +142,14 @@ pub struct LiveStatus {
     /// `registered at <unix s>`, `blocked: …`, `failed: …; next attempt in N s`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub registration: Option<String>,
+    /// Namespaces merod holds that are neither in the state (admitted, joining), assigned
+    /// nor retained, by merod's latest list: reported, left only with `leave_orphans`.
+    #[serde(default)]
+    pub orphans: Vec<GroupId>,
+    /// When the state file's directory is on a RAM filesystem (lost at reboot): which, e.g.
+    /// `tmpfs at /dev/shm`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_ram_filesystem: Option<String>,
 }
 
 /// Why `/readyz` says not ready.
@@ -310,6 +318,12 @@ pub struct Telemetry {
     /// `fleet_sidecar_registrations_total{outcome}`: registered, tokenless, refused,
     /// unavailable, blocked, error, timeout.
     pub(crate) registrations: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_state_on_ram_filesystem`: 1 when the state file's directory is on a
+    /// RAM filesystem (tmpfs, ramfs, an overlay whose upper layer is one), else 0.
+    pub(crate) state_on_ram_filesystem: Gauge,
+    /// `fleet_sidecar_orphan_namespaces`: how many namespaces merod holds that are neither
+    /// in the state, assigned nor retained (follows [`LiveStatus::orphans`]).
+    pub(crate) orphan_namespaces: Gauge,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -414,6 +428,18 @@ impl Telemetry {
             "attested registration attempts by outcome",
             registrations.clone(),
         );
+        let state_on_ram_filesystem = Gauge::default();
+        registry.register(
+            "state_on_ram_filesystem",
+            "1 when the state file's directory is on a RAM filesystem, lost at reboot",
+            state_on_ram_filesystem.clone(),
+        );
+        let orphan_namespaces = Gauge::default();
+        registry.register(
+            "orphan_namespaces",
+            "namespaces merod holds that are neither in the state, assigned nor retained",
+            orphan_namespaces.clone(),
+        );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
         for (family, outcomes) in [
@@ -460,6 +486,8 @@ impl Telemetry {
             pending_leave_absence,
             poll_resends,
             registrations,
+            state_on_ram_filesystem,
+            orphan_namespaces,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),
@@ -513,8 +541,13 @@ impl Telemetry {
                 }
             }
         }
-        let holding = self.status.borrow().mass_drop.starts_with("holding");
+        let status = self.status.borrow();
+        let holding = status.mass_drop.starts_with("holding");
         self.mass_withdrawal_hold.set(i64::from(holding));
+        self.state_on_ram_filesystem
+            .set(i64::from(status.state_ram_filesystem.is_some()));
+        self.orphan_namespaces
+            .set(i64::try_from(status.orphans.len()).unwrap_or(i64::MAX));
     }
 
     /// Adds an observer of every status change (e.g. the systemd notifier).
@@ -554,6 +587,37 @@ mod tests {
         assert!(e.contains("31.0 s ago") && e.contains("HTTP 503"), "{e}");
         s.phase = Phase::Stopping;
         assert!(s.readiness(100.0, max).is_err());
+    }
+
+    #[test]
+    fn the_ram_filesystem_and_orphan_gauges_follow_the_status() {
+        let t = Telemetry::new();
+        let text = t.encode_metrics();
+        assert!(
+            text.contains("fleet_sidecar_state_on_ram_filesystem 0\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("fleet_sidecar_orphan_namespaces 0\n"),
+            "{text}"
+        );
+        let id: GroupId = "ab".repeat(32).parse().unwrap();
+        t.update(|s| {
+            s.state_ram_filesystem = Some("tmpfs at /dev/shm".into());
+            s.orphans = vec![id];
+        });
+        let text = t.encode_metrics();
+        assert!(
+            text.contains("fleet_sidecar_state_on_ram_filesystem 1\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("fleet_sidecar_orphan_namespaces 1\n"),
+            "{text}"
+        );
+        let status = serde_json::to_value(t.snapshot()).unwrap();
+        assert_eq!(status["state_ram_filesystem"], "tmpfs at /dev/shm");
+        assert_eq!(status["orphans"][0], id.to_string());
     }
 
     #[test]

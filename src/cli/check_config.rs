@@ -13,6 +13,7 @@ use std::time::Duration;
 use crate::config::{Config, LogFormat, LogTarget};
 use crate::identity::{read_peer_id, resolve_admin_url};
 use crate::mrtd::{read_source, MrtdSource};
+use crate::state::volatile::check_state_dir;
 
 /// Runs the check on the config file at `path`: the report goes to stdout, a config error
 /// to stderr. Returns whether the config is usable.
@@ -116,6 +117,7 @@ fn render(file: &Path, cfg: &Config) -> String {
     ));
     line(format!("join_timeout = {}", duration(cfg.join_timeout)));
     line(format!("leave_timeout = {}", duration(cfg.leave_timeout)));
+    line(format!("leave_orphans = {}", cfg.leave_orphans));
     line(String::new());
     line("[merod]".to_owned());
     line(format!("home = {}", path(&cfg.merod.home)));
@@ -164,6 +166,17 @@ fn render(file: &Path, cfg: &Config) -> String {
     }
     line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
+    line(match check_state_dir(&cfg.state_file) {
+        Ok(Some(fs)) => format!(
+            "# ERROR state_file {}: its directory is on a RAM filesystem, {fs}: a reboot loses what this node admitted and a namespace withdrawn while it was down is never left; put it on persistent storage (e.g. /mnt/data/fleet/fleet-confirmed.json)",
+            cfg.state_file.display()
+        ),
+        Ok(None) => format!(
+            "# ok    state_file {}: not on a RAM filesystem",
+            cfg.state_file.display()
+        ),
+        Err(e) => format!("# fail  state_file: {e}"),
+    });
     match read_peer_id(&merod_config) {
         Ok(id) => line(format!(
             "# ok    PeerId {id} (from {})",

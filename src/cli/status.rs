@@ -218,6 +218,16 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                 l.leaving.len(),
                 l.mass_drop
             ));
+            if let Some(fs) = &l.state_ram_filesystem {
+                out.push_str(&format!(
+                    "  ERROR: the state file is on a RAM filesystem ({fs}): lost at reboot\n"
+                ));
+            }
+            for id in &l.orphans {
+                out.push_str(&format!(
+                    "  {id}  orphan: merod holds it, neither in the state, assigned nor retained (left only with leave_orphans = true)\n"
+                ));
+            }
         }
         (None, Some(e)) => out.push_str(&format!("live: {e}\n")),
         (None, None) => {}
@@ -289,6 +299,33 @@ mod tests {
         assert!(render_text(&r, 0.0).contains(&format!(
             "  {c}  joining: fleet-join sent, admission not recorded"
         )));
+    }
+
+    #[test]
+    fn the_live_part_names_orphans_and_a_state_on_a_ram_filesystem() {
+        let orphan = GroupId::from_bytes([9; 32]);
+        let r = Report {
+            state_file: "/dev/shm/s.json".to_owned(),
+            state: None,
+            state_error: None,
+            repairs: Vec::new(),
+            pending_leaves: Default::default(),
+            live: Some(LiveStatus {
+                orphans: vec![orphan],
+                state_ram_filesystem: Some("tmpfs at /dev/shm".to_owned()),
+                ..LiveStatus::default()
+            }),
+            live_error: None,
+        };
+        let text = render_text(&r, 0.0);
+        assert!(
+            text.contains(&format!("  {orphan}  orphan: merod holds it")),
+            "{text}"
+        );
+        assert!(
+            text.contains("ERROR: the state file is on a RAM filesystem (tmpfs at /dev/shm)"),
+            "{text}"
+        );
     }
 
     #[tokio::test]

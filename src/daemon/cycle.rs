@@ -1,7 +1,7 @@
 //! The loop and the fold: the cadence of cycles, one cycle (poll, plan, start tasks,
 //! persist), and the events of the tasks folded into the state.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -34,11 +34,23 @@ pub(super) struct Planner {
     pub(super) guard: Guard,
     /// Withdrawn namespaces not left yet, with the rule that holds each back.
     pub(super) waiting: BTreeMap<GroupId, LeaveWait>,
+    /// merod's latest list of the namespaces it holds (read at start; kept up to date with
+    /// the admissions and leaves seen since); `None` while unknown: no orphan is found.
+    pub(super) held: Option<BTreeSet<GroupId>>,
+    /// `leave_orphans`: orphans are recorded as admitted, then left like any withdrawn one.
+    leave_orphans: bool,
+    /// Orphans by the latest successful poll and `held` (reported only).
+    pub(super) orphans: BTreeSet<GroupId>,
 }
 
 impl Planner {
-    /// Nothing polled yet.
-    pub(super) fn new(policy: LeavePolicy, dry_run: bool) -> Self {
+    /// Nothing polled yet; `held` is merod's list at start, if it was read.
+    pub(super) fn new(
+        policy: LeavePolicy,
+        dry_run: bool,
+        leave_orphans: bool,
+        held: Option<BTreeSet<GroupId>>,
+    ) -> Self {
         Self {
             policy,
             dry_run,
@@ -46,6 +58,9 @@ impl Planner {
             latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
+            held,
+            leave_orphans,
+            orphans: BTreeSet::new(),
         }
     }
 }
@@ -161,11 +176,38 @@ impl Sidecar {
                 self.planner
                     .latest_poll
                     .send_replace(Arc::clone(&self.planner.desired));
+                self.find_orphans();
                 let outcome = self.reconcile();
                 self.publish();
                 outcome
             }
         }
+    }
+
+    /// Finds the orphans by merod's list and this poll ([`reconcile::orphans`]): reported,
+    /// and with `leave_orphans` recorded as admitted (persisted) so this cycle's plan
+    /// leaves them through the stability wait, the guard and the rate limit.
+    fn find_orphans(&mut self) {
+        let Some(held) = &self.planner.held else {
+            return;
+        };
+        let found = reconcile::orphans(held, self.record.state(), &self.planner.desired);
+        if self.planner.leave_orphans && !found.is_empty() && !self.planner.dry_run {
+            warn!(
+                orphans = found.len(),
+                "leave_orphans: taking the namespaces merod holds that are neither in the state, assigned nor retained as admitted; they are left like any withdrawn namespace"
+            );
+            for id in &found {
+                info!(namespace_id = %id, "orphan taken as admitted (leave_orphans)");
+                self.record(Outcome::Admitted(*id));
+            }
+            self.planner.orphans.clear();
+            return;
+        }
+        for id in found.difference(&self.planner.orphans) {
+            warn!(namespace_id = %id, "orphan: merod holds it but it is neither in the state, assigned nor retained; left alone (set leave_orphans = true on a dedicated fleet node to leave it)");
+        }
+        self.planner.orphans = found;
     }
 
     fn reconcile(&mut self) -> CycleOutcome {
@@ -307,6 +349,9 @@ impl Sidecar {
             Event::Admitted { id, ack } => {
                 Telemetry::count(&t.joins, "admitted");
                 info!(namespace_id = %id, "admitted by merod and listed by it");
+                if let Some(held) = &mut self.planner.held {
+                    held.insert(id);
+                }
                 if self.record(Outcome::Admitted(id)) {
                     // Confirmed to MDMA only while the latest poll assigns it: one withdrawn
                     // (or moved to retain) meanwhile stays admitted, unconfirmed, and goes
@@ -350,6 +395,10 @@ impl Sidecar {
                     // state, its leave back-off ended.
                     end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
                     self.work.leave_retry.succeed(id);
+                    if let Some(held) = &mut self.planner.held {
+                        held.remove(&id);
+                    }
+                    self.planner.orphans.remove(&id);
                     self.record(Outcome::Left(id));
                 } else {
                     let retry = self.work.back_off_leave(id);

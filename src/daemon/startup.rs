@@ -10,10 +10,11 @@ use tracing::{debug, error, info, warn};
 use crate::config::Config;
 use crate::identity::read_peer_id;
 use crate::ids::PeerId;
-use crate::merod::{Node, PROBE_TIMEOUT};
+use crate::merod::{Node, CHECK_TIMEOUT, PROBE_TIMEOUT};
 use crate::mrtd::{
     read_mrtd_bounded, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig, MRTD_READ_TIMEOUT,
 };
+use crate::state::volatile::check_state_dir;
 use crate::state::{State, StateStore};
 use crate::telemetry::{Phase, Telemetry};
 
@@ -33,6 +34,8 @@ const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(5);
 const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 /// How often an unreadable MRTD is tried again (a later module load can make it appear).
 const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
+/// Bound of reading merod's list of namespaces at start (the client's own bound, plus 1 s).
+const LIST_DEADLINE: Duration = CHECK_TIMEOUT.saturating_add(Duration::from_secs(1));
 
 /// Who the node is: what every poll and confirm carries.
 pub(super) struct Identity {
@@ -141,6 +144,25 @@ async fn read_mrtd_blocking(tdx: &TdxConfig) -> Result<MrtdReading, MrtdReadErro
     }
 }
 
+/// merod's list of the namespaces it holds, bounded by [`LIST_DEADLINE`]; `None` (logged)
+/// when it cannot be read: orphans are then not looked for.
+async fn list_held(merod: &dyn Node) -> Option<std::collections::BTreeSet<crate::ids::GroupId>> {
+    match timeout(LIST_DEADLINE, merod.list_namespaces()).await {
+        Ok(Ok(held)) => {
+            info!(held = held.len(), "merod's namespaces listed");
+            Some(held)
+        }
+        Ok(Err(e)) => {
+            warn!("cannot list merod's namespaces ({e}): orphans are not looked for");
+            None
+        }
+        Err(_) => {
+            warn!("merod did not list its namespaces within {LIST_DEADLINE:?}: orphans are not looked for");
+            None
+        }
+    }
+}
+
 impl Sidecar {
     /// Loads the state and checks it can be written, waits for merod (for at most
     /// `merod_wait`, if set), reads the PeerId (one retry) and the MRTD (logged once if
@@ -154,6 +176,8 @@ impl Sidecar {
         merod_wait: Option<Duration>,
     ) -> Result<Option<Self>, DaemonError> {
         let mut store = StateStore::new(&cfg.state_file);
+        // merod's list of namespaces, read once it answers (never in a dry run).
+        let mut held = None;
         let state = match store.load()? {
             Some(s) => {
                 info!(
@@ -172,6 +196,18 @@ impl Sidecar {
 
         let telemetry = Arc::clone(&deps.telemetry);
         telemetry.update(|st| st.dry_run = cfg.dry_run);
+        match check_state_dir(&cfg.state_file) {
+            Ok(Some(fs)) => {
+                error!(
+                    path = %cfg.state_file.display(),
+                    filesystem = %fs,
+                    "the state file's directory is on a RAM filesystem ({fs}): a reboot loses what this node admitted, and a namespace withdrawn while it was down is never left; set state_file on persistent storage (e.g. /mnt/data/fleet/fleet-confirmed.json)"
+                );
+                telemetry.update(|st| st.state_ram_filesystem = Some(fs.to_string()));
+            }
+            Ok(None) => {}
+            Err(e) => warn!("cannot tell whether the state file is on a RAM filesystem: {e}"),
+        }
         if cfg.dry_run {
             warn!("dry run: polling and logging plans only; merod is not called, nothing is confirmed, the state file is not written");
         } else {
@@ -184,7 +220,7 @@ impl Sidecar {
             }
             store.check_writable()?;
             match wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown, merod_wait).await {
-                Readiness::Ready => {}
+                Readiness::Ready => held = list_held(deps.merod.as_ref()).await,
                 Readiness::ShutDown => return Ok(None),
                 Readiness::GaveUp(last) => {
                     return Err(DaemonError::MerodNotReady {
@@ -262,7 +298,7 @@ impl Sidecar {
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
             cadence: Cadence::new(cfg.poll_interval, cfg.max_backoff),
-            planner: Planner::new(cfg.leave_policy, cfg.dry_run),
+            planner: Planner::new(cfg.leave_policy, cfg.dry_run, cfg.leave_orphans, held),
             deps,
             shutdown,
         };

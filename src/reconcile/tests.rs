@@ -1305,3 +1305,78 @@ fn leave_waits_say_why_in_words_and_the_stability_rule_has_one_home() {
         "a join or leave of it is running"
     );
 }
+
+#[test]
+fn an_orphan_is_held_by_merod_and_nowhere_else() {
+    // merod holds 1..=6: 1 admitted, 2 joining, 3 assigned, 4 retained; 5 and 6 nothing.
+    let mut s = state(&[1], &[1]);
+    s.joining.insert(id(2));
+    let d = desired(&[3, 7], &[4]);
+    let held = ids(&[1, 2, 3, 4, 5, 6]);
+    assert_eq!(orphans(&held, &s, &d), ids(&[5, 6]));
+    // Each of the four sets alone keeps a namespace from being an orphan.
+    assert!(
+        orphans(&ids(&[1]), &s, &Desired::default()).is_empty(),
+        "admitted"
+    );
+    assert!(
+        orphans(&ids(&[2]), &s, &Desired::default()).is_empty(),
+        "joining"
+    );
+    assert!(
+        orphans(&ids(&[3]), &State::default(), &d).is_empty(),
+        "assigned"
+    );
+    assert!(
+        orphans(&ids(&[4]), &State::default(), &d).is_empty(),
+        "retained"
+    );
+    // Assigned but not held is no orphan either: orphans come from merod's list only.
+    assert!(orphans(&BTreeSet::new(), &s, &d).is_empty());
+}
+
+#[test]
+fn an_orphan_taken_as_admitted_is_left_like_any_withdrawn_namespace() {
+    // With leave_orphans the loop records each orphan as admitted: from there the plan
+    // gives it the stability wait, the guard and the rate limit like any other.
+    let policy = LeavePolicy {
+        leave_after_polls: 2,
+        mass_drop_min: 3,
+        mass_drop_hold: Duration::from_secs(600),
+        max_leaves_per_minute: 1,
+    };
+    let d = desired(&[1], &[]);
+    let mut s = state(&[1], &[1]);
+    for orphan in orphans(&ids(&[1, 5, 6]), &s, &d) {
+        apply(&mut s, Outcome::Admitted(orphan));
+    }
+    assert_eq!(s.admitted, ids(&[1, 5, 6]));
+    let first = simple(&policy, &d, &s);
+    assert!(first.leaves.is_empty(), "not stable yet");
+    assert!(matches!(
+        first.waiting[&id(5)],
+        LeaveWait::NotStable { polls: 1, .. }
+    ));
+    let second = simple(&policy, &d, &first.state);
+    assert_eq!(second.leaves, vec![id(5)], "then one a minute");
+    assert_eq!(second.waiting[&id(6)], LeaveWait::RateLimited);
+
+    // Many at once on a small node: the mass-withdrawal guard holds them.
+    let mut small = state(&[1], &[1]);
+    for orphan in orphans(&ids(&[1, 5, 6, 7]), &small, &d) {
+        apply(&mut small, Outcome::Admitted(orphan));
+    }
+    let guarded = simple(
+        &LeavePolicy {
+            leave_after_polls: 1,
+            ..policy
+        },
+        &d,
+        &small,
+    );
+    assert!(guarded.leaves.is_empty());
+    assert!(matches!(
+        guarded.waiting[&id(5)],
+        LeaveWait::MassDropHold { .. }
+    ));
+}

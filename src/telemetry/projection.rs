@@ -26,6 +26,8 @@ pub(crate) struct Projection<'a> {
     pub leaving: &'a BTreeSet<GroupId>,
     /// Withdrawn namespaces not left yet, with the rule that holds each back.
     pub waiting: &'a BTreeMap<GroupId, LeaveWait>,
+    /// Namespaces merod holds that are neither in the state, assigned nor retained.
+    pub orphans: &'a BTreeSet<GroupId>,
     /// The mass-withdrawal guard.
     pub mass_drop: MassDrop,
     /// `leave_policy.mass_drop_hold`: how long a mass withdrawal is held.
@@ -62,6 +64,7 @@ impl Telemetry {
             refill(&mut st.confirmed, &p.state.confirmed);
             refill(&mut st.joining, p.joining);
             refill(&mut st.leaving, p.leaving);
+            refill(&mut st.orphans, p.orphans);
             let same_waits = st.pending_leaves.len() == p.waiting.len()
                 && st
                     .pending_leaves
@@ -143,6 +146,7 @@ mod tests {
             joining: &joining,
             leaving: &none,
             waiting: &waiting,
+            orphans: &none,
             mass_drop: MassDrop::Idle,
             mass_drop_hold: Duration::from_secs(600),
             now,

@@ -216,3 +216,38 @@ fn completions_for_each_shell_and_a_man_page() {
         "{help}"
     );
 }
+
+#[test]
+fn check_config_calls_a_state_file_on_a_ram_filesystem_an_error_naming_it() {
+    if !Path::new("/dev/shm").is_dir() {
+        println!("SKIPPED: no /dev/shm");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    let state = shm.path().join("fleet/fleet-confirmed.json");
+    let cfg = node(dir.path(), &format!("state_file = \"{}\"", state.display()));
+    let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+    let (stdout, stderr) = text(&out);
+    assert_eq!(out.status.code(), Some(0), "still usable: {stdout}{stderr}");
+    let error = stdout
+        .lines()
+        .find(|l| l.starts_with("# ERROR state_file"))
+        .unwrap_or_else(|| panic!("no error line in\n{stdout}"));
+    assert!(
+        error.contains("RAM filesystem, tmpfs at /dev/shm"),
+        "{error}"
+    );
+    assert!(!shm.path().join("fleet").exists(), "nothing created");
+
+    // On disk (the test's temp dir here): no error.
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let state = disk.path().join("fleet-confirmed.json");
+    let cfg = node(dir.path(), &format!("state_file = \"{}\"", state.display()));
+    let (stdout, _) = text(&run(&["--config", cfg.to_str().unwrap(), "check-config"]));
+    assert!(!stdout.contains("# ERROR"), "{stdout}");
+    assert!(
+        stdout.contains("# ok    state_file") && stdout.contains("not on a RAM filesystem"),
+        "{stdout}"
+    );
+}

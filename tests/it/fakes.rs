@@ -267,4 +267,8 @@ impl Node for Fake {
     async fn holds_namespace(&self, g: GroupId) -> Result<bool, MerodError> {
         Ok(self.with(|w| w.held.contains(&g)))
     }
+
+    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        Ok(self.with(|w| w.held.clone()))
+    }
 }

@@ -20,6 +20,7 @@ mod idle;
 mod inspect;
 mod journald;
 mod leave_policy;
+mod migration;
 mod monitoring;
 mod operability;
 mod packaging;

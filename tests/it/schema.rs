@@ -298,3 +298,54 @@ fn every_merod_recording_matches_the_openapi_document() {
     }
     assert!(recordings >= 18, "only {recordings} recordings found");
 }
+
+#[test]
+fn the_bash_sidecar_schema_and_the_import_agree_on_its_files() {
+    use fleet_sidecar::bash_import::{parse_admitted, parse_leave_pending};
+    let doc = read_json(&root().join("proto/bash-sidecar.schema.json"));
+    let admitted = component_at(&doc, "#/$defs/admitted");
+    let pending = component_at(&doc, "#/$defs/leavePending");
+    let dir = root().join("fixtures/bash-sidecar");
+    let file = |name: &str| std::fs::read(dir.join(name)).unwrap();
+    let json = |bytes: &[u8]| serde_json::from_slice::<Value>(bytes).unwrap();
+    let sample = file("fleet-admitted.json");
+    assert!(errors(&admitted, &json(&sample)).is_empty());
+    parse_admitted(&sample, Path::new("fleet-admitted.json")).expect("the code reads it");
+    let sample = file("fleet-leave-pending.json");
+    assert!(errors(&pending, &json(&sample)).is_empty());
+    parse_leave_pending(&sample, Path::new("p")).expect("the code reads it");
+    // The confirmed file beside them is the state schema's bare array.
+    assert!(state_validator().is_valid(&json(&file("fleet-confirmed.json"))));
+
+    let id = crate::common::A;
+    for doc in [json!([]), json!([id, id.to_uppercase()])] {
+        assert!(admitted.is_valid(&doc), "{doc}");
+        parse_admitted(&serde_json::to_vec(&doc).unwrap(), Path::new("a")).unwrap();
+    }
+    for doc in [json!({}), json!([1]), json!(["abcd"]), json!(null)] {
+        assert!(!admitted.is_valid(&doc), "the schema accepts {doc}");
+        assert!(parse_admitted(&serde_json::to_vec(&doc).unwrap(), Path::new("a")).is_err());
+    }
+    for doc in [
+        json!({}),
+        json!({"absent_since": {(id): 1}, "recent_leaves": [0], "suspicious": true, "deferred": [id]}),
+    ] {
+        assert!(pending.is_valid(&doc), "{doc}");
+        parse_leave_pending(&serde_json::to_vec(&doc).unwrap(), Path::new("p")).unwrap();
+    }
+    for doc in [
+        json!([]),
+        json!({"absent_since": {(id): -1}}),
+        json!({"absent_since": {(id): 1.5}}),
+        json!({"absent_since": {"abcd": 1}}),
+        json!({"recent_leaves": ["x"]}),
+        json!({"suspicious": 1}),
+        json!({"other": 1}),
+    ] {
+        assert!(!pending.is_valid(&doc), "the schema accepts {doc}");
+        assert!(
+            parse_leave_pending(&serde_json::to_vec(&doc).unwrap(), Path::new("p")).is_err(),
+            "the code accepts {doc}"
+        );
+    }
+}

@@ -18,8 +18,12 @@ pub const UNIT: &str = "fleet-sidecar.service";
 pub const CREDENTIAL: &str = "fleet-token";
 /// Where systemd puts that credential for [`UNIT`] (`$CREDENTIALS_DIRECTORY/fleet-token`).
 pub const CREDENTIAL_PATH: &str = "/run/credentials/fleet-sidecar.service/fleet-token";
-/// The shipped config's state file (inside the private systemd's `/var` overlay).
-pub const STATE_FILE: &str = "/var/lib/calimero/fleet-confirmed.json";
+/// The state file on the data disk, as on the fleet's images (`state_file` in every test
+/// config; inside the private systemd's `/mnt` overlay, made writable by the unit's
+/// `ReadWritePaths=-/mnt/data/fleet`).
+pub const STATE_FILE: &str = "/mnt/data/fleet/fleet-confirmed.json";
+/// Its directory, created in each boot before the unit starts (as a node image has it).
+pub const STATE_DIR: &str = "/mnt/data/fleet";
 /// The shipped config's log file (inside the private systemd's `/var` overlay).
 pub const LOG_FILE: &str = "/var/log/fleet-sidecar.log";
 
@@ -130,6 +134,8 @@ impl Boot {
             .env("SYSD_SHARE_NET", "1")
             .env("SYSD_OVERLAYS", overlays)
             .env("SYSD_BASE", base.join("boots"))
+            // /mnt too, so the state directory on the "data disk" never reaches the host's.
+            .env("SYSD_OVERLAYS", "/etc /var /mnt")
             // PID 1 logs each sd_notify message at debug level (READY=1, STOPPING=1, ...).
             .env("SYSD_LOG_LEVEL", "debug")
             .output()
@@ -143,9 +149,11 @@ impl Boot {
                 String::from_utf8_lossy(&out.stderr)
             ));
         }
-        Ok(Self {
+        let boot = Self {
             state: PathBuf::from(state),
-        })
+        };
+        boot.run(&["mkdir", "-p", STATE_DIR]).await;
+        Ok(boot)
     }
 
     /// Runs `args` inside the private namespaces; returns stdout, panics on failure.
@@ -362,14 +370,15 @@ impl Node {
         self.dir.path().join(name)
     }
 
-    /// Writes `fleet-sidecar.toml`: the shipped state and log paths, merod's home and the
-    /// MRTD here, the MDMA emulator, `extra` top-level keys. Returns its path.
+    /// Writes `fleet-sidecar.toml`: the state on the data disk ([`STATE_FILE`]), the shipped
+    /// log path, merod's home and the MRTD here, the MDMA emulator, `extra` top-level keys.
+    /// Returns its path.
     pub fn config(&self, extra: &str) -> PathBuf {
         let path = self.path("fleet-sidecar.toml");
         std::fs::write(
             &path,
             format!(
-                "mdma_url = \"{}\"\npoll_interval = \"1s\"\n{extra}\n\n[merod]\nhome = \"{}\"\nnode = \"default\"\n\n[tdx]\nmrtd_path = \"{}\"\nsources = [\"sysfs\"]\n",
+                "mdma_url = \"{}\"\npoll_interval = \"1s\"\nstate_file = \"{STATE_FILE}\"\n{extra}\n\n[merod]\nhome = \"{}\"\nnode = \"default\"\n\n[tdx]\nmrtd_path = \"{}\"\nsources = [\"sysfs\"]\n",
                 self.mdma.url(),
                 self.path("calimero").display(),
                 self.path("mrtd").display(),

@@ -62,7 +62,7 @@ fn active(p: &harness::Props) -> bool {
 fn probe_script(node: &Node) -> String {
     let merod_config = node.path("calimero/default/config.toml");
     format!(
-        r#"for d in /usr /etc /var/lib /var/log {node} {merod} /var/lib/calimero; do
+        r#"for d in /usr /etc /var/lib /var/log {node} {merod} /var/lib/calimero /mnt/data /mnt/data/fleet; do
   if ( : > "$d/.sandbox-probe" ) 2>/dev/null; then rm -f "$d/.sandbox-probe"; echo "sandbox-probe: writable $d"; else echo "sandbox-probe: read-only $d"; fi
 done
 if head -c1 {merod_config} >/dev/null 2>&1; then echo "sandbox-probe: readable merod config"; fi
@@ -203,6 +203,12 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
 
     assert!(has("READY=1"), "READY=1 not seen:\n{journal}");
     assert!(has("STOPPING=1"), "STOPPING=1 not seen:\n{journal}");
+    // This tool's /mnt is an overlay on tmpfs: the start-up log calls it out, and the daemon
+    // ran all the same.
+    assert!(
+        has("the state file's directory is on a RAM filesystem (overlay at /mnt"),
+        "{journal}"
+    );
     assert!(!has("Watchdog timeout"), "{journal}");
     // 4. Sandbox, as the probe saw it from inside.
     // The probe's lines are read from the whole journal: journald may attribute the output
@@ -220,6 +226,8 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
             node.path("calimero").display()
         ),
         "sandbox-probe: writable /var/lib/calimero",
+        "sandbox-probe: read-only /mnt/data",
+        "sandbox-probe: writable /mnt/data/fleet",
         "sandbox-probe: readable merod config",
     ] {
         assert!(has(line), "missing `{line}`:\n{all}");

@@ -1,0 +1,489 @@
+//! Import of the fleet's current (Bash) sidecar's files, read beside a state file in its
+//! format (a bare JSON array of confirmed ids; docs/bash-sidecar.md describes the files).
+//!
+//! That sidecar keeps, in the same directory (`/mnt/data/fleet/` on the fleet's images):
+//!
+//! * [`ADMITTED_FILE`] (`fleet-admitted.json`): a JSON array of the ids merod admitted and
+//!   has not been seen to leave, confirmed or not;
+//! * [`LEAVE_PENDING_FILE`] (`fleet-leave-pending.json`):
+//!   `{"absent_since": {id: epoch}, "recent_leaves": [epoch], "suspicious": bool,
+//!   "deferred": [id]}`: when each withdrawn admitted id was first seen absent, and when
+//!   the leaves of the last hour returned (Unix seconds).
+//!
+//! Reading is split from deciding: [`read_beside`] does the file I/O and nothing else
+//! ([`BashFiles`], a missing file is `None`); [`parse_admitted`] and [`parse_leave_pending`]
+//! take bytes; [`map_import`] is a pure function of the parsed files, the confirmed set and
+//! the wall-clock time, giving the [`BashImport`] the state is built from.
+//!
+//! Rules (fail closed): a file that is missing is no error (the Bash sidecar seeds its
+//! admitted set from the confirmed one, and so does this import); a file that is there but
+//! cannot be read, is empty, is not JSON, names a key twice, has a key or a value of the wrong
+//! kind, or an id that is not 64 hex digits, is an error naming the file, like a corrupt state
+//! file: guessing would either forget a namespace merod holds or restart its leave timer.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use crate::ids::GroupId;
+
+/// The Bash sidecar's admitted set, beside its `fleet-confirmed.json`.
+pub const ADMITTED_FILE: &str = "fleet-admitted.json";
+/// The Bash sidecar's leave timers and recent leaves, beside its `fleet-confirmed.json`.
+pub const LEAVE_PENDING_FILE: &str = "fleet-leave-pending.json";
+/// How far back the Bash sidecar counts leaves against its budget (one hour); older stamps
+/// are dropped on import, as that sidecar drops them on load.
+pub const RECENT_LEAVES_WINDOW: Duration = Duration::from_secs(3600);
+
+/// `fleet-leave-pending.json` as written: epochs in Unix seconds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LeavePending {
+    /// When each withdrawn admitted id was first seen absent from a good poll.
+    #[serde(default)]
+    pub absent_since: BTreeMap<GroupId, u64>,
+    /// When each leave of (about) the last hour returned.
+    #[serde(default)]
+    pub recent_leaves: Vec<u64>,
+    /// The Bash sidecar's mass-withdrawal guard flag: read for the shape, not imported (the
+    /// guard here recomputes from the next poll).
+    #[serde(default)]
+    pub suspicious: bool,
+    /// Ids the Bash sidecar deferred for its budget: read for the shape, not imported (they
+    /// keep their `absent_since` timers, which are).
+    #[serde(default)]
+    pub deferred: BTreeSet<GroupId>,
+}
+
+/// What [`read_beside`] found next to a Bash state file; `None` where the file is missing.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BashFiles {
+    /// `fleet-admitted.json`, parsed.
+    pub admitted: Option<BTreeSet<GroupId>>,
+    /// `fleet-leave-pending.json`, parsed.
+    pub leave_pending: Option<LeavePending>,
+}
+
+/// The Bash sidecar's state as this sidecar keeps it: what the state is built from.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct BashImport {
+    /// Admitted ids: the confirmed set plus `fleet-admitted.json` (the confirmed set alone
+    /// when that file is missing, as the Bash sidecar seeds it).
+    pub admitted: BTreeSet<GroupId>,
+    /// For each admitted id with a timer: how long it has already been observed absent
+    /// (now − `absent_since`; zero for a stamp in the future, so a clock fault never
+    /// shortens the wait). Timers of ids not admitted are dropped, as the Bash sidecar does.
+    pub absence_observed: BTreeMap<GroupId, Duration>,
+    /// For each leave of the last hour: how long ago it returned, most recent first (zero
+    /// for a stamp in the future: it still counts against the budget).
+    pub recent_leaves_ago: Vec<Duration>,
+}
+
+/// `{"admitted": [id], "absence_observed_secs": {id: s}, "recent_leaves_ago_secs": [s]}`
+/// (whole seconds), for tools reading a [`crate::StateReport`].
+impl serde::Serialize for BashImport {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        let absence: BTreeMap<&GroupId, u64> = self
+            .absence_observed
+            .iter()
+            .map(|(id, d)| (id, d.as_secs()))
+            .collect();
+        let ago: Vec<u64> = self.recent_leaves_ago.iter().map(Duration::as_secs).collect();
+        let mut st = s.serialize_struct("BashImport", 3)?;
+        st.serialize_field("admitted", &self.admitted)?;
+        st.serialize_field("absence_observed_secs", &absence)?;
+        st.serialize_field("recent_leaves_ago_secs", &ago)?;
+        st.end()
+    }
+}
+
+/// Why a Bash sidecar file could not be imported. Each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    /// The file exists but could not be read.
+    #[error("cannot read the Bash sidecar's {path}: {source} (fix or move it aside; the sidecar will not guess what it held)")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// The file is not in the Bash sidecar's format.
+    #[error("the Bash sidecar's {path} is corrupt: {reason} (fix or move it aside; the sidecar will not guess what it held)")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// Parses `fleet-admitted.json`: a JSON array of 64-hex ids (any case; repeated ids are
+/// one). `path` only names the file in errors.
+///
+/// Errors: [`ImportError::Corrupt`] for anything else, an empty file included.
+pub fn parse_admitted(bytes: &[u8], path: &Path) -> Result<BTreeSet<GroupId>, ImportError> {
+    strict(bytes, path, "a JSON array of 64-hex ids")
+}
+
+/// Parses `fleet-leave-pending.json` (keys `absent_since`, `recent_leaves`, `suspicious`,
+/// `deferred`, each optional; no other key; every stamp a whole number of Unix seconds).
+/// `path` only names the file in errors.
+///
+/// Errors: [`ImportError::Corrupt`] for anything else, an empty file included.
+pub fn parse_leave_pending(bytes: &[u8], path: &Path) -> Result<LeavePending, ImportError> {
+    const EXPECTED: &str =
+        "an object {\"absent_since\": {id: epoch}, \"recent_leaves\": [epoch], ...}";
+    // An object only: a derived reader would also take an array, in field order.
+    let first = bytes.iter().find(|b| !b.is_ascii_whitespace());
+    if first.is_some() && first != Some(&b'{') {
+        return Err(ImportError::Corrupt {
+            path: path.to_owned(),
+            reason: format!("expected {EXPECTED}, found no object"),
+        });
+    }
+    strict(bytes, path, EXPECTED)
+}
+
+/// Strict JSON (duplicate keys refused) into `T`, errors naming `path` and what was expected.
+fn strict<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+    path: &Path,
+    expected: &str,
+) -> Result<T, ImportError> {
+    let corrupt = |reason: String| ImportError::Corrupt {
+        path: path.to_owned(),
+        reason,
+    };
+    if bytes.iter().all(u8::is_ascii_whitespace) {
+        return Err(corrupt(format!("empty, expected {expected}")));
+    }
+    if let Err(e) = crate::strict_json::reject_duplicate_keys(bytes) {
+        if !e.is_syntax() && !e.is_eof() {
+            return Err(corrupt(format!("ambiguous: {e}")));
+        }
+    }
+    serde_json::from_slice(bytes).map_err(|e| corrupt(format!("expected {expected}: {e}")))
+}
+
+/// Reads the Bash sidecar's files in the directory of `state_file` (I/O only; the decision
+/// is [`map_import`]). A missing file is `None`.
+///
+/// Errors: [`ImportError`] naming the first file that is there but unreadable or corrupt.
+pub fn read_beside(state_file: &Path) -> Result<BashFiles, ImportError> {
+    let dir = match state_file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let read = |name: &str| -> Result<Option<(PathBuf, Vec<u8>)>, ImportError> {
+        let path = dir.join(name);
+        match std::fs::read(&path) {
+            Ok(bytes) => Ok(Some((path, bytes))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(ImportError::Read { path, source }),
+        }
+    };
+    let admitted = read(ADMITTED_FILE)?
+        .map(|(path, bytes)| parse_admitted(&bytes, &path))
+        .transpose()?;
+    let leave_pending = read(LEAVE_PENDING_FILE)?
+        .map(|(path, bytes)| parse_leave_pending(&bytes, &path))
+        .transpose()?;
+    Ok(BashFiles {
+        admitted,
+        leave_pending,
+    })
+}
+
+/// Maps the Bash sidecar's state (its confirmed set and the files beside it) into what this
+/// sidecar keeps, at wall-clock time `now_unix` (Unix seconds). Pure.
+pub fn map_import(confirmed: &BTreeSet<GroupId>, files: &BashFiles, now_unix: u64) -> BashImport {
+    let mut admitted = confirmed.clone();
+    if let Some(listed) = &files.admitted {
+        admitted.extend(listed.iter().copied());
+    }
+    let pending = files.leave_pending.clone().unwrap_or_default();
+    let absence_observed = pending
+        .absent_since
+        .iter()
+        .filter(|(id, _)| admitted.contains(id))
+        .map(|(&id, &since)| (id, Duration::from_secs(now_unix.saturating_sub(since))))
+        .collect();
+    let window = RECENT_LEAVES_WINDOW.as_secs();
+    let mut recent_leaves_ago: Vec<Duration> = pending
+        .recent_leaves
+        .iter()
+        .map(|&at| now_unix.saturating_sub(at))
+        .filter(|&ago| ago < window)
+        .map(Duration::from_secs)
+        .collect();
+    recent_leaves_ago.sort();
+    BashImport {
+        admitted,
+        absence_observed,
+        recent_leaves_ago,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u8) -> GroupId {
+        format!("{n:02x}").repeat(32).parse().unwrap()
+    }
+
+    const NOW: u64 = 1_800_000_000;
+    const HOUR: u64 = 3600;
+
+    /// One state directory with a bare-array state file and the given side files.
+    fn dir_with(admitted: Option<&[u8]>, pending: Option<&[u8]>) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("fleet-confirmed.json"), b"[]").unwrap();
+        if let Some(bytes) = admitted {
+            std::fs::write(dir.path().join(ADMITTED_FILE), bytes).unwrap();
+        }
+        if let Some(bytes) = pending {
+            std::fs::write(dir.path().join(LEAVE_PENDING_FILE), bytes).unwrap();
+        }
+        dir
+    }
+
+    /// Every content a side file can have here: missing, empty, JSON-empty, corrupt, sound.
+    #[derive(Clone, Copy, Debug)]
+    enum Content {
+        Missing,
+        ZeroBytes,
+        JsonEmpty,
+        Corrupt,
+        Sound,
+    }
+    const CONTENTS: [Content; 5] = [
+        Content::Missing,
+        Content::ZeroBytes,
+        Content::JsonEmpty,
+        Content::Corrupt,
+        Content::Sound,
+    ];
+
+    fn admitted_bytes(c: Content) -> Option<Vec<u8>> {
+        match c {
+            Content::Missing => None,
+            Content::ZeroBytes => Some(Vec::new()),
+            Content::JsonEmpty => Some(b"[]\n".to_vec()),
+            Content::Corrupt => Some(b"[\"11\", ".to_vec()),
+            Content::Sound => Some(format!("[\"{}\",\"{}\"]\n", id(1), id(2)).into_bytes()),
+        }
+    }
+
+    fn pending_bytes(c: Content) -> Option<Vec<u8>> {
+        match c {
+            Content::Missing => None,
+            Content::ZeroBytes => Some(Vec::new()),
+            Content::JsonEmpty => Some(b"{}".to_vec()),
+            Content::Corrupt => Some(b"{\"absent_since\": [1]}".to_vec()),
+            Content::Sound => Some(
+                format!(
+                    r#"{{"absent_since":{{"{}":{}}},"recent_leaves":[{}],"suspicious":false,"deferred":[]}}"#,
+                    id(2),
+                    NOW - 30 * HOUR,
+                    NOW - 60
+                )
+                .into_bytes(),
+            ),
+        }
+    }
+
+    #[test]
+    fn every_combination_of_the_two_files() {
+        let confirmed: BTreeSet<GroupId> = [id(1)].into();
+        for a in CONTENTS {
+            for p in CONTENTS {
+                let dir = dir_with(admitted_bytes(a).as_deref(), pending_bytes(p).as_deref());
+                let got = read_beside(&dir.path().join("fleet-confirmed.json"));
+                let broken = |c: Content| matches!(c, Content::ZeroBytes | Content::Corrupt);
+                if broken(a) || broken(p) {
+                    let err = got.expect_err(&format!("{a:?} {p:?}")).to_string();
+                    let named = if broken(a) {
+                        ADMITTED_FILE
+                    } else {
+                        LEAVE_PENDING_FILE
+                    };
+                    assert!(err.contains(named), "{a:?} {p:?}: {err}");
+                    assert!(err.contains("corrupt"), "{err}");
+                    continue;
+                }
+                let files = got.unwrap_or_else(|e| panic!("{a:?} {p:?}: {e}"));
+                let import = map_import(&confirmed, &files, NOW);
+                let want_admitted: BTreeSet<GroupId> = match a {
+                    Content::Sound => [id(1), id(2)].into(),
+                    _ => confirmed.clone(),
+                };
+                assert_eq!(import.admitted, want_admitted, "{a:?} {p:?}");
+                let timer = matches!((a, p), (Content::Sound, Content::Sound));
+                assert_eq!(
+                    import.absence_observed,
+                    if timer {
+                        [(id(2), Duration::from_secs(30 * HOUR))].into()
+                    } else {
+                        BTreeMap::new()
+                    },
+                    "{a:?} {p:?}: a timer only for an admitted id"
+                );
+                assert_eq!(
+                    import.recent_leaves_ago,
+                    if matches!(p, Content::Sound) {
+                        vec![Duration::from_secs(60)]
+                    } else {
+                        Vec::new()
+                    },
+                    "{a:?} {p:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn timers_old_and_new_carry_their_observed_absence() {
+        let files = BashFiles {
+            admitted: Some([id(1), id(2), id(3), id(4)].into()),
+            leave_pending: Some(LeavePending {
+                absent_since: [
+                    (id(1), NOW - 30 * HOUR), // old: past a 24 h grace
+                    (id(2), NOW - 60),        // new: a minute ago
+                    (id(3), NOW),             // this very second
+                    (id(4), NOW + 10 * HOUR), // clock was ahead: nothing observed
+                    (id(5), NOW - 40 * HOUR), // not admitted: dropped
+                ]
+                .into(),
+                recent_leaves: vec![NOW - HOUR, NOW - HOUR + 1, NOW - 5, NOW + 100, 0],
+                suspicious: true,
+                deferred: [id(1)].into(),
+            }),
+        };
+        let import = map_import(&BTreeSet::new(), &files, NOW);
+        assert_eq!(
+            import.absence_observed,
+            [
+                (id(1), Duration::from_secs(30 * HOUR)),
+                (id(2), Duration::from_secs(60)),
+                (id(3), Duration::ZERO),
+                (id(4), Duration::ZERO),
+            ]
+            .into()
+        );
+        assert!(import.absence_observed[&id(1)] > Duration::from_secs(24 * HOUR));
+        let json = serde_json::to_value(&import).unwrap();
+        assert_eq!(json["absence_observed_secs"][id(1).to_string()], 30 * HOUR);
+        assert_eq!(json["recent_leaves_ago_secs"], serde_json::json!([0, 5, HOUR - 1]));
+        // The hour's leaves, most recent first; a stamp an hour old or more is out of the
+        // budget, one in the future still counts.
+        assert_eq!(
+            import.recent_leaves_ago,
+            vec![
+                Duration::ZERO,
+                Duration::from_secs(5),
+                Duration::from_secs(HOUR - 1)
+            ]
+        );
+    }
+
+    #[test]
+    fn a_wall_clock_before_every_stamp_observes_nothing() {
+        let files = BashFiles {
+            admitted: Some([id(1)].into()),
+            leave_pending: Some(LeavePending {
+                absent_since: [(id(1), NOW)].into(),
+                recent_leaves: vec![NOW],
+                ..LeavePending::default()
+            }),
+        };
+        let import = map_import(&BTreeSet::new(), &files, 0);
+        assert_eq!(import.absence_observed, [(id(1), Duration::ZERO)].into());
+        assert_eq!(import.recent_leaves_ago, vec![Duration::ZERO]);
+    }
+
+    #[test]
+    fn the_files_as_the_bash_sidecar_writes_them() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/bash-sidecar");
+        let files = read_beside(&dir.join("fleet-confirmed.json")).unwrap();
+        let admitted = files.admitted.clone().unwrap();
+        assert_eq!(admitted.len(), 3);
+        let pending = files.leave_pending.clone().unwrap();
+        assert_eq!(pending.absent_since.len(), 2);
+        assert_eq!(pending.recent_leaves.len(), 2);
+        assert!(pending.deferred.is_empty());
+        // Mixed-case ids read as the same namespace.
+        assert!(pending.absent_since.keys().all(|id| admitted.contains(id)));
+    }
+
+    #[test]
+    fn corrupt_shapes_are_refused_with_the_reason() {
+        let p = Path::new("/mnt/data/fleet/fleet-leave-pending.json");
+        let a = id(1);
+        for (bytes, want) in [
+            (String::new(), "empty"),
+            ("  \n".to_owned(), "empty"),
+            ("null".to_owned(), "expected an object"),
+            ("[]".to_owned(), "expected an object"),
+            ("[{}, [], false, []]".to_owned(), "found no object"),
+            (r#"{"absent_since":{"abcd":1}}"#.to_owned(), "64 hex"),
+            (format!(r#"{{"absent_since":{{"{a}":"1"}}}}"#), "expected"),
+            (format!(r#"{{"absent_since":{{"{a}":1.5}}}}"#), "expected"),
+            (format!(r#"{{"absent_since":{{"{a}":-1}}}}"#), "expected"),
+            (r#"{"recent_leaves":[1,"x"]}"#.to_owned(), "expected"),
+            (r#"{"suspicious":"no"}"#.to_owned(), "expected"),
+            (r#"{"other":1}"#.to_owned(), "unknown field"),
+            (
+                format!(r#"{{"absent_since":{{"{a}":1,"{a}":2}}}}"#),
+                "duplicate key",
+            ),
+            (
+                r#"{"recent_leaves":[],"recent_leaves":[1]}"#.to_owned(),
+                "duplicate key",
+            ),
+        ] {
+            let err = parse_leave_pending(bytes.as_bytes(), p)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("fleet-leave-pending.json"), "{err}");
+            assert!(err.contains(want), "{bytes}: {err}");
+        }
+        let p = Path::new("fleet-admitted.json");
+        for (bytes, want) in [
+            ("", "empty"),
+            ("{}", "expected a JSON array"),
+            ("[\"abcd\"]", "64 hex"),
+            ("[1]", "expected a JSON array"),
+            ("[", "expected a JSON array"),
+        ] {
+            let err = parse_admitted(bytes.as_bytes(), p).unwrap_err().to_string();
+            assert!(
+                err.contains("fleet-admitted.json") && err.contains(want),
+                "{bytes}: {err}"
+            );
+        }
+        // Sound forms: every key optional, ids in any case, repeats are one.
+        let upper = a.to_string().to_uppercase();
+        assert_eq!(
+            parse_admitted(format!("[\"{upper}\",\"{a}\"]").as_bytes(), p).unwrap(),
+            [a].into()
+        );
+        assert_eq!(
+            parse_leave_pending(b"{}", p).unwrap(),
+            LeavePending::default()
+        );
+    }
+
+    #[test]
+    fn an_unreadable_file_is_an_error_naming_it() {
+        let dir = dir_with(None, None);
+        std::fs::create_dir(dir.path().join(LEAVE_PENDING_FILE)).unwrap();
+        let err = read_beside(&dir.path().join("fleet-confirmed.json")).unwrap_err();
+        assert!(matches!(err, ImportError::Read { .. }), "{err}");
+        assert!(err.to_string().contains(LEAVE_PENDING_FILE), "{err}");
+    }
+}
