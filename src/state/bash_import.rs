@@ -91,7 +91,11 @@ impl serde::Serialize for BashImport {
             .iter()
             .map(|(id, d)| (id, d.as_secs()))
             .collect();
-        let ago: Vec<u64> = self.recent_leaves_ago.iter().map(Duration::as_secs).collect();
+        let ago: Vec<u64> = self
+            .recent_leaves_ago
+            .iter()
+            .map(Duration::as_secs)
+            .collect();
         let mut st = s.serialize_struct("BashImport", 3)?;
         st.serialize_field("admitted", &self.admitted)?;
         st.serialize_field("absence_observed_secs", &absence)?;
@@ -378,7 +382,10 @@ mod tests {
         assert!(import.absence_observed[&id(1)] > Duration::from_secs(24 * HOUR));
         let json = serde_json::to_value(&import).unwrap();
         assert_eq!(json["absence_observed_secs"][id(1).to_string()], 30 * HOUR);
-        assert_eq!(json["recent_leaves_ago_secs"], serde_json::json!([0, 5, HOUR - 1]));
+        assert_eq!(
+            json["recent_leaves_ago_secs"],
+            serde_json::json!([0, 5, HOUR - 1])
+        );
         // The hour's leaves, most recent first; a stamp an hour old or more is out of the
         // budget, one in the future still counts.
         assert_eq!(
