@@ -558,14 +558,46 @@ fn import_bash_files(
     }
     let files = bash_import::read_beside(path)?;
     let import = bash_import::map_import(&report.on_disk.confirmed, &files, now_unix);
-    // The bare format has no joining set and no counts: adding admitted ids keeps every
-    // invariant of `State`.
+    // The bare format has no joining set and no clock: adding admitted ids, their
+    // absences and the leaves (all readings at most the new clock) keeps every invariant.
     report
         .state
         .admitted
         .extend(import.admitted.iter().copied());
+    carry_timers(&mut report.state, &import);
     report.bash_import = Some(import);
     Ok(())
+}
+
+/// Carries the Bash sidecar's timers onto the observed clock: the clock starts at the
+/// longest of them, so each imported absence reads as observed for as long as that sidecar
+/// saw it (30 h absent is past a 24 h `leave_grace` at once) and each leave of its last hour
+/// counts against the budgets for what is left of its hour. Poll counts start at 0: the
+/// stability rule (`leave_after_polls`) is still met on this sidecar's own polls.
+fn carry_timers(state: &mut State, import: &BashImport) {
+    let ms = |d: &Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+    let base = import
+        .absence_observed
+        .values()
+        .chain(&import.recent_leaves_ago)
+        .map(ms)
+        .max()
+        .unwrap_or(0)
+        .max(state.observed_ms);
+    state.observed_ms = base;
+    for (id, observed) in &import.absence_observed {
+        state.absent.entry(*id).or_insert(Absence {
+            polls: 0,
+            since_ms: base.saturating_sub(ms(observed)),
+        });
+    }
+    let mut leaves: Vec<u64> = import
+        .recent_leaves_ago
+        .iter()
+        .map(|ago| base.saturating_sub(ms(ago)))
+        .collect();
+    leaves.sort_unstable();
+    state.recent_leaves_ms = leaves;
 }
 
 /// The wall-clock time in Unix seconds (0 before 1970: every Bash timer then observes
@@ -1620,6 +1652,36 @@ mod tests {
             "{err}"
         );
         assert!(StateStore::new(&path).inspect().is_err());
+        // Timers old and new carry over onto the observed clock; the hour's leave counts.
+        let now = unix_now();
+        std::fs::write(
+            &pending,
+            format!(
+                r#"{{"absent_since":{{"{}":{}}},"recent_leaves":[{}]}}"#,
+                id(2),
+                now - 30 * 3600,
+                now - 60
+            ),
+        )
+        .unwrap();
+        let timed = StateStore::new(&path).load().unwrap().unwrap();
+        let observed = timed.absence_observed(&id(2)).unwrap();
+        let hours30 = Duration::from_secs(30 * 3600);
+        assert!(
+            observed + Duration::from_secs(5) >= hours30
+                && observed <= hours30 + Duration::from_secs(5),
+            "{observed:?}"
+        );
+        assert_eq!(timed.absent[&id(2)].polls, 0);
+        let ages: Vec<u64> = timed
+            .recent_leaves_ms
+            .iter()
+            .map(|t| timed.observed_ms - t)
+            .collect();
+        assert!(
+            ages.len() == 1 && (54_000..=66_000).contains(&ages[0]),
+            "{ages:?}"
+        );
         std::fs::write(&pending, b"{}").unwrap();
 
         // The first write is this sidecar's format; the Bash files are left as they are,

@@ -310,6 +310,7 @@ mod tests {
             state_error: None,
             repairs: Vec::new(),
             pending_leaves: Default::default(),
+            token_file: None,
             live: Some(LiveStatus {
                 orphans: vec![orphan],
                 state_ram_filesystem: Some("tmpfs at /dev/shm".to_owned()),

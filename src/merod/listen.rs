@@ -2,6 +2,7 @@
 //! probed in order (an IPv6-first `listen` on a host where `::1` is not served, a first
 //! address merod does not bind, …), and the calls go to the one that answered.
 
+use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -93,6 +94,10 @@ impl Node for ListenCandidates {
 
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError> {
         self.current().holds_namespace(group_id).await
+    }
+
+    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        self.current().list_namespaces().await
     }
 }
 

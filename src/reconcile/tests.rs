@@ -1341,9 +1341,8 @@ fn an_orphan_taken_as_admitted_is_left_like_any_withdrawn_namespace() {
     // gives it the stability wait, the guard and the rate limit like any other.
     let policy = LeavePolicy {
         leave_after_polls: 2,
-        mass_drop_min: 3,
-        mass_drop_hold: Duration::from_secs(600),
         max_leaves_per_minute: 1,
+        ..POLICY
     };
     let d = desired(&[1], &[]);
     let mut s = state(&[1], &[1]);
@@ -1359,7 +1358,10 @@ fn an_orphan_taken_as_admitted_is_left_like_any_withdrawn_namespace() {
     ));
     let second = simple(&policy, &d, &first.state);
     assert_eq!(second.leaves, vec![id(5)], "then one a minute");
-    assert_eq!(second.waiting[&id(6)], LeaveWait::RateLimited);
+    assert_eq!(
+        second.waiting[&id(6)],
+        LeaveWait::RateLimited(RateLimit::PerMinute)
+    );
 
     // Many at once on a small node: the mass-withdrawal guard holds them.
     let mut small = state(&[1], &[1]);

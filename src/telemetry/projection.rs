@@ -215,6 +215,7 @@ mod tests {
             joining: &none,
             leaving: &none,
             waiting: &waiting,
+            orphans: &none,
             mass_drop: MassDrop::Idle,
             mass_drop_hold: Duration::from_secs(600),
             now: Instant::now(),

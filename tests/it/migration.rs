@@ -38,7 +38,8 @@ async fn a_node_switched_from_the_bash_files_leaves_what_mdma_withdrew_and_joins
         w.held = set(&[A, B]);
         w.assignments = set(&[A]);
     });
-    let running = fake.run(node.config(""));
+    // No timer in the Bash files: a grace would start at the switch (none here, for brevity).
+    let running = fake.run(node.config("leave_grace = \"0s\""));
     until_polls(&fake, 5).await;
     running.stop().await;
     fake.with(|w| {
@@ -58,7 +59,7 @@ async fn a_node_switched_from_the_bash_files_leaves_what_mdma_withdrew_and_joins
     });
     // Written in this sidecar's format; the Bash sidecar's own file is left as it was.
     let text = std::fs::read_to_string(node.state_file()).unwrap();
-    assert!(text.contains("\"version\": 3"), "{text}");
+    assert!(text.contains("\"version\": 4"), "{text}");
     let state = node.state();
     assert_eq!(state.admitted, set(&[A]));
     assert_eq!(state.confirmed, set(&[A]));
@@ -166,7 +167,8 @@ async fn with_leave_orphans_an_orphan_is_left_after_the_stability_wait() {
         w.held = set(&[A, C]);
         w.assignments = set(&[A]);
     });
-    let running = fake.run(node.config("leave_orphans = true\nleave_after_polls = 3"));
+    let running =
+        fake.run(node.config("leave_orphans = true\nleave_after_polls = 3\nleave_grace = \"0s\""));
     until_polls(&fake, 2).await;
     assert!(
         fake.with(|w| w.leaves.is_empty()),
@@ -265,4 +267,43 @@ async fn a_state_file_on_tmpfs_is_reported_and_the_daemon_still_runs() {
         metric(&metrics, "fleet_sidecar_state_on_ram_filesystem"),
         0.0
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_bash_timer_30_h_old_is_due_under_a_24_h_grace_and_a_new_one_waits() {
+    let node = NodeDir::new();
+    bash_files(&node, &[A], &[A, B, C]);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    std::fs::write(
+        node.dir.path().join("fleet-leave-pending.json"),
+        format!(
+            r#"{{"absent_since":{{"{B}":{},"{C}":{}}},"recent_leaves":[],"suspicious":false,"deferred":[]}}"#,
+            now - 30 * 3600,
+            now - 60
+        ),
+    )
+    .unwrap();
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.held = set(&[A, B, C]);
+        w.assignments = set(&[A]);
+    });
+    let running = fake.run(node.config("leave_grace = \"24h\"\nmass_drop_min = 1000"));
+    until_polls(&fake, 5).await;
+    running.stop().await;
+    fake.with(|w| {
+        let left: Vec<_> = w.leaves.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            left,
+            vec![gid(B)],
+            "B is past the grace; C has 23 h 59 min to go"
+        );
+        assert!(w.joins.is_empty());
+    });
+    let state = node.state();
+    assert_eq!(state.admitted, set(&[A, C]));
+    assert!(state.absence_observed(&gid(C)).unwrap() < Duration::from_secs(120));
 }
