@@ -487,12 +487,13 @@ serialize_kind_and_message!(StateError);
 impl StateError {
     /// The failure's one classification, stable for a program to match (the `kind` of its
     /// `Serialize` form, `{"kind": …, "message": …}`): `read`, `corrupt`,
-    /// `unsupported-version`, `write`.
+    /// `unsupported-version`, `import` (a Bash sidecar file beside it), `write`.
     pub fn kind(&self) -> &'static str {
         match self {
             StateError::Read { .. } => "read",
             StateError::Corrupt { .. } => "corrupt",
             StateError::UnsupportedVersion { .. } => "unsupported-version",
+            StateError::Import(_) => "import",
             StateError::Write { .. } => "write",
         }
     }
