@@ -183,6 +183,7 @@ pub async fn inspect(
             let desired = Desired {
                 assigned: live.desired.into_iter().collect(),
                 retain: live.retain.into_iter().collect(),
+                ..Desired::default()
             };
             let state = State {
                 admitted: admitted.clone(),

@@ -30,25 +30,31 @@ use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::Config;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::MdmaClient;
-use fleet_sidecar::{Admission, MerodError, Node};
+use fleet_sidecar::{Admission, MerodError, Node, NodeAccount, TeeRole};
 use fleet_sidecar::{State, StateStore};
 use tokio_util::sync::CancellationToken;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// A merod that is up, admits every join and holds every namespace.
-struct StandIn;
+/// A merod that is up, admits every join and holds every namespace (it lists the ones the
+/// node starts with).
+struct StandIn(BTreeSet<GroupId>);
 
 #[async_trait]
 impl Node for StandIn {
     async fn probe(&self) -> Result<(), MerodError> {
         Ok(())
     }
-    async fn fleet_join(&self, _group_id: GroupId) -> Result<Admission, MerodError> {
+    async fn fleet_join(
+        &self,
+        _group_id: GroupId,
+        _admitter_addrs: &[String],
+    ) -> Result<Admission, MerodError> {
         Ok(Admission {
             admitted: true,
             status: "joined".into(),
             reasons: Vec::new(),
+            refusals: Vec::new(),
         })
     }
     async fn leave_namespace(&self, _group_id: GroupId) -> Result<(), MerodError> {
@@ -57,9 +63,18 @@ impl Node for StandIn {
     async fn holds_namespace(&self, _group_id: GroupId) -> Result<bool, MerodError> {
         Ok(true)
     }
-    /// Lists nothing: a simulated node has no orphans.
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
-        Ok(BTreeSet::new())
+        Ok(self.0.clone())
+    }
+    async fn identity(&self) -> Result<NodeAccount, MerodError> {
+        Ok(NodeAccount::NotMinted)
+    }
+    async fn tee_role(
+        &self,
+        _group_id: GroupId,
+        _account: &str,
+    ) -> Result<Option<TeeRole>, MerodError> {
+        Ok(None)
     }
 }
 
@@ -160,7 +175,7 @@ async fn main() -> Result<(), BoxError> {
         .collect::<Result<_, _>>()?;
     let state = State {
         admitted: held.clone(),
-        confirmed: held,
+        confirmed: held.clone(),
         ..State::default()
     };
     let mdma = MdmaEmulator::start(None).await?;
@@ -170,7 +185,10 @@ async fn main() -> Result<(), BoxError> {
     for i in 0..n {
         let cfg = node_config(root.path(), i, &mdma.url(), &state)?;
         let client = MdmaClient::new(&cfg.mdma_url, cfg.fleet_token.clone(), None)?;
-        fleet.push((cfg, Deps::new(Arc::new(client), Arc::new(StandIn))));
+        fleet.push((
+            cfg,
+            Deps::new(Arc::new(client), Arc::new(StandIn(held.clone()))),
+        ));
     }
     println!(
         "fleet-sim: N = {n}, steady {steady:?}, outage {outage:?}, recovery {recovery:?}; {} cores",

@@ -16,12 +16,20 @@
 //! to change the state is to record an outcome, which persists it), `work` (the join and
 //! leave tasks in flight, their permits and retry tables; a task gets its calls, never the
 //! record), `poll` (the poll's cadence and failure streak), `startup` (start-up and the
-//! node's identity). `cycle` is the loop, one cycle and the fold of task events.
+//! node's identity), `merod_view` (the background jobs watching merod — `merod_watch`
+//! its readiness, `held` what it holds, `join_status` the join outcomes told to MDMA —
+//! and what the loop keeps of their reads: drift suspects, `roles`). `cycle` is the loop,
+//! one cycle and the fold of task events.
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 
 mod cycle;
+mod held;
+mod join_status;
+mod merod_view;
+mod merod_watch;
 mod poll;
 mod record;
+mod roles;
 mod startup;
 mod tasks;
 
@@ -43,6 +51,7 @@ use crate::registration::TokenJob;
 use crate::state::{State, StateError};
 use crate::telemetry::Projection;
 use cycle::Planner;
+use merod_view::MerodView;
 use poll::Cadence;
 use record::Record;
 use startup::Identity;
@@ -138,6 +147,9 @@ pub const ONCE_MEROD_WAIT: Duration = Duration::from_secs(60);
 pub enum CycleOutcome {
     /// The poll failed: nothing was planned.
     PollFailed(PollError),
+    /// The poll succeeded, but merod has not answered since start-up: nothing was planned
+    /// (joins and leaves wait for merod; the poll is the heartbeat).
+    WaitingForMerod,
     /// The poll succeeded and this was started.
     Planned {
         /// Joins started.
@@ -169,13 +181,18 @@ pub struct Sidecar {
     /// What the last successful poll asked for and what planning remembers between polls
     /// (the mass-withdrawal guard, the withdrawn namespaces not left yet).
     planner: Planner,
+    /// The background jobs watching merod (readiness, what it holds, join-status) and
+    /// what the loop keeps of their reads.
+    view: MerodView,
 }
 
-/// Runs the daemon until `shutdown` is cancelled: load the state, wait for merod, read
-/// the identity, then reconcile every `poll_interval`.
+/// Runs the daemon until `shutdown` is cancelled: load the state, read the identity, then
+/// poll every `poll_interval` (the heartbeat does not wait for merod) and reconcile once
+/// merod has answered.
 ///
 /// Errors: [`DaemonError`] for an unusable state file or an unreadable PeerId. A shutdown
-/// before merod answered returns `Ok`.
+/// while waiting for merod (only when the PeerId could not be read before it answered)
+/// returns `Ok`.
 pub async fn run(cfg: Config, deps: Deps, shutdown: CancellationToken) -> Result<(), DaemonError> {
     let Some(mut sidecar) = Sidecar::start(cfg, deps, shutdown, None).await? else {
         return Ok(());
@@ -199,6 +216,8 @@ pub async fn once(
     else {
         return Ok(None);
     };
+    let mut held = sidecar.view.held.clone();
+    held.first_read(held::HELD_READ_TIMEOUT).await;
     let outcome = sidecar.cycle().await;
     sidecar.drain(None).await;
     match sidecar.record.write_error() {

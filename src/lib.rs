@@ -23,8 +23,8 @@
 //! | need | items |
 //! |---|---|
 //! | the sidecar's config | [`ToolConfig`] (`[merod]`, `state_file`, `[tdx]`, `mdma_url`; nothing required), [`ToolConfig::mdma_credentials`] (token and CA file, the daemon's checks), [`resolve_admin_url`], [`read_peer_id`]; [`Config`] is the daemon's (every check) |
-//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`], and through the [`Node`] trait `probe`, `fleet_join`, `leave_namespace`, `holds_namespace`), [`MerodClientBuilder`], [`Admission`], [`MerodError`] |
-//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` and `confirm` |
+//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`] every page, [`MerodClient::identity`], [`MerodClient::tee_role`], and through the [`Node`] trait `probe`, `fleet_join` with `admitterAddrs`, `leave_namespace`, `holds_namespace` on merod's own 404s), [`MerodClientBuilder`], [`Admission`] with [`Refusal`]s, [`TeeRole`], [`MerodError`] |
+//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` (with a [`NodeReport`]: `held_namespaces`), `confirm` (with the role) and `join_status` ([`JoinStatus`]) |
 //! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`read_mrtd_bounded_async`] from async code; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`RegisterRequest`], [`Registered`], [`RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
@@ -225,15 +225,16 @@ pub use identity::{
 };
 pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
-    CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, MalformedAnswer,
-    MdmaAnswer, MdmaClient, MdmaClientBuilder, MdmaClientError, PollError, RegisterError,
-    RegisterRequest, Registered, RequestError, ShouldJoin, CHALLENGE_TIMEOUT, MAX_POLL_BODY,
-    MDMA_TIMEOUT, REGISTER_TIMEOUT,
+    CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, JoinState,
+    JoinStatus, MalformedAnswer, MdmaAnswer, MdmaClient, MdmaClientBuilder, MdmaClientError,
+    NodeReport, PollError, RegisterError, RegisterRequest, Registered, RequestError, ShouldJoin,
+    CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY, MDMA_TIMEOUT, REGISTER_TIMEOUT,
 };
 pub use merod::{
-    Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp, Node, NodeAccount,
-    ATTEST_TIMEOUT, CHECK_TIMEOUT, JOIN_TIMEOUT, LEAVE_TIMEOUT, MEROD_CONNECT_TIMEOUT,
-    PROBE_TIMEOUT,
+    refuses_admitter_addrs, Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp, Node,
+    NodeAccount, Refusal, TeeRole, ATTEST_TIMEOUT, CHECK_TIMEOUT, JOIN_TIMEOUT, LEAVE_TIMEOUT,
+    MAX_REFUSALS, MAX_REFUSAL_PEER, MAX_REFUSAL_REASON, MEMBERS_TIMEOUT, MEMBER_PAGES,
+    MEROD_CONNECT_TIMEOUT, NOT_HELD_MESSAGES, PROBE_TIMEOUT,
 };
 pub use mrtd::{
     parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded,

@@ -1,5 +1,5 @@
 //! The fleet control plane (MDMA) client: `POST /api/fleet/should-join`,
-//! `POST /api/fleet/confirm`, and attested registration's `GET /api/fleet/nodes/challenge`
+//! `POST /api/fleet/confirm`, `POST /api/fleet/join-status`, and attested registration's `GET /api/fleet/nodes/challenge`
 //! and `POST /api/fleet/nodes/register` (docs/mdma.md).
 //!
 //! The poll is strict: only HTTP 200 with a JSON object whose `assignments` is an array of
@@ -10,7 +10,7 @@
 //! extra CA file), redirects are not followed, and the token goes only into the
 //! `X-Fleet-Token` header.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use url::Url;
 
 use crate::ids::{GroupId, PeerId};
+use crate::merod::{Refusal, TeeRole};
 use crate::mrtd::Mrtd;
 
 mod answer;
@@ -529,25 +530,99 @@ pub struct ShouldJoin {
     pub assignments: BTreeSet<GroupId>,
     /// `retain`: namespaces to keep if held, but not to join.
     pub retain: BTreeSet<GroupId>,
+    /// `assignments[].admitter_addrs`: the admitting nodes' multiaddrs MDMA sends for an
+    /// assignment (direct admission), in MDMA's order, only the strings starting with `/`
+    /// and holding no line break; only assignments with at least one such address.
+    pub admitter_addrs: BTreeMap<GroupId, Vec<String>>,
+}
+
+/// What the node tells MDMA about itself in a `should-join`, besides its identity.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeReport<'a> {
+    /// `held_namespaces`: what merod holds, lowercase 64 hex, sorted, unique, at most
+    /// [`MAX_HELD_REPORTED`]; `None` leaves the field out ("no report"), `Some(&[])` says
+    /// merod holds nothing.
+    pub held_namespaces: Option<&'a [GroupId]>,
+}
+
+/// Most ids sent as `held_namespaces`: MDMA cannot tell a cut list from a whole one, so a
+/// longer list is not reported at all.
+pub const MAX_HELD_REPORTED: usize = 512;
+
+/// `state` of a join-status report: how the latest fleet-join of a namespace ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum JoinState {
+    /// merod answered `admitted: true`.
+    Admitted,
+    /// Not admitted, and admitting nodes said why (`refusals`).
+    Refused,
+    /// Not admitted, no refusal: nobody answered yet (or an older core that does not say).
+    Waiting,
+    /// The call failed or timed out.
+    Error,
+}
+
+impl JoinState {
+    /// The wire spelling (`admitted`, `refused`, `waiting`, `error`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JoinState::Admitted => "admitted",
+            JoinState::Refused => "refused",
+            JoinState::Waiting => "waiting",
+            JoinState::Error => "error",
+        }
+    }
+}
+
+/// `POST /api/fleet/join-status`: why a join of `group_id` has (not) gone through.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct JoinStatus {
+    /// How the latest fleet-join ended.
+    pub state: JoinState,
+    /// The admitting nodes' refusals (at most 8; see [`crate::Admission::refusals`]).
+    pub refusals: Vec<Refusal>,
+    /// The failure (≤ 512 chars) when `state` is `error`, else `None` (sent as `null`).
+    pub error: Option<String>,
+    /// This node's PeerId.
+    pub peer_id: String,
+    /// The namespace (64 hex, lowercase).
+    pub group_id: GroupId,
+    /// fleet-join attempts of this namespace so far (kept across restarts).
+    pub attempts: u64,
 }
 
 /// The control plane as the daemon sees it; [`MdmaClient`] is the real one, tests supply
 /// their own.
 #[async_trait]
 pub trait ControlPlane: Send + Sync + 'static {
-    /// Polls `should-join` for this node. `mrtd` is left out of the request when `None`.
+    /// Polls `should-join` for this node. `mrtd` is left out of the request when `None`;
+    /// `report` adds what the node tells about itself (`held_namespaces`).
     ///
     /// Errors: [`PollError`]: any of them means the poll failed.
     async fn should_join(
         &self,
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
     ) -> Result<ShouldJoin, PollError>;
 
-    /// Confirms the admission of `group_id`.
+    /// Confirms the admission of `group_id`, with the node's TEE role in it (`tee_role`,
+    /// `null` when unknown) and `authorship_ready` (true only for `RelayTee`).
     ///
     /// Errors: [`ConfirmError`]; the namespace then stays unconfirmed.
-    async fn confirm(&self, peer_id: &PeerId, group_id: GroupId) -> Result<(), ConfirmError>;
+    async fn confirm(
+        &self,
+        peer_id: &PeerId,
+        group_id: GroupId,
+        role: Option<TeeRole>,
+    ) -> Result<(), ConfirmError>;
+
+    /// Reports how the latest fleet-join of a namespace ended (`POST /api/fleet/join-status`,
+    /// best effort: an MDMA without the route answers 404).
+    ///
+    /// Errors: [`RequestError`]; nothing depends on it.
+    async fn join_status(&self, report: &JoinStatus) -> Result<(), RequestError>;
 }
 
 /// MDMA over HTTPS with reqwest/rustls.
@@ -555,7 +630,7 @@ pub trait ControlPlane: Send + Sync + 'static {
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use fleet_sidecar::{ControlPlane, FleetToken, MdmaClient};
+/// use fleet_sidecar::{ControlPlane, FleetToken, MdmaClient, NodeReport};
 ///
 /// let mdma = MdmaClient::builder("https://mdma.example/".parse()?)
 ///     .token(FleetToken::new("…"))
@@ -563,7 +638,7 @@ pub trait ControlPlane: Send + Sync + 'static {
 ///     .build()?;
 /// let peer_id = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk".parse()?;
 /// // Only the node's own sidecar polls: MDMA counts a should-join as its heartbeat.
-/// let answer = mdma.should_join(&peer_id, None).await?;
+/// let answer = mdma.should_join(&peer_id, None, NodeReport::default()).await?;
 /// println!("{} assigned", answer.assignments.len());
 /// # Ok(()) }
 /// ```
@@ -582,6 +657,7 @@ pub struct MdmaClient {
     confirm_url: Url,
     challenge_url: Url,
     register_url: Url,
+    join_status_url: Url,
     token: TokenSlot,
     timeout: Duration,
 }
@@ -650,12 +726,16 @@ struct PollRequest<'a> {
     peer_id: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     mrtd: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    held_namespaces: Option<&'a [GroupId]>,
 }
 
 #[derive(Serialize)]
 struct ConfirmRequest<'a> {
     peer_id: &'a str,
     group_id: String,
+    authorship_ready: bool,
+    tee_role: Option<&'static str>,
 }
 
 impl MdmaClient {
@@ -743,6 +823,7 @@ impl MdmaClient {
             confirm_url: join("api/fleet/confirm")?,
             challenge_url: join("api/fleet/nodes/challenge")?,
             register_url: join("api/fleet/nodes/register")?,
+            join_status_url: join("api/fleet/join-status")?,
             token: TokenSlot::new(b.token),
             timeout: b.timeout,
         })
@@ -1169,11 +1250,13 @@ impl ControlPlane for MdmaClient {
         &self,
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
     ) -> Result<ShouldJoin, PollError> {
         let url = &self.should_join_url;
         let body = PollRequest {
             peer_id: peer_id.as_str(),
             mrtd: mrtd.map(Mrtd::to_hex),
+            held_namespaces: report.held_namespaces,
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));
@@ -1224,13 +1307,25 @@ impl ControlPlane for MdmaClient {
         })
     }
 
-    async fn confirm(&self, peer_id: &PeerId, group_id: GroupId) -> Result<(), ConfirmError> {
+    async fn confirm(
+        &self,
+        peer_id: &PeerId,
+        group_id: GroupId,
+        role: Option<TeeRole>,
+    ) -> Result<(), ConfirmError> {
         let body = ConfirmRequest {
             peer_id: peer_id.as_str(),
             group_id: group_id.to_string(),
+            authorship_ready: role == Some(TeeRole::RelayTee),
+            tee_role: role.map(TeeRole::as_str),
         };
         // The answer's body is not read: any 2xx is the acknowledgement.
         self.send(&self.confirm_url, &body).await.map(drop)
+    }
+
+    async fn join_status(&self, report: &JoinStatus) -> Result<(), RequestError> {
+        // Best effort, the answer's body is not read: any 2xx is the acknowledgement.
+        self.send(&self.join_status_url, report).await.map(drop)
     }
 }
 
@@ -1245,6 +1340,17 @@ struct PollAnswer {
 #[derive(Deserialize)]
 struct PollEntry {
     group_id: GroupId,
+    #[serde(default)]
+    admitter_addrs: Option<Vec<String>>,
+}
+
+/// The addresses of `admitter_addrs` kept: those starting with `/` and holding no line
+/// break, in order.
+pub(crate) fn keep_admitter_addrs(addrs: Vec<String>) -> Vec<String> {
+    addrs
+        .into_iter()
+        .filter(|a| a.starts_with('/') && !a.contains(['\n', '\r']))
+        .collect()
 }
 
 /// Validates a 200 `should-join` body (docs/mdma.md), parsed straight into typed structs
@@ -1253,17 +1359,19 @@ struct PollEntry {
 /// Errors: [`MalformedAnswer::Ambiguous`] for a body that is not JSON or any object (top
 /// level, an entry, or an ignored field) naming the same key twice; an ambiguous document
 /// fails the poll. [`MalformedAnswer::Shape`] for the wrong shape (not an object, no
-/// `assignments` array, an entry without a 64-hex `group_id`, a `retain` that is not an
-/// array of 64-hex ids). Both name the line and column of the first fault.
+/// `assignments` array, an entry without a 64-hex `group_id`, an `admitter_addrs` that is
+/// neither `null` nor an array of strings, a `retain` that is not an array of 64-hex ids).
+/// Both name the line and column of the first fault.
 ///
 /// One pass over the body in the common case, allocating only the two sets (see
 /// `mdma/answer.rs`); a body it refuses is read again the strict two-step way only to name
 /// the fault as before.
 pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
     match answer::read(body) {
-        Ok((assignments, retain)) => Ok(ShouldJoin {
+        Ok((assignments, retain, admitter_addrs)) => Ok(ShouldJoin {
             assignments,
             retain,
+            admitter_addrs,
         }),
         Err(fast) => Err(match parse_two_step(body) {
             Err(e) => e,
@@ -1278,9 +1386,21 @@ pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
 fn parse_two_step(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
     crate::strict_json::reject_duplicate_keys(body).map_err(MalformedAnswer::Ambiguous)?;
     let answer: PollAnswer = serde_json::from_slice(body).map_err(MalformedAnswer::Shape)?;
+    let mut admitter_addrs = BTreeMap::new();
+    let mut assignments = BTreeSet::new();
+    for entry in answer.assignments {
+        assignments.insert(entry.group_id);
+        let addrs = keep_admitter_addrs(entry.admitter_addrs.unwrap_or_default());
+        if addrs.is_empty() {
+            admitter_addrs.remove(&entry.group_id);
+        } else {
+            admitter_addrs.insert(entry.group_id, addrs);
+        }
+    }
     Ok(ShouldJoin {
-        assignments: answer.assignments.into_iter().map(|e| e.group_id).collect(),
+        assignments,
         retain: answer.retain.into_iter().collect(),
+        admitter_addrs,
     })
 }
 
@@ -1340,6 +1460,49 @@ mod tests {
         assert_eq!(d.retain, [id(B)].into());
         let empty = parse_should_join(br#"{"assignments":[]}"#).unwrap();
         assert_eq!(empty, ShouldJoin::default());
+    }
+
+    #[test]
+    fn admitter_addrs_are_kept_in_order_when_they_are_multiaddrs() {
+        let body = format!(
+            r#"{{"assignments":[{{"group_id":"{A}","admitter_addrs":["/ip4/10.0.0.1/tcp/2428/p2p/12D3KooWA","dns:1","/ip4/10.0.0.2/tcp/1\nX","/dns4/b/tcp/2/p2p/12D3KooWB"]}},
+                {{"group_id":"{B}","admitter_addrs":["x"]}}]}}"#
+        );
+        let d = parse_should_join(body.as_bytes()).unwrap();
+        assert_eq!(
+            d.admitter_addrs,
+            [(
+                id(A),
+                vec![
+                    "/ip4/10.0.0.1/tcp/2428/p2p/12D3KooWA".to_owned(),
+                    "/dns4/b/tcp/2/p2p/12D3KooWB".to_owned()
+                ]
+            )]
+            .into()
+        );
+        agrees_with_two_step(body.as_bytes());
+        // null is no addresses; anything but an array of strings fails the poll.
+        let null = format!(r#"{{"assignments":[{{"group_id":"{A}","admitter_addrs":null}}]}}"#);
+        assert!(parse_should_join(null.as_bytes())
+            .unwrap()
+            .admitter_addrs
+            .is_empty());
+        agrees_with_two_step(null.as_bytes());
+        for bad in [r#""/ip4/1""#, "[1]", "{}", r#"[["/ip4/1"]]"#] {
+            let body =
+                format!(r#"{{"assignments":[{{"group_id":"{A}","admitter_addrs":{bad}}}]}}"#);
+            assert!(parse_should_join(body.as_bytes()).is_err(), "{body}");
+            agrees_with_two_step(body.as_bytes());
+        }
+        // A repeated entry's addresses are its last ones.
+        let again = format!(
+            r#"{{"assignments":[{{"group_id":"{A}","admitter_addrs":["/a"]}},{{"group_id":"{A}"}}]}}"#
+        );
+        assert!(parse_should_join(again.as_bytes())
+            .unwrap()
+            .admitter_addrs
+            .is_empty());
+        agrees_with_two_step(again.as_bytes());
     }
 
     #[test]

@@ -1,12 +1,15 @@
 //! The merod admin API client, over the `calimero-client` crate (docs/merod-admin.md).
 //!
 //! Calls: `GET /admin-api/peers` (readiness), `POST /admin-api/tee/fleet-join`
-//! (`{"groupId": "<64 hex>"}`, TDX-attested admission, may take 30 s and more),
-//! `POST /admin-api/namespaces/{id}/leave` (irreversible: core purges the node's keys), and
-//! `GET /admin-api/namespaces/{id}` (does the node hold it?), and for attested registration
-//! `GET /admin-api/identity` (the account), `POST /admin-api/tee/registration-attest` and
-//! `POST /admin-api/tee/attest` (a TD quote over a nonce). merod listens on loopback in its
-//! default `proxy` auth mode, so no token is sent.
+//! (`{"groupId": "<64 hex>", "admitterAddrs": [..]}`, TDX-attested admission, may take 30 s
+//! and more), `POST /admin-api/namespaces/{id}/leave` (irreversible: core purges the node's
+//! keys), `GET /admin-api/namespaces/{id}` (does the node hold it?), `GET
+//! /admin-api/namespaces` (everything it holds, every page), `GET /admin-api/identity` (the
+//! node's account, also read by attested registration), `GET /admin-api/groups/{id}/members`
+//! (the node's role in a namespace), and for attested registration
+//! `POST /admin-api/tee/registration-attest` and `POST /admin-api/tee/attest` (a TD quote over
+//! a nonce). merod listens on loopback in its default `proxy` auth mode, so no token is
+//! sent.
 //!
 //! calimero-client's requests have no timeout and its errors drop the HTTP status: the
 //! daemon bounds every call itself, and the membership check (where 404 means "gone" and
@@ -14,14 +17,15 @@
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use calimero_client::auth::HeadlessAuthenticator;
 use calimero_client::storage::JwtToken;
 use calimero_client::{Client, ClientStorage, ConnectionInfo};
-use calimero_server_primitives::admin::FleetJoinRequest;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use url::Url;
 
@@ -58,6 +62,56 @@ pub enum NodeAccount {
     /// minted the first time it takes part in a namespace).
     NotMinted,
 }
+/// Default bound of reading the node's role in a namespace (every page of its members).
+pub const MEMBERS_TIMEOUT: Duration = Duration::from_secs(20);
+/// Most refusals kept from one `fleet-join` answer.
+pub const MAX_REFUSALS: usize = 8;
+/// Longest `peer` of a refusal kept, in characters (longer ones are cut).
+pub const MAX_REFUSAL_PEER: usize = 128;
+/// Longest `reason` of a refusal kept, in characters (longer ones are cut).
+pub const MAX_REFUSAL_REASON: usize = 512;
+/// merod's own words for "this node does not hold that namespace" on a 404 of
+/// `GET /admin-api/namespaces/{id}` (core 0.11): never joined or left and purged, and an
+/// identity without membership. A 404 with other words is not merod's answer about the
+/// namespace (a proxy, a renamed route): membership unknown.
+pub const NOT_HELD_MESSAGES: [&str; 2] = ["No namespace identity found", "Namespace not found"];
+
+/// One admitting node's refusal, from a `fleet-join` answer's `refusals`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Refusal {
+    /// The refusing node's PeerId as merod wrote it (at most [`MAX_REFUSAL_PEER`] chars).
+    pub peer: String,
+    /// Why it refused (at most [`MAX_REFUSAL_REASON`] chars).
+    pub reason: String,
+}
+
+/// The role merod gives this node in a namespace, as far as the fleet cares: a TEE role.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TeeRole {
+    /// `RelayTee`: the node may author (relay) for the namespace.
+    RelayTee,
+    /// `ReadOnlyTee`: a read-only TEE replica.
+    ReadOnlyTee,
+}
+
+impl TeeRole {
+    /// merod's spelling (`RelayTee`, `ReadOnlyTee`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TeeRole::RelayTee => "RelayTee",
+            TeeRole::ReadOnlyTee => "ReadOnlyTee",
+        }
+    }
+
+    /// The role merod names `role`; `None` for any other role (`Admin`, `Member`, …).
+    pub fn from_merod(role: &str) -> Option<Self> {
+        match role {
+            "RelayTee" => Some(TeeRole::RelayTee),
+            "ReadOnlyTee" => Some(TeeRole::ReadOnlyTee),
+            _ => None,
+        }
+    }
+}
 
 /// merod's answer to a `fleet-join` that completed.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,6 +123,10 @@ pub struct Admission {
     /// Why merod did not admit, when it says: the strings under `reason`, `reasons`,
     /// `message`, `error`, `errors` or `detail` (flat or under `data`), in that order.
     pub reasons: Vec<String>,
+    /// The admitting nodes' refusals (`refusals`, flat or under `data`): the first
+    /// [`MAX_REFUSALS`] entries that are objects, `peer` and `reason` cut to
+    /// [`MAX_REFUSAL_PEER`] and [`MAX_REFUSAL_REASON`] chars (a missing one reads as "").
+    pub refusals: Vec<Refusal>,
 }
 
 /// The admin-API call an error is about.
@@ -92,6 +150,8 @@ pub enum MerodOp {
     RegistrationAttest,
     /// `POST /admin-api/tee/attest`.
     Attest,
+    /// `GET /admin-api/groups/{id}/members`.
+    Members,
 }
 
 impl fmt::Display for MerodOp {
@@ -106,6 +166,7 @@ impl fmt::Display for MerodOp {
             MerodOp::Identity => "identity",
             MerodOp::RegistrationAttest => "registration-attest",
             MerodOp::Attest => "attest",
+            MerodOp::Members => "members",
         })
     }
 }
@@ -149,6 +210,18 @@ pub enum MerodError {
         /// The HTTP status.
         status: u16,
     },
+    /// A non-2xx answer carrying merod's `{"error": "<message>"}`.
+    #[error("{op} {url}: HTTP {status}: {message}")]
+    Refused {
+        /// The operation.
+        op: MerodOp,
+        /// The request URL.
+        url: String,
+        /// The HTTP status.
+        status: u16,
+        /// merod's message (at most 512 chars kept).
+        message: String,
+    },
     /// A 2xx answer of an unexpected shape.
     #[error("{op} {url}: unexpected answer: {reason}")]
     Answer {
@@ -183,6 +256,7 @@ impl MerodError {
             MerodError::Call { op, .. }
             | MerodError::Timeout { op, .. }
             | MerodError::Status { op, .. }
+            | MerodError::Refused { op, .. }
             | MerodError::Answer { op, .. } => *op,
         }
     }
@@ -194,13 +268,13 @@ impl MerodError {
 
     /// The failure's one classification, stable for a program to match (the `kind` of its
     /// `Serialize` form, `{"kind": …, "message": …}`): `call` (refused, reset, or a non-2xx
-    /// answer as calimero-client reports it), `timeout`, `status`, `answer` (a 2xx of an
-    /// unexpected shape).
+    /// answer as calimero-client reports it), `timeout`, `status` (a non-2xx, with or
+    /// without merod's words), `answer` (a 2xx of an unexpected shape).
     pub fn kind(&self) -> &'static str {
         match self {
             MerodError::Call { .. } => "call",
             MerodError::Timeout { .. } => "timeout",
-            MerodError::Status { .. } => "status",
+            MerodError::Status { .. } | MerodError::Refused { .. } => "status",
             MerodError::Answer { .. } => "answer",
         }
     }
@@ -216,10 +290,15 @@ pub trait Node: Send + Sync + 'static {
     /// Errors: [`MerodError`] while merod is not up.
     async fn probe(&self) -> Result<(), MerodError>;
 
-    /// `POST /admin-api/tee/fleet-join` for `group_id`.
+    /// `POST /admin-api/tee/fleet-join` for `group_id`, handing merod `admitter_addrs`
+    /// (the admitting nodes' multiaddrs MDMA sent, direct admission) when not empty.
     ///
     /// Errors: [`MerodError`]; `admitted: false` is not an error but an [`Admission`].
-    async fn fleet_join(&self, group_id: GroupId) -> Result<Admission, MerodError>;
+    async fn fleet_join(
+        &self,
+        group_id: GroupId,
+        admitter_addrs: &[String],
+    ) -> Result<Admission, MerodError>;
 
     /// `POST /admin-api/namespaces/{id}/leave`. A 500 may mean "nothing left to leave":
     /// ask [`Node::holds_namespace`] to tell.
@@ -227,17 +306,35 @@ pub trait Node: Send + Sync + 'static {
     /// Errors: [`MerodError`].
     async fn leave_namespace(&self, group_id: GroupId) -> Result<(), MerodError>;
 
-    /// `GET /admin-api/namespaces/{id}`: `true` on 200, `false` on 404 (`No namespace
-    /// identity found` or `Namespace not found`).
+    /// `GET /admin-api/namespaces/{id}`: `true` on 200, `false` on a 404 in merod's own
+    /// words ([`NOT_HELD_MESSAGES`]).
     ///
-    /// Errors: [`MerodError`] for any other answer: membership unknown.
+    /// Errors: [`MerodError`] for any other answer (a 404 of another shape included):
+    /// membership unknown.
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError>;
 
-    /// Every namespace merod holds (`GET /admin-api/namespaces`, all pages): what orphans
-    /// are found in.
+    /// Every namespace merod holds (`GET /admin-api/namespaces`, every page): what the
+    /// `held_namespaces` refresh reports and orphans are found in.
     ///
-    /// Errors: [`MerodError`]: the list is unknown.
+    /// Errors: [`MerodError`]; a failed or partial read is an error, never a shorter set.
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError>;
+
+    /// The node's account ([`MerodClient::identity`]: `GET /admin-api/identity`,
+    /// `data.accountId`, lowercase); [`NodeAccount::NotMinted`] while merod has none yet (its
+    /// 404 until the node first takes part in a namespace).
+    ///
+    /// Errors: [`MerodError`].
+    async fn identity(&self) -> Result<NodeAccount, MerodError>;
+
+    /// The TEE role of `account` in `group_id` (`GET /admin-api/groups/{id}/members`, every
+    /// page); `None` when its row is missing or has another role.
+    ///
+    /// Errors: [`MerodError`] when the member list could not be read whole.
+    async fn tee_role(
+        &self,
+        group_id: GroupId,
+        account: &str,
+    ) -> Result<Option<TeeRole>, MerodError>;
 }
 
 /// calimero-client wants somewhere to keep JWTs; a headless proxy-mode caller has none.
@@ -269,6 +366,7 @@ struct Deadlines {
     join: Duration,
     leave: Duration,
     check: Duration,
+    members: Duration,
 }
 
 /// Builds a [`MerodClient`] with per-call deadlines other than the defaults.
@@ -316,10 +414,16 @@ impl MerodClientBuilder {
         self
     }
 
-    /// Bound of [`MerodClient::holds_namespace`] and [`MerodClient::list_namespaces`]
-    /// (default [`CHECK_TIMEOUT`], 10 s).
+    /// Bound of [`MerodClient::holds_namespace`], [`MerodClient::list_namespaces`] (every
+    /// page) and [`MerodClient::identity`] (default [`CHECK_TIMEOUT`], 10 s).
     pub fn check_timeout(mut self, d: Duration) -> Self {
         self.deadlines.check = d;
+        self
+    }
+
+    /// Bound of [`MerodClient::tee_role`], every page (default [`MEMBERS_TIMEOUT`], 20 s).
+    pub fn members_timeout(mut self, d: Duration) -> Self {
+        self.deadlines.members = d;
         self
     }
 
@@ -352,6 +456,7 @@ impl MerodClientBuilder {
             client,
             connection,
             deadlines: self.deadlines,
+            addrs_refused: Arc::new(AtomicBool::new(false)),
         })
     }
 }
@@ -375,6 +480,9 @@ pub struct MerodClient {
     client: Client<HeadlessAuthenticator, NoTokenStorage>,
     connection: Connection,
     deadlines: Deadlines,
+    /// merod refused `admitterAddrs` (an older core): not offered again until it is seen
+    /// down (a refused connection: it restarts) or this process restarts. Shared by clones.
+    addrs_refused: Arc<AtomicBool>,
 }
 
 impl MerodClient {
@@ -396,6 +504,7 @@ impl MerodClient {
                 join: JOIN_TIMEOUT,
                 leave: LEAVE_TIMEOUT,
                 check: CHECK_TIMEOUT,
+                members: MEMBERS_TIMEOUT,
             },
         }
     }
@@ -678,6 +787,188 @@ struct NamespaceEntry {
     namespace_id: String,
 }
 
+/// A `fleet-join` request as newer cores take it: `admitterAddrs` only when there are some
+/// (an older core's request type refuses unknown fields).
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct FleetJoinBody<'a> {
+    group_id: String,
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    admitter_addrs: &'a [String],
+}
+
+/// One answer read whole: its status and its JSON body (`Null` when it is not JSON, or is
+/// ambiguous: a key named twice; `unreadable` then says why).
+struct Answered {
+    status: u16,
+    body: Value,
+    unreadable: Option<String>,
+}
+
+impl MerodClient {
+    /// Sends `req` and reads the answer whole; a refused connection also forgets a
+    /// refusal of `admitterAddrs` (merod is down: the one that comes back may be newer).
+    async fn send(
+        &self,
+        op: MerodOp,
+        url: &Url,
+        req: reqwest::RequestBuilder,
+    ) -> Result<Answered, MerodError> {
+        let transport = |e: reqwest::Error| {
+            if e.is_connect() {
+                self.addrs_refused.store(false, Ordering::Relaxed);
+            }
+            MerodError::Call {
+                op,
+                url: url.to_string(),
+                source: e.without_url().into(),
+            }
+        };
+        let resp = req.send().await.map_err(transport)?;
+        let status = resp.status().as_u16();
+        let bytes = resp.bytes().await.map_err(transport)?;
+        let (body, unreadable) = match serde_json::from_slice::<StrictValue>(&bytes) {
+            Ok(v) => (v.0, None),
+            Err(e) => (Value::Null, Some(e.to_string())),
+        };
+        Ok(Answered {
+            status,
+            body,
+            unreadable,
+        })
+    }
+
+    /// A non-2xx answer as an error: [`MerodError::Refused`] when it says why.
+    fn refused(op: MerodOp, url: &Url, answer: &Answered) -> MerodError {
+        match error_message(&answer.body) {
+            Some(message) => MerodError::Refused {
+                op,
+                url: url.to_string(),
+                status: answer.status,
+                message: cut(message, 512),
+            },
+            None => MerodError::Status {
+                op,
+                url: url.to_string(),
+                status: answer.status,
+            },
+        }
+    }
+
+    /// Whether a refusal of `admitterAddrs` was seen and not yet forgotten (see
+    /// [`Node::fleet_join`] on [`MerodClient`]).
+    pub fn admitter_addrs_refused(&self) -> bool {
+        self.addrs_refused.load(Ordering::Relaxed)
+    }
+
+    /// The TEE role of `account` (lowercase 64 hex, from [`MerodClient::identity`]) in
+    /// `group_id`: its row of `GET /admin-api/groups/{id}/members?offset=O&limit=1000`. A
+    /// full page is followed by the next one starting at its last row (the anchor: the
+    /// list must not have shifted in between), at most [`MEMBER_PAGES`] pages. `Ok(None)`:
+    /// no row for the account, or a role that is not a TEE role.
+    ///
+    /// Errors: [`MerodError`] when the list could not be read whole (a failed page, a shift,
+    /// too many pages, an unexpected shape), bounded by 20 s in all by default.
+    pub async fn tee_role(
+        &self,
+        group_id: GroupId,
+        account: &str,
+    ) -> Result<Option<TeeRole>, MerodError> {
+        let op = MerodOp::Members;
+        let path = format!("admin-api/groups/{group_id}/members");
+        let base = self.url(&path);
+        let account = account.to_ascii_lowercase();
+        self.bounded(op, &path, self.deadlines.members, async {
+            let mut offset = 0usize;
+            let mut anchor: Option<String> = None;
+            for _ in 0..MEMBER_PAGES {
+                let mut url = base.clone();
+                url.query_pairs_mut()
+                    .append_pair("offset", &offset.to_string())
+                    .append_pair("limit", &MEMBER_PAGE.to_string());
+                let answer = self
+                    .send(op, &base, self.connection.client.get(url))
+                    .await?;
+                if !(200..300).contains(&answer.status) {
+                    return Err(Self::refused(op, &base, &answer));
+                }
+                let rows = parse_members(&answer.body).map_err(|reason| MerodError::Answer {
+                    op,
+                    url: base.to_string(),
+                    reason: reason.to_owned(),
+                })?;
+                if let Some(a) = &anchor {
+                    if rows.first().map(|r| &r.0) != Some(a) {
+                        return Err(MerodError::Answer {
+                            op,
+                            url: base.to_string(),
+                            reason: "the member list changed while it was read".to_owned(),
+                        });
+                    }
+                }
+                if let Some((_, role)) = rows.iter().find(|(id, _)| *id == account) {
+                    return Ok(TeeRole::from_merod(role));
+                }
+                if rows.len() < MEMBER_PAGE {
+                    return Ok(None);
+                }
+                anchor = rows.last().map(|r| r.0.clone());
+                offset += MEMBER_PAGE - 1;
+            }
+            Err(MerodError::Answer {
+                op,
+                url: base.to_string(),
+                reason: format!("more than {MEMBER_PAGES} pages of members"),
+            })
+        })
+        .await
+    }
+}
+
+/// Rows asked for per page of `GET /admin-api/groups/{id}/members`.
+const MEMBER_PAGE: usize = 1000;
+/// Most pages of members read for one role.
+pub const MEMBER_PAGES: usize = 10;
+
+/// The rows of a members page, `{"members": [{"identity", "role"}]}` (flat as core 0.11
+/// answers, or under `data`): `(identity lowercased, role)`.
+fn parse_members(body: &Value) -> Result<Vec<(String, String)>, &'static str> {
+    let inner = match body.get("data") {
+        Some(d) if d.is_object() => d,
+        _ => body,
+    };
+    let rows = inner
+        .get("members")
+        .and_then(Value::as_array)
+        .ok_or("no members array")?;
+    rows.iter()
+        .map(|row| {
+            let identity = row.get("identity").and_then(Value::as_str);
+            let role = row.get("role").and_then(Value::as_str);
+            match (identity, role) {
+                (Some(i), Some(r)) => Ok((i.to_ascii_lowercase(), r.to_owned())),
+                _ => Err("a member row without string identity and role"),
+            }
+        })
+        .collect()
+}
+
+/// `{"error": "<message>"}`'s message.
+fn error_message(body: &Value) -> Option<&str> {
+    body.get("error").and_then(Value::as_str)
+}
+
+/// `text` cut to at most `max` chars.
+fn cut(text: &str, max: usize) -> String {
+    text.chars().take(max).collect()
+}
+
+/// Whether a 400 answer to a fleet-join refuses the `admitterAddrs` field (an older core:
+/// its request type refuses unknown fields and names the field in its message).
+pub fn refuses_admitter_addrs(status: u16, body: &Value) -> bool {
+    status == 400 && error_message(body).is_some_and(|m| m.contains("admitterAddrs"))
+}
+
 #[async_trait]
 impl Node for MerodClient {
     async fn probe(&self) -> Result<(), MerodError> {
@@ -688,29 +979,64 @@ impl Node for MerodClient {
                 .get_peers_count()
                 .await
                 .map(|_| ())
-                .map_err(|e| self.client_error(op, path, e))
+                .map_err(|e| {
+                    // merod down: the one that comes back may take admitterAddrs.
+                    self.addrs_refused.store(false, Ordering::Relaxed);
+                    self.client_error(op, path, e)
+                })
         })
         .await
     }
 
-    async fn fleet_join(&self, group_id: GroupId) -> Result<Admission, MerodError> {
+    /// Sends `admitterAddrs` when `admitter_addrs` is not empty and merod has not refused
+    /// the field. A 400 naming it ([`refuses_admitter_addrs`]: an older core) is asked again
+    /// at once without it, and the field is not offered again until merod is seen down or
+    /// this client's process restarts ([`MerodClient::admitter_addrs_refused`]).
+    async fn fleet_join(
+        &self,
+        group_id: GroupId,
+        admitter_addrs: &[String],
+    ) -> Result<Admission, MerodError> {
         let op = MerodOp::FleetJoin;
         let path = "admin-api/tee/fleet-join";
-        let body = FleetJoinRequest {
-            group_id: group_id.to_string(),
-        };
+        let url = self.url(path);
         self.bounded(op, path, self.deadlines.join, async {
-            // Read strictly: an answer naming a key twice is an error, not "last one wins".
-            let StrictValue(answer) = self
-                .connection
-                .post(path, body)
-                .await
-                .map_err(|e| self.client_error(op, path, e))?;
-            parse_fleet_join(&answer).map_err(|reason| MerodError::Answer {
-                op,
-                url: self.url(path).to_string(),
-                reason: reason.to_string(),
-            })
+            let mut addrs = if self.admitter_addrs_refused() {
+                &[][..]
+            } else {
+                admitter_addrs
+            };
+            loop {
+                let body = FleetJoinBody {
+                    group_id: group_id.to_string(),
+                    admitter_addrs: addrs,
+                };
+                let answer = self
+                    .send(op, &url, self.connection.client.post(url.clone()).json(&body))
+                    .await?;
+                if !addrs.is_empty() && refuses_admitter_addrs(answer.status, &answer.body) {
+                    self.addrs_refused.store(true, Ordering::Relaxed);
+                    tracing::warn!("merod refused admitterAddrs (an older core): joining without the admitting nodes' addresses until merod restarts");
+                    addrs = &[];
+                    continue;
+                }
+                if !(200..300).contains(&answer.status) {
+                    return Err(Self::refused(op, &url, &answer));
+                }
+                // Read strictly: an answer naming a key twice is an error, not "last one wins".
+                let reason = match &answer.unreadable {
+                    Some(why) => why.clone(),
+                    None => match parse_fleet_join(&answer.body) {
+                        Ok(admission) => return Ok(admission),
+                        Err(no) => no.to_string(),
+                    },
+                };
+                return Err(MerodError::Answer {
+                    op,
+                    url: url.to_string(),
+                    reason,
+                });
+            }
         })
         .await
     }
@@ -729,42 +1055,36 @@ impl Node for MerodClient {
         .await
     }
 
-    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
-        MerodClient::list_namespaces(self).await
-    }
-
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError> {
         let op = MerodOp::GetNamespace;
         let path = format!("admin-api/namespaces/{group_id}");
         let url = self.url(&path);
         self.bounded(op, &path, self.deadlines.check, async {
-            let resp = self
-                .connection
-                .client
-                .get(url.clone())
-                .send()
-                .await
-                .map_err(|e| MerodError::Call {
-                    op,
-                    url: url.to_string(),
-                    source: e.without_url().into(),
-                })?;
-            let status = resp.status().as_u16();
             // An unreadable, non-JSON or ambiguous (a key named twice) body reads as null: a
-            // 200 then does not count as held, so membership stays unknown.
-            let body = match resp.bytes().await {
-                Ok(bytes) => {
-                    serde_json::from_slice::<StrictValue>(&bytes).map_or(Value::Null, |v| v.0)
-                }
-                Err(_) => Value::Null,
-            };
-            parse_namespace_get(status, &body, group_id).map_err(|status| MerodError::Status {
-                op,
-                url: url.to_string(),
-                status,
-            })
+            // 200 then does not count as held, and a 404 not as "not held": unknown.
+            let answer = self
+                .send(op, &url, self.connection.client.get(url.clone()))
+                .await?;
+            parse_namespace_get(answer.status, &answer.body, group_id)
+                .map_err(|_| Self::refused(op, &url, &answer))
         })
         .await
+    }
+
+    async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        MerodClient::list_namespaces(self).await
+    }
+
+    async fn identity(&self) -> Result<NodeAccount, MerodError> {
+        MerodClient::identity(self).await
+    }
+
+    async fn tee_role(
+        &self,
+        group_id: GroupId,
+        account: &str,
+    ) -> Result<Option<TeeRole>, MerodError> {
+        MerodClient::tee_role(self, group_id, account).await
     }
 }
 
@@ -804,17 +1124,41 @@ pub fn parse_fleet_join(answer: &Value) -> Result<Admission, NoAdmitted> {
             _ => {}
         }
     }
+    let refusals = inner
+        .get("refusals")
+        .and_then(Value::as_array)
+        .map(|items| {
+            items
+                .iter()
+                .filter(|v| v.is_object())
+                .take(MAX_REFUSALS)
+                .map(|v| {
+                    let text = |key: &str, max: usize| {
+                        v.get(key)
+                            .and_then(Value::as_str)
+                            .map_or_else(String::new, |s| cut(s, max))
+                    };
+                    Refusal {
+                        peer: text("peer", MAX_REFUSAL_PEER),
+                        reason: text("reason", MAX_REFUSAL_REASON),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
     Ok(Admission {
         admitted,
         status,
         reasons,
+        refusals,
     })
 }
 
-/// Reads a `GET /admin-api/namespaces/{id}` answer: 200 listing `group_id` → held; 404 →
-/// not held.
+/// Reads a `GET /admin-api/namespaces/{id}` answer: 200 listing `group_id` → held; 404 in
+/// merod's own words ([`NOT_HELD_MESSAGES`]) → not held.
 ///
-/// Errors: the status of any other answer (or 200 for another id): membership unknown.
+/// Errors: the status of any other answer (a 200 for another id, a 404 of another shape: a
+/// proxy, a renamed route): membership unknown.
 pub(crate) fn parse_namespace_get(
     status: u16,
     body: &Value,
@@ -833,7 +1177,100 @@ pub(crate) fn parse_namespace_get(
                 Err(status)
             }
         }
-        404 => Ok(false),
+        404 if error_message(body).is_some_and(|m| NOT_HELD_MESSAGES.contains(&m)) => Ok(false),
         other => Err(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
+
+    #[test]
+    fn refusals_are_read_flat_or_under_data_capped_and_cut() {
+        let many: Vec<Value> = (0..12)
+            .map(|i| json!({"peer": "p".repeat(200), "reason": format!("r{i}{}", "x".repeat(600))}))
+            .collect();
+        let flat = json!({"admitted": false, "refusals": many});
+        let a = parse_fleet_join(&flat).unwrap();
+        assert_eq!(a.refusals.len(), MAX_REFUSALS);
+        assert_eq!(a.refusals[0].peer.chars().count(), MAX_REFUSAL_PEER);
+        assert_eq!(a.refusals[0].reason.chars().count(), MAX_REFUSAL_REASON);
+        assert!(a.refusals[7].reason.starts_with("r7"));
+        let wrapped = json!({"data": {"admitted": false,
+            "refusals": ["not an object", {"peer": "12D3KooWA", "reason": "MRTD"}, {"reason": 7}]}});
+        let a = parse_fleet_join(&wrapped).unwrap();
+        assert_eq!(
+            a.refusals,
+            [
+                Refusal {
+                    peer: "12D3KooWA".into(),
+                    reason: "MRTD".into()
+                },
+                Refusal {
+                    peer: String::new(),
+                    reason: String::new()
+                },
+            ]
+        );
+        let none = parse_fleet_join(&json!({"admitted": true, "refusals": "x"})).unwrap();
+        assert!(none.refusals.is_empty());
+    }
+
+    #[test]
+    fn only_merod_s_own_404_is_not_held() {
+        let id: GroupId = A.parse().unwrap();
+        for message in NOT_HELD_MESSAGES {
+            assert_eq!(
+                parse_namespace_get(404, &json!({ "error": message }), id),
+                Ok(false)
+            );
+        }
+        for body in [
+            json!({"error": "Not found"}),
+            json!({"error": "no namespace identity found"}),
+            json!({}),
+            Value::Null,
+            json!("<html>404</html>"),
+        ] {
+            assert_eq!(parse_namespace_get(404, &body, id), Err(404), "{body}");
+        }
+        let held = json!({"data": {"namespaceId": A}});
+        assert_eq!(parse_namespace_get(200, &held, id), Ok(true));
+        assert_eq!(parse_namespace_get(500, &held, id), Err(500));
+    }
+
+    #[test]
+    fn an_older_core_s_400_naming_the_field_is_a_refusal_of_it() {
+        let named = json!({"error": "Invalid JSON data: unknown field `admitterAddrs`, expected `groupId`"});
+        assert!(refuses_admitter_addrs(400, &named));
+        assert!(!refuses_admitter_addrs(500, &named));
+        assert!(!refuses_admitter_addrs(
+            400,
+            &json!({"error": "Field 'group_id' must be exactly 64 characters"})
+        ));
+        assert!(!refuses_admitter_addrs(400, &Value::Null));
+    }
+
+    #[test]
+    fn member_rows_are_read_flat_or_under_data() {
+        let rows = json!({"members": [{"identity": "AB", "role": "RelayTee"}]});
+        assert_eq!(
+            parse_members(&rows).unwrap(),
+            [("ab".to_owned(), "RelayTee".to_owned())]
+        );
+        let wrapped = json!({"data": rows});
+        assert_eq!(parse_members(&wrapped).unwrap().len(), 1);
+        assert!(parse_members(&json!({"members": [{"identity": "ab"}]})).is_err());
+        assert!(parse_members(&json!({"data": []})).is_err());
+        assert_eq!(TeeRole::from_merod("RelayTee"), Some(TeeRole::RelayTee));
+        assert_eq!(
+            TeeRole::from_merod("ReadOnlyTee"),
+            Some(TeeRole::ReadOnlyTee)
+        );
+        assert_eq!(TeeRole::from_merod("Admin"), None);
     }
 }

@@ -60,10 +60,14 @@ impl Message {
 pub(crate) fn messages(before: StatusMark, after: &LiveStatus, now: f64) -> Vec<Message> {
     let mut out = Vec::new();
     let entered = |p: Phase| after.phase == p && before.phase != p;
-    if entered(Phase::Running) {
+    let was_serving = before.phase == Phase::Running && before.merod_answering;
+    if after.serving() && !was_serving {
         out.push(Message::Ready);
     }
-    if after.heartbeats != before.heartbeats || after.phase != before.phase {
+    if after.heartbeats != before.heartbeats
+        || after.phase != before.phase
+        || after.merod_not_answering.is_none() != before.merod_answering
+    {
         out.push(Message::Status(after.summary(now)));
     }
     if entered(Phase::Stopping) {

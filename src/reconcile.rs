@@ -106,6 +106,9 @@ pub struct Desired {
     pub assigned: BTreeSet<GroupId>,
     /// `retain`: namespaces the node may keep but must not newly join; never left.
     pub retain: BTreeSet<GroupId>,
+    /// `assignments[].admitter_addrs`: the admitting nodes to ask directly when joining
+    /// (only assignments with some); not a decision input.
+    pub admitter_addrs: BTreeMap<GroupId, Vec<String>>,
 }
 
 impl From<ShouldJoin> for Desired {
@@ -113,6 +116,7 @@ impl From<ShouldJoin> for Desired {
         Self {
             assigned: answer.assignments,
             retain: answer.retain,
+            admitter_addrs: answer.admitter_addrs,
         }
     }
 }

@@ -965,7 +965,11 @@ impl StateStore {
     }
 }
 
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
+/// Writes `bytes` to `path` atomically (temp file in the same directory, fsync, rename,
+/// fsync of the directory); the temp file is one `remove_stale_temp_files` removes.
+///
+/// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
+pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
     let err = |step: &'static str| {
         move |source: std::io::Error| StateError::Write {
             path: path.to_owned(),
@@ -991,7 +995,7 @@ fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
 }
 
 /// The directory a state file lives in (`.` for a bare file name).
-fn parent_dir(path: &Path) -> &Path {
+pub(crate) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),

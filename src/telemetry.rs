@@ -150,6 +150,42 @@ pub struct LiveStatus {
     /// `tmpfs at /dev/shm`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_ram_filesystem: Option<String>,
+    /// While merod's admin API does not answer after start-up (polls go on; joins and
+    /// leaves wait): what the last readiness probe saw.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merod_not_answering: Option<String>,
+    /// The latest read of what merod holds (`held_namespaces`); `None` before the first
+    /// good read or after a failed one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_namespaces: Option<HeldStatus>,
+    /// The latest join outcome of each namespace whose joins have not gone through yet
+    /// (the entry goes when merod admits it).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub join_outcomes: BTreeMap<GroupId, JoinReport>,
+}
+
+/// What the latest read of merod's namespaces found.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct HeldStatus {
+    /// Namespaces merod lists.
+    pub count: usize,
+    /// When the read started (Unix s).
+    pub read_at: f64,
+    /// Whether polls carry it as `held_namespaces` (false above 512 ids or once older
+    /// than 3 minutes).
+    pub reported: bool,
+}
+
+/// The latest fleet-join outcome of a namespace not admitted yet.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinReport {
+    /// `admitted`, `refused`, `waiting` or `error`.
+    pub state: String,
+    /// The first refusal (`<peer>: <reason>`) or the error, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// fleet-join attempts so far (kept across restarts).
+    pub attempts: u64,
 }
 
 /// Why `/readyz` says not ready.
@@ -164,6 +200,9 @@ pub enum NotReady {
     /// State writes fail: no leave starts meanwhile.
     #[error("the state file cannot be written ({0})")]
     StateUnwritable(String),
+    /// merod's admin API does not answer: polls go on, joins and leaves wait.
+    #[error("merod is not answering ({0})")]
+    MerodNotAnswering(String),
     /// No poll has succeeded since start.
     #[error("no successful poll yet")]
     NoPollYet,
@@ -191,6 +230,9 @@ impl LiveStatus {
         }
         if let Some(e) = &self.state_write_error {
             return Err(NotReady::StateUnwritable(e.clone()));
+        }
+        if let Some(e) = &self.merod_not_answering {
+            return Err(NotReady::MerodNotAnswering(e.clone()));
         }
         match self.last_ok_poll_at {
             None => Err(NotReady::NoPollYet),
@@ -220,7 +262,12 @@ impl LiveStatus {
             Phase::Stopping => return "stopping".to_owned(),
             Phase::Running => {}
         }
-        let mut s = format!("{} confirmed", self.confirmed.len());
+        // Polls go on while merod does not answer: said first, the rest as usual.
+        let mut s = match &self.merod_not_answering {
+            Some(e) => format!("waiting for merod ({e}), polling meanwhile: "),
+            None => String::new(),
+        };
+        s.push_str(&format!("{} confirmed", self.confirmed.len()));
         let unconfirmed = self.admitted.len().saturating_sub(self.confirmed.len());
         if unconfirmed > 0 {
             s.push_str(&format!(", {unconfirmed} admitted unconfirmed"));
@@ -266,6 +313,8 @@ pub(crate) struct StatusMark {
     pub(crate) phase: Phase,
     /// Polls attempted (before that, one per second of the wait for merod).
     pub(crate) heartbeats: u64,
+    /// Whether merod answers (see [`LiveStatus::merod_not_answering`]).
+    pub(crate) merod_answering: bool,
 }
 
 impl LiveStatus {
@@ -274,7 +323,13 @@ impl LiveStatus {
         StatusMark {
             phase: self.phase,
             heartbeats: self.heartbeats,
+            merod_answering: self.merod_not_answering.is_none(),
         }
+    }
+
+    /// Whether the daemon serves: running, and merod has answered (`READY=1`).
+    pub fn serving(&self) -> bool {
+        self.phase == Phase::Running && self.merod_not_answering.is_none()
     }
 }
 
@@ -324,6 +379,21 @@ pub struct Telemetry {
     /// `fleet_sidecar_orphan_namespaces`: how many namespaces merod holds that are neither
     /// in the state, assigned nor retained (follows [`LiveStatus::orphans`]).
     pub(crate) orphan_namespaces: Gauge,
+    /// `fleet_sidecar_held_reads_total{outcome}`: reads of every namespace merod holds
+    /// (`GET /admin-api/namespaces`, all pages): ok, error, timeout.
+    pub(crate) held_reads: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_held_namespaces`: namespaces merod listed in the latest read; -1 while
+    /// the latest read failed (or none was made yet).
+    pub(crate) held_namespaces: Gauge,
+    /// `fleet_sidecar_held_drift_total`: namespaces the state recorded as held that merod
+    /// said it no longer holds (dropped from the state, joined again while assigned).
+    pub(crate) held_drift: Counter,
+    /// `fleet_sidecar_join_status_reports_total{outcome}`: `POST /api/fleet/join-status`:
+    /// ok, error, timeout.
+    pub(crate) join_status_reports: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_role_reads_total{outcome}`: reads of the node's role for a confirm
+    /// (identity and members): ok (a role or none), error, timeout.
+    pub(crate) role_reads: Family<OutcomeLabel, Counter>,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -440,6 +510,37 @@ impl Telemetry {
             "namespaces merod holds that are neither in the state, assigned nor retained",
             orphan_namespaces.clone(),
         );
+        let held_reads = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "held_reads",
+            "reads of the namespaces merod holds (every page) by outcome",
+            held_reads.clone(),
+        );
+        let held_namespaces = Gauge::default();
+        held_namespaces.set(-1);
+        registry.register(
+            "held_namespaces",
+            "namespaces merod listed in the latest read (-1: the latest read failed)",
+            held_namespaces.clone(),
+        );
+        let held_drift = Counter::default();
+        registry.register(
+            "held_drift",
+            "namespaces recorded as held that merod no longer holds",
+            held_drift.clone(),
+        );
+        let join_status_reports = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "join_status_reports",
+            "MDMA join-status reports by outcome",
+            join_status_reports.clone(),
+        );
+        let role_reads = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "role_reads",
+            "reads of the node's role in a namespace (for the confirm) by outcome",
+            role_reads.clone(),
+        );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
         for (family, outcomes) in [
@@ -466,6 +567,9 @@ impl Telemetry {
                     "timeout",
                 ][..],
             ),
+            (&held_reads, &["ok", "error", "timeout"][..]),
+            (&join_status_reports, &["ok", "error", "timeout"][..]),
+            (&role_reads, &["ok", "error", "timeout"][..]),
         ] {
             for &outcome in outcomes {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
@@ -488,6 +592,11 @@ impl Telemetry {
             registrations,
             state_on_ram_filesystem,
             orphan_namespaces,
+            held_reads,
+            held_namespaces,
+            held_drift,
+            join_status_reports,
+            role_reads,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),

@@ -275,6 +275,11 @@ async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> Exit
                 error!("poll failed: {e}");
                 ExitCode::from(EXIT_POLL_FAILED)
             }
+            // `once` waits for merod before its cycle, so this is not expected; nothing ran.
+            Ok(Some(CycleOutcome::WaitingForMerod)) => {
+                error!("merod did not answer: nothing planned");
+                ExitCode::from(EXIT_FAILURE)
+            }
             Ok(None) => ExitCode::SUCCESS,
             Err(e) => {
                 error!("{e}");

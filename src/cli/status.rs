@@ -228,6 +228,32 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                     "  {id}  orphan: merod holds it, neither in the state, assigned nor retained (left only with leave_orphans = true)\n"
                 ));
             }
+            match &l.held_namespaces {
+                Some(h) => out.push_str(&format!(
+                    "  merod holds: {} namespaces (read {:.0} s ago{})\n",
+                    h.count,
+                    (now - h.read_at).max(0.0),
+                    if h.reported {
+                        ""
+                    } else {
+                        "; not reported to MDMA"
+                    }
+                )),
+                None => {
+                    out.push_str("  merod holds: unknown (no good read yet, or the last failed)\n")
+                }
+            }
+            for (id, j) in &l.join_outcomes {
+                let why = j
+                    .reason
+                    .as_deref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default();
+                out.push_str(&format!(
+                    "  {id}  last join {} after {} attempt(s){why}\n",
+                    j.state, j.attempts
+                ));
+            }
         }
         (None, Some(e)) => out.push_str(&format!("live: {e}\n")),
         (None, None) => {}
@@ -360,5 +386,48 @@ mod tests {
         assert!(render_text(&r, 0.0).contains("repaired on read"));
         // Read only: the file is as it was.
         assert_eq!(std::fs::read_to_string(&state_file).unwrap(), doc);
+    }
+
+    #[test]
+    fn the_live_part_shows_what_merod_holds_and_why_joins_wait() {
+        let c = GroupId::from_bytes([3; 32]);
+        let live = LiveStatus {
+            held_namespaces: Some(crate::telemetry::HeldStatus {
+                count: 600,
+                read_at: 90.0,
+                reported: false,
+            }),
+            join_outcomes: [(
+                c,
+                crate::telemetry::JoinReport {
+                    state: "refused".into(),
+                    reason: Some("12D3KooWA: MRTD not allowed".into()),
+                    attempts: 4,
+                },
+            )]
+            .into(),
+            ..LiveStatus::default()
+        };
+        let r = Report {
+            state_file: "s.json".into(),
+            state: None,
+            state_error: None,
+            repairs: Vec::new(),
+            pending_leaves: Default::default(),
+            live: Some(live),
+            live_error: None,
+            token_file: None,
+        };
+        let text = render_text(&r, 100.0);
+        assert!(
+            text.contains("merod holds: 600 namespaces (read 10 s ago; not reported to MDMA)"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "  {c}  last join refused after 4 attempt(s): 12D3KooWA: MRTD not allowed"
+            )),
+            "{text}"
+        );
     }
 }

@@ -10,7 +10,8 @@ use tokio::time::{timeout, Instant};
 use tracing::{debug, debug_span, error, info, warn, Instrument};
 
 use crate::ids::GroupId;
-use crate::mdma::PollError;
+use crate::mdma::{NodeReport, PollError};
+use crate::merod::TeeRole;
 use crate::reconcile::{
     self, Desired, Guard, LeavePolicy, LeaveWait, MassDropEvent, Outcome, PlanInput,
 };
@@ -34,9 +35,14 @@ pub(super) struct Planner {
     pub(super) guard: Guard,
     /// Withdrawn namespaces not left yet, with the rule that holds each back.
     pub(super) waiting: BTreeMap<GroupId, LeaveWait>,
-    /// merod's latest list of the namespaces it holds (read at start; kept up to date with
-    /// the admissions and leaves seen since); `None` while unknown: no orphan is found.
+    /// merod's latest list of the namespaces it holds (the `held_namespaces` refresh's
+    /// latest good read, kept up to date with the admissions and leaves seen since);
+    /// `None` until a read worked: no orphan is found.
     pub(super) held: Option<BTreeSet<GroupId>>,
+    /// When the loop last changed `held` itself (an admission or a leave): a read that
+    /// started before it may predate that change, so it does not replace `held` (the
+    /// outcome asked for a newer read).
+    held_changed: Option<Instant>,
     /// `leave_orphans`: orphans are recorded as admitted, then left like any withdrawn one.
     leave_orphans: bool,
     /// Orphans by the latest successful poll and `held` (reported only).
@@ -44,13 +50,8 @@ pub(super) struct Planner {
 }
 
 impl Planner {
-    /// Nothing polled yet; `held` is merod's list at start, if it was read.
-    pub(super) fn new(
-        policy: LeavePolicy,
-        dry_run: bool,
-        leave_orphans: bool,
-        held: Option<BTreeSet<GroupId>>,
-    ) -> Self {
+    /// Nothing polled yet, nothing known of what merod holds.
+    pub(super) fn new(policy: LeavePolicy, dry_run: bool, leave_orphans: bool) -> Self {
         Self {
             policy,
             dry_run,
@@ -58,7 +59,8 @@ impl Planner {
             latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
-            held,
+            held: None,
+            held_changed: None,
             leave_orphans,
             orphans: BTreeSet::new(),
         }
@@ -131,11 +133,16 @@ impl Sidecar {
         let telemetry = &self.deps.telemetry;
         self.identity.retry_mrtd_if_due(telemetry).await;
         let started = Instant::now();
+        // Whatever the held refresh last published; the poll never waits for merod.
+        let held = self.view.held.poll_field(started);
+        let report = NodeReport {
+            held_namespaces: held.as_deref(),
+        };
         let polled = match timeout(
             MDMA_DEADLINE,
             self.deps
                 .mdma
-                .should_join(&self.identity.peer_id, self.identity.mrtd.as_ref()),
+                .should_join(&self.identity.peer_id, self.identity.mrtd.as_ref(), report),
         )
         .instrument(debug_span!("poll"))
         .await
@@ -176,6 +183,12 @@ impl Sidecar {
                 self.planner
                     .latest_poll
                     .send_replace(Arc::clone(&self.planner.desired));
+                if !self.view.up.is_up() {
+                    // The poll was the heartbeat; joins and leaves wait for merod.
+                    self.publish();
+                    return CycleOutcome::WaitingForMerod;
+                }
+                self.on_held_read();
                 self.find_orphans();
                 let outcome = self.reconcile();
                 self.publish();
@@ -279,7 +292,15 @@ impl Sidecar {
         let calls = self.calls();
         if recorded {
             for id in plan.joins {
-                self.work.spawn_join(id, &calls, &self.identity.peer_id);
+                let addrs = self
+                    .planner
+                    .desired
+                    .admitter_addrs
+                    .get(&id)
+                    .cloned()
+                    .unwrap_or_default();
+                self.work
+                    .spawn_join(id, &calls, &self.identity.peer_id, addrs);
             }
         } else if !plan.joins.is_empty() {
             debug!(
@@ -305,6 +326,43 @@ impl Sidecar {
         outcome
     }
 
+    /// After a new read of what merod holds (see `MerodView::after_read`): takes it as
+    /// merod's holdings for the orphans (see `find_orphans`), asks merod about
+    /// the namespaces recorded as held that two reads in a row missed (a namespace is
+    /// dropped only when merod answers it does not hold it, `Event::DriftChecked`, never on
+    /// the list alone: it may lag an admission), and re-reads the role of a few confirmed
+    /// ones (`Event::RoleChecked`).
+    fn on_held_read(&mut self) {
+        let state = self.record.state();
+        let work = &self.work;
+        let busy = |id: &GroupId| {
+            work.joining.contains(id) || work.leaving.contains(id) || work.checking.contains(id)
+        };
+        let Some(checks) =
+            self.view
+                .after_read(&state.admitted, &state.confirmed, busy, Instant::now())
+        else {
+            return;
+        };
+        // merod's holdings for the orphans: this read, unless the loop saw an admission or
+        // a leave after it started (that outcome asked for a newer read).
+        if self
+            .planner
+            .held_changed
+            .is_none_or(|changed| checks.read_started >= changed)
+        {
+            self.planner.held = Some(checks.read.iter().copied().collect());
+        }
+        let calls = self.calls();
+        for id in checks.drift {
+            self.work.spawn_drift_check(id, &calls);
+        }
+        for (id, told) in checks.roles {
+            self.work
+                .spawn_role_check(id, &calls, &self.identity.peer_id, told);
+        }
+    }
+
     /// What a task needs for its calls (and only that: never the record).
     fn calls(&self) -> Calls {
         Calls {
@@ -312,6 +370,7 @@ impl Sidecar {
             mdma: self.deps.mdma.clone(),
             telemetry: self.deps.telemetry.clone(),
             latest_poll: self.planner.latest_poll.subscribe(),
+            account: self.view.account.clone(),
         }
     }
 
@@ -349,6 +408,7 @@ impl Sidecar {
             Event::Admitted { id, ack } => {
                 Telemetry::count(&t.joins, "admitted");
                 info!(namespace_id = %id, "admitted by merod and listed by it");
+                self.planner.held_changed = Some(Instant::now());
                 if let Some(held) = &mut self.planner.held {
                     held.insert(id);
                 }
@@ -359,8 +419,62 @@ impl Sidecar {
                     let _ = ack.send(self.planner.desired.assigned.contains(&id));
                 }
             }
-            Event::JoinEnded { id, end, took } => {
+            Event::DriftChecked { id, held } => {
+                self.work.checking.remove(&id);
+                let recorded = self.record.state().admitted.contains(&id);
+                let busy = self.work.joining.contains(&id) || self.work.leaving.contains(&id);
+                match held {
+                    Ok(false) if recorded && !busy => {
+                        t.held_drift.inc();
+                        let assigned = self.planner.desired.assigned.contains(&id);
+                        let next = if assigned {
+                            "joining it again (MDMA assigns it)"
+                        } else {
+                            "nothing to leave"
+                        };
+                        warn!(namespace_id = %id, outcome = "drift", assigned, "merod no longer holds a namespace the state records as held (a restored snapshot, an operator's leave, a reset): dropped from the state; {next}");
+                        self.work.leave_retry.succeed(id);
+                        self.record(Outcome::Left(id));
+                    }
+                    Ok(_) => {}
+                    Err(why) => {
+                        debug!(namespace_id = %id, "missing from merod's list, but {why}: kept, asked again after the next read");
+                    }
+                }
+            }
+            Event::RoleChecked {
+                id,
+                role,
+                confirmed,
+            } => {
+                self.work.checking.remove(&id);
+                if confirmed && self.record.state().confirmed.contains(&id) {
+                    let spelled = role.map_or("null", TeeRole::as_str);
+                    // A change is news; the first confirm with the role after a restart
+                    // (nothing told yet by this process) is not.
+                    if self.view.roles.told(id).is_some() {
+                        info!(namespace_id = %id, tee_role = spelled, "the node's role changed: confirmed again with it");
+                    } else {
+                        debug!(namespace_id = %id, tee_role = spelled, "confirmed again with the node's role (not told by this process yet)");
+                    }
+                    self.view.roles.confirmed_with(id, role);
+                }
+            }
+            Event::JoinEnded {
+                id,
+                end,
+                took,
+                attempt,
+                role,
+            } => {
                 self.work.joining.remove(&id);
+                if let Some(attempt) = attempt {
+                    self.view.join_status.record(id, *attempt);
+                    self.view.held.refresh_soon();
+                }
+                if let (true, Some(role)) = (end.succeeded(), role) {
+                    self.view.roles.confirmed_with(id, role);
+                }
                 if let Some((counted, label)) = end.metric_label() {
                     let family = match counted {
                         Counted::Joins => &t.joins,
@@ -389,12 +503,14 @@ impl Sidecar {
             }
             Event::LeaveEnded { id, end, took } => {
                 self.work.leaving.remove(&id);
+                self.view.held.refresh_soon();
                 Telemetry::count(&t.leaves, end.metric_label());
                 if end.succeeded() {
                     // merod no longer holds it (left, or never held): dropped from the
                     // state, its leave back-off ended.
                     end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
                     self.work.leave_retry.succeed(id);
+                    self.planner.held_changed = Some(Instant::now());
                     if let Some(held) = &mut self.planner.held {
                         held.remove(&id);
                     }

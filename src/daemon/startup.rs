@@ -1,4 +1,5 @@
-//! Start-up: the state loaded, merod waited for, the PeerId and the MRTD read.
+//! Start-up: the state loaded, the PeerId and the MRTD read, merod waited for only by
+//! `once` (or when the PeerId cannot be read before merod answers).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,7 +11,7 @@ use tracing::{debug, error, info, warn};
 use crate::config::Config;
 use crate::identity::read_peer_id;
 use crate::ids::PeerId;
-use crate::merod::{Node, CHECK_TIMEOUT, PROBE_TIMEOUT};
+use crate::merod::{Node, PROBE_TIMEOUT};
 use crate::mrtd::{
     read_mrtd_bounded, Mrtd, MrtdReading, MrtdUnavailable, TdxConfig, MRTD_READ_TIMEOUT,
 };
@@ -19,6 +20,7 @@ use crate::state::{State, StateStore};
 use crate::telemetry::{Phase, Telemetry};
 
 use super::cycle::Planner;
+use super::merod_view::MerodView;
 use super::poll::Cadence;
 use super::record::Record;
 use super::tasks::InFlight;
@@ -34,8 +36,6 @@ const PROBE_INTERVAL_MAX: Duration = Duration::from_secs(5);
 const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);
 /// How often an unreadable MRTD is tried again (a later module load can make it appear).
 const MRTD_RETRY_INTERVAL: Duration = Duration::from_secs(300);
-/// Bound of reading merod's list of namespaces at start (the client's own bound, plus 1 s).
-const LIST_DEADLINE: Duration = CHECK_TIMEOUT.saturating_add(Duration::from_secs(1));
 
 /// Who the node is: what every poll and confirm carries.
 pub(super) struct Identity {
@@ -63,7 +63,7 @@ pub enum Readiness {
 /// The wait after the `failures`-th failed readiness probe in a row (1-based):
 /// [`PROBE_INTERVAL`] doubling to [`PROBE_INTERVAL_MAX`]. Not jittered: merod is on this
 /// machine, no fleet shares it.
-fn probe_delay(failures: u32) -> Duration {
+pub(super) fn probe_delay(failures: u32) -> Duration {
     PROBE_INTERVAL
         .saturating_mul(2u32.saturating_pow(failures.saturating_sub(1)))
         .min(PROBE_INTERVAL_MAX)
@@ -144,29 +144,14 @@ async fn read_mrtd_blocking(tdx: &TdxConfig) -> Result<MrtdReading, MrtdReadErro
     }
 }
 
-/// merod's list of the namespaces it holds, bounded by [`LIST_DEADLINE`]; `None` (logged)
-/// when it cannot be read: orphans are then not looked for.
-async fn list_held(merod: &dyn Node) -> Option<std::collections::BTreeSet<crate::ids::GroupId>> {
-    match timeout(LIST_DEADLINE, merod.list_namespaces()).await {
-        Ok(Ok(held)) => {
-            info!(held = held.len(), "merod's namespaces listed");
-            Some(held)
-        }
-        Ok(Err(e)) => {
-            warn!("cannot list merod's namespaces ({e}): orphans are not looked for");
-            None
-        }
-        Err(_) => {
-            warn!("merod did not list its namespaces within {LIST_DEADLINE:?}: orphans are not looked for");
-            None
-        }
-    }
-}
-
 impl Sidecar {
-    /// Loads the state and checks it can be written, waits for merod (for at most
-    /// `merod_wait`, if set), reads the PeerId (one retry) and the MRTD (logged once if
-    /// unreadable: polls then carry the PeerId only).
+    /// Loads the state and checks it can be written, reads the PeerId (merod's
+    /// `config.toml` is there before merod answers) and the MRTD (logged once if
+    /// unreadable: polls then carry the PeerId only). With `merod_wait` (`once`), merod is
+    /// waited for first, at most that long; without it (`run`) merod is watched in the
+    /// background and the loop polls from the start, joins and leaves waiting for merod.
+    /// A PeerId that cannot be read before merod answers is read again after it has (one
+    /// retry then).
     ///
     /// Errors: [`DaemonError`]. `Ok(None)` when shut down while waiting for merod.
     pub async fn start(
@@ -176,8 +161,6 @@ impl Sidecar {
         merod_wait: Option<Duration>,
     ) -> Result<Option<Self>, DaemonError> {
         let mut store = StateStore::new(&cfg.state_file);
-        // merod's list of namespaces, read once it answers (never in a dry run).
-        let mut held = None;
         let state = match store.load()? {
             Some(s) => {
                 info!(
@@ -208,6 +191,8 @@ impl Sidecar {
             Ok(None) => {}
             Err(e) => warn!("cannot tell whether the state file is on a RAM filesystem: {e}"),
         }
+        // merod is never called in a dry run; otherwise, whether it has answered yet.
+        let mut merod_answered = cfg.dry_run;
         if cfg.dry_run {
             warn!("dry run: polling and logging plans only; merod is not called, nothing is confirmed, the state file is not written");
         } else {
@@ -219,21 +204,26 @@ impl Sidecar {
                 );
             }
             store.check_writable()?;
-            match wait_for_merod(deps.merod.as_ref(), &telemetry, &shutdown, merod_wait).await {
-                Readiness::Ready => held = list_held(deps.merod.as_ref()).await,
-                Readiness::ShutDown => return Ok(None),
-                Readiness::GaveUp(last) => {
-                    return Err(DaemonError::MerodNotReady {
-                        waited: merod_wait.unwrap_or_default(),
-                        last,
-                    })
+            if merod_wait.is_some() {
+                if !await_merod(&deps, &shutdown, merod_wait).await? {
+                    return Ok(None);
                 }
+                merod_answered = true;
             }
         }
 
         let peer_config = cfg.merod.config_toml();
         let peer_id = match read_peer_id(&peer_config) {
             Ok(p) => p,
+            Err(first) if !merod_answered => {
+                // merod may not have written its config yet: wait for it, then read again.
+                warn!("{first}; waiting for merod before reading it again");
+                if !await_merod(&deps, &shutdown, None).await? {
+                    return Ok(None);
+                }
+                merod_answered = true;
+                read_peer_id_with_retry(&peer_config).await?
+            }
             Err(first) => {
                 warn!("{first}; trying again in {PEER_ID_RETRY_DELAY:?}");
                 tokio::time::sleep(PEER_ID_RETRY_DELAY).await;
@@ -288,22 +278,70 @@ impl Sidecar {
 
         telemetry.update(|st| {
             st.phase = Phase::Running;
+            // In the same change as the phase: no READY=1 before merod answers.
+            if !merod_answered {
+                st.merod_not_answering = Some("no answer yet".to_owned());
+            }
             st.peer_id = Some(identity.peer_id.to_string());
             st.mrtd = identity.mrtd.map(|m| m.to_hex());
             st.mrtd_source = mrtd_source;
             st.waiting_for = None;
         });
+        let view = if cfg.dry_run {
+            MerodView::idle()
+        } else {
+            MerodView::start(
+                &deps,
+                &cfg.state_file,
+                &identity.peer_id,
+                merod_answered,
+                &shutdown,
+            )
+        };
         let sidecar = Self {
+            view,
             identity,
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
             cadence: Cadence::new(cfg.poll_interval, cfg.max_backoff),
-            planner: Planner::new(cfg.leave_policy, cfg.dry_run, cfg.leave_orphans, held),
+            planner: Planner::new(cfg.leave_policy, cfg.dry_run, cfg.leave_orphans),
             deps,
             shutdown,
         };
         sidecar.publish();
         Ok(Some(sidecar))
+    }
+}
+
+/// Waits for merod (at most `limit`, if set). `Ok(false)`: shut down first.
+///
+/// Errors: [`DaemonError::MerodNotReady`] when `limit` passed.
+async fn await_merod(
+    deps: &Deps,
+    shutdown: &CancellationToken,
+    limit: Option<Duration>,
+) -> Result<bool, DaemonError> {
+    match wait_for_merod(deps.merod.as_ref(), &deps.telemetry, shutdown, limit).await {
+        Readiness::Ready => Ok(true),
+        Readiness::ShutDown => Ok(false),
+        Readiness::GaveUp(last) => Err(DaemonError::MerodNotReady {
+            waited: limit.unwrap_or_default(),
+            last,
+        }),
+    }
+}
+
+/// Reads the PeerId, once more after [`PEER_ID_RETRY_DELAY`] if the first read fails.
+///
+/// Errors: the second read's error.
+async fn read_peer_id_with_retry(path: &std::path::Path) -> Result<PeerId, DaemonError> {
+    match read_peer_id(path) {
+        Ok(p) => Ok(p),
+        Err(first) => {
+            warn!("{first}; trying again in {PEER_ID_RETRY_DELAY:?}");
+            tokio::time::sleep(PEER_ID_RETRY_DELAY).await;
+            Ok(read_peer_id(path)?)
+        }
     }
 }
 

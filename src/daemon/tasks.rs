@@ -14,16 +14,17 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::{JoinError, JoinSet};
 use tokio::time::{timeout, Instant};
-use tracing::{error, info, info_span, warn, Instrument};
+use tracing::{debug_span, error, info, info_span, warn, Instrument};
 
 use crate::backoff::{Retries, RETRY_MAX};
 use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane};
-use crate::merod::{MerodError, Node, CHECK_TIMEOUT};
+use crate::merod::{MerodError, Node, NodeAccount, TeeRole, CHECK_TIMEOUT, MEMBERS_TIMEOUT};
 use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
+use super::join_status::JoinOutcome;
 use super::MDMA_DEADLINE;
 
 /// Why merod could not tell whether it holds a namespace
@@ -301,6 +302,24 @@ pub(super) enum Event {
         end: JoinEnd,
         /// From the join task's start (waiting for a join slot included) to its end.
         took: Duration,
+        /// How the fleet-join call ended, for join-status (`None`: none was sent); boxed,
+        /// so the other events stay small.
+        attempt: Option<Box<JoinOutcome>>,
+        /// The role reported in the confirm, when one was sent.
+        role: Option<Option<TeeRole>>,
+    },
+    /// The role of a confirmed namespace was read again (`role`); `confirmed`: it differed
+    /// from the one MDMA was told and a confirm with it was accepted.
+    RoleChecked {
+        id: GroupId,
+        role: Option<TeeRole>,
+        confirmed: bool,
+    },
+    /// A namespace the held refresh did not find was asked about (`GET
+    /// /admin-api/namespaces/{id}`): `Ok(false)` is merod saying it does not hold it.
+    DriftChecked {
+        id: GroupId,
+        held: Result<bool, String>,
     },
     LeaveEnded {
         id: GroupId,
@@ -317,6 +336,98 @@ pub(super) struct Calls {
     pub(super) telemetry: Arc<Telemetry>,
     /// The latest successful poll's answer: a join goes by it when it gets its slot.
     pub(super) latest_poll: watch::Receiver<Arc<Desired>>,
+    /// The node's account, read once for the role in each confirm.
+    pub(super) account: Arc<AccountCache>,
+}
+
+/// The node's account (merod's `GET /admin-api/identity`), read once it exists and then
+/// kept: it does not change while merod keeps its data.
+#[derive(Debug, Default)]
+pub(super) struct AccountCache(std::sync::Mutex<Option<String>>);
+
+impl AccountCache {
+    fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn set(&self, account: String) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(account);
+    }
+}
+
+/// The `outcome` label of a merod call that failed: `timeout` apart from `error`.
+fn failed_label(e: &MerodError) -> &'static str {
+    if e.is_timeout() {
+        "timeout"
+    } else {
+        "error"
+    }
+}
+
+/// The node's TEE role in `id`, for the confirm: its account's row of the member list.
+/// `None` (sent as `null`) when merod has no account yet, the row is missing or has
+/// another role, or the read failed or timed out (each read bounded).
+async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
+    let t = &calls.telemetry;
+    let account = match calls.account.get() {
+        Some(a) => a,
+        None => {
+            let limit = CHECK_TIMEOUT + Duration::from_secs(1);
+            match timed(t, "identity", limit, calls.merod.identity()).await {
+                Some(Ok(NodeAccount::Account(a))) => {
+                    calls.account.set(a.clone());
+                    a
+                }
+                Some(Ok(NodeAccount::NotMinted)) => {
+                    Telemetry::count(&t.role_reads, "ok");
+                    return None;
+                }
+                Some(Err(e)) => {
+                    Telemetry::count(&t.role_reads, failed_label(&e));
+                    warn!(namespace_id = %id, "cannot read the node's account ({e}); confirming with tee_role null");
+                    return None;
+                }
+                None => {
+                    Telemetry::count(&t.role_reads, "timeout");
+                    return None;
+                }
+            }
+        }
+    };
+    let limit = MEMBERS_TIMEOUT + Duration::from_secs(1);
+    match timed(t, "members", limit, calls.merod.tee_role(id, &account)).await {
+        Some(Ok(role)) => {
+            Telemetry::count(&t.role_reads, "ok");
+            role
+        }
+        Some(Err(e)) => {
+            Telemetry::count(&t.role_reads, failed_label(&e));
+            warn!(namespace_id = %id, "cannot read the node's role ({e}); confirming with tee_role null");
+            None
+        }
+        None => {
+            Telemetry::count(&t.role_reads, "timeout");
+            None
+        }
+    }
+}
+
+/// What a join task sends back: its end, the fleet-join's outcome (if one was sent) and
+/// the role confirmed (if a confirm was sent).
+struct JoinRun {
+    end: JoinEnd,
+    attempt: Option<JoinOutcome>,
+    role: Option<Option<TeeRole>>,
+}
+
+impl From<JoinEnd> for JoinRun {
+    fn from(end: JoinEnd) -> Self {
+        JoinRun {
+            end,
+            attempt: None,
+            role: None,
+        }
+    }
 }
 
 /// Runs `fut` under `limit`, recording its duration as `call`. `None` on timeout.
@@ -353,60 +464,106 @@ async fn check_held(
     }
 }
 
+/// One join: fleet-join (with the assignment's `admitter_addrs`) → `admitted: true` → merod
+/// lists it → the loop records it → the role is read → confirm with it.
 async fn join_task(
     id: GroupId,
     calls: &Calls,
     peer_id: PeerId,
     permits: Arc<Semaphore>,
-    join_timeout: Duration,
+    join: JoinArgs,
     events: &mpsc::UnboundedSender<Event>,
-) -> JoinEnd {
+) -> JoinRun {
     let Ok(_permit) = permits.acquire_owned().await else {
-        return JoinEnd::Failed(JoinFailed::SlotsClosed);
+        return JoinEnd::Failed(JoinFailed::SlotsClosed).into();
     };
     // A join may wait long for a slot (max_concurrent_joins): it goes by the latest
     // successful poll, not the one that started it.
     if !calls.latest_poll.borrow().assigned.contains(&id) {
-        return JoinEnd::Withdrawn;
+        return JoinEnd::Withdrawn.into();
     }
     let t = &calls.telemetry;
-    let admission = match timed(t, "fleet_join", join_timeout, calls.merod.fleet_join(id)).await {
-        None => return JoinEnd::Failed(JoinFailed::NoAnswer(join_timeout)),
-        Some(Err(e)) => return JoinEnd::Failed(JoinFailed::Merod(e)),
-        Some(Ok(a)) => a,
+    let join_timeout = join.timeout;
+    let answer = timed(
+        t,
+        "fleet_join",
+        join_timeout,
+        calls.merod.fleet_join(id, &join.admitter_addrs),
+    )
+    .await;
+    let (admission, attempt) = match answer {
+        None => {
+            let failure = format!("fleet-join timed out after {join_timeout:?}");
+            return JoinRun {
+                end: JoinEnd::Failed(JoinFailed::NoAnswer(join_timeout)),
+                attempt: Some(JoinOutcome::of(Err(&failure))),
+                role: None,
+            };
+        }
+        Some(Err(e)) => {
+            let attempt = JoinOutcome::of(Err(&e.to_string()));
+            return JoinRun {
+                end: JoinEnd::Failed(JoinFailed::Merod(e)),
+                attempt: Some(attempt),
+                role: None,
+            };
+        }
+        Some(Ok(a)) => {
+            let attempt = JoinOutcome::of(Ok(&a));
+            (a, attempt)
+        }
+    };
+    let run = |end: JoinEnd| JoinRun {
+        end,
+        attempt: Some(attempt.clone()),
+        role: None,
     };
     if !admission.admitted {
-        return JoinEnd::NotAdmitted {
+        return run(JoinEnd::NotAdmitted {
             status: admission.status,
             reasons: admission.reasons,
-        };
+        });
     }
     match check_held(t, calls.merod.as_ref(), id).await {
         Ok(true) => {}
-        Ok(false) => return JoinEnd::NotHeld,
-        Err(why) => return JoinEnd::Failed(JoinFailed::Unchecked(why)),
+        Ok(false) => return run(JoinEnd::NotHeld),
+        Err(why) => return run(JoinEnd::Failed(JoinFailed::Unchecked(why))),
     }
     let (ack, acked) = oneshot::channel();
     if events.send(Event::Admitted { id, ack }).is_err() {
-        return JoinEnd::NotPersisted;
+        return run(JoinEnd::NotPersisted);
     }
     match acked.await {
         Ok(true) => {}
-        Ok(false) => return JoinEnd::NotAssigned,
-        Err(_) => return JoinEnd::NotPersisted,
+        Ok(false) => return run(JoinEnd::NotAssigned),
+        Err(_) => return run(JoinEnd::NotPersisted),
     }
-    match timed(
+    let role = read_role(calls, id).await;
+    let end = match timed(
         t,
         "confirm",
         MDMA_DEADLINE,
-        calls.mdma.confirm(&peer_id, id),
+        calls.mdma.confirm(&peer_id, id, role),
     )
     .await
     {
         Some(Ok(())) => JoinEnd::Confirmed,
         Some(Err(e)) => JoinEnd::ConfirmFailed(e),
         None => JoinEnd::ConfirmTimedOut(MDMA_DEADLINE),
+    };
+    JoinRun {
+        end,
+        attempt: Some(attempt),
+        role: Some(role),
     }
+}
+
+/// What a join is sent with.
+struct JoinArgs {
+    /// Bound of the fleet-join.
+    timeout: Duration,
+    /// The assignment's `admitter_addrs` (empty: broadcast only).
+    admitter_addrs: Vec<String>,
 }
 
 /// Leaves `id` and checks merod no longer lists it. `maybe_held`: only a fleet-join was
@@ -458,6 +615,8 @@ pub(super) struct InFlight {
     pub(super) joining: BTreeSet<GroupId>,
     /// Namespaces with a leave task running.
     pub(super) leaving: BTreeSet<GroupId>,
+    /// Namespaces being asked about after a held read (drift and role checks).
+    pub(super) checking: BTreeSet<GroupId>,
     /// One permit per join at merod (`max_concurrent_joins`).
     join_permits: Arc<Semaphore>,
     /// Back-off of failed joins.
@@ -482,6 +641,7 @@ impl InFlight {
             task_ids: HashMap::new(),
             joining: BTreeSet::new(),
             leaving: BTreeSet::new(),
+            checking: BTreeSet::new(),
             join_permits: Arc::new(Semaphore::new(cfg.max_concurrent_joins)),
             join_retry: Retries::default(),
             leave_retry: Retries::default(),
@@ -494,7 +654,12 @@ impl InFlight {
 
     /// The namespaces with a task running.
     pub(super) fn in_flight(&self) -> BTreeSet<GroupId> {
-        self.joining.union(&self.leaving).copied().collect()
+        self.joining
+            .iter()
+            .chain(&self.leaving)
+            .chain(&self.checking)
+            .copied()
+            .collect()
     }
 
     /// How many tasks run.
@@ -535,20 +700,39 @@ impl InFlight {
 
     /// Starts the join of `id` (fleet-join, check, the admission recorded by the loop,
     /// confirm) as `peer_id`.
-    pub(super) fn spawn_join(&mut self, id: GroupId, calls: &Calls, peer_id: &PeerId) {
-        info!(namespace_id = %id, "joining (fleet-join)");
+    pub(super) fn spawn_join(
+        &mut self,
+        id: GroupId,
+        calls: &Calls,
+        peer_id: &PeerId,
+        admitter_addrs: Vec<String>,
+    ) {
+        if admitter_addrs.is_empty() {
+            info!(namespace_id = %id, "joining (fleet-join)");
+        } else {
+            info!(namespace_id = %id, admitters = admitter_addrs.len(), "joining (fleet-join, direct admission by the admitting nodes MDMA named)");
+        }
         let calls = calls.clone();
         let peer_id = peer_id.clone();
         let permits = Arc::clone(&self.join_permits);
         let events = self.events_tx.clone();
-        let join_timeout = self.join_timeout;
+        let join = JoinArgs {
+            timeout: self.join_timeout,
+            admitter_addrs,
+        };
         self.joining.insert(id);
         let task = async move {
             let started = Instant::now();
-            let end = join_task(id, &calls, peer_id, permits, join_timeout, &events).await;
+            let run = join_task(id, &calls, peer_id, permits, join, &events).await;
             let took = started.elapsed();
             // The loop owns the receiver for the life of every task.
-            let _ = events.send(Event::JoinEnded { id, end, took });
+            let _ = events.send(Event::JoinEnded {
+                id,
+                end: run.end,
+                took,
+                attempt: run.attempt.map(Box::new),
+                role: run.role,
+            });
         };
         self.spawn(id, task.instrument(info_span!("join", namespace_id = %id)));
     }
@@ -573,6 +757,73 @@ impl InFlight {
             let _ = events.send(Event::LeaveEnded { id, end, took });
         };
         self.spawn(id, task.instrument(info_span!("leave", namespace_id = %id)));
+    }
+
+    /// Reads the role of the confirmed namespace `id` again and confirms it again if it
+    /// differs from `told` (see `roles`); the outcome comes back as [`Event::RoleChecked`].
+    pub(super) fn spawn_role_check(
+        &mut self,
+        id: GroupId,
+        calls: &Calls,
+        peer_id: &PeerId,
+        told: Option<Option<TeeRole>>,
+    ) {
+        let calls = calls.clone();
+        let peer_id = peer_id.clone();
+        let events = self.events_tx.clone();
+        self.checking.insert(id);
+        let task = async move {
+            let role = read_role(&calls, id).await;
+            let mut confirmed = false;
+            if super::roles::needs_confirm(told, role) {
+                let t = &calls.telemetry;
+                let sent = calls.mdma.confirm(&peer_id, id, role);
+                match timed(t, "confirm", MDMA_DEADLINE, sent).await {
+                    Some(Ok(())) => {
+                        Telemetry::count(&t.confirms, "ok");
+                        confirmed = true;
+                    }
+                    Some(Err(e)) => {
+                        let label = if e.is_timeout() { "timeout" } else { "error" };
+                        Telemetry::count(&t.confirms, label);
+                        warn!(namespace_id = %id, "confirm with the node's role failed ({e}); tried again at its next turn");
+                    }
+                    None => {
+                        Telemetry::count(&t.confirms, "timeout");
+                        warn!(namespace_id = %id, "confirm with the node's role gave no answer within {MDMA_DEADLINE:?}; tried again at its next turn");
+                    }
+                }
+            }
+            let _ = events.send(Event::RoleChecked {
+                id,
+                role,
+                confirmed,
+            });
+        };
+        // Debug spans: a quiet background check opens no span at the default level.
+        self.spawn(
+            id,
+            task.instrument(debug_span!("role_check", namespace_id = %id)),
+        );
+    }
+
+    /// Asks merod whether it holds `id`, which the state records as held but the held
+    /// refresh no longer found; the answer comes back as [`Event::DriftChecked`].
+    pub(super) fn spawn_drift_check(&mut self, id: GroupId, calls: &Calls) {
+        let merod = Arc::clone(&calls.merod);
+        let telemetry = Arc::clone(&calls.telemetry);
+        let events = self.events_tx.clone();
+        self.checking.insert(id);
+        let task = async move {
+            let held = check_held(&telemetry, merod.as_ref(), id)
+                .await
+                .map_err(|why| why.to_string());
+            let _ = events.send(Event::DriftChecked { id, held });
+        };
+        self.spawn(
+            id,
+            task.instrument(debug_span!("drift_check", namespace_id = %id)),
+        );
     }
 
     /// Records a failed join; returns the failures in a row and the wait before the next.
@@ -605,6 +856,7 @@ impl InFlight {
         if self.leaving.remove(&group) {
             self.back_off_leave(group);
         }
+        self.checking.remove(&group);
         if e.is_panic() {
             error!(namespace_id = %group, "join/leave task panicked; retried after a back-off");
         }

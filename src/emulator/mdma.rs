@@ -1,15 +1,20 @@
 //! Emulator of the MDMA fleet API (see `docs/mdma.md`):
-//! `POST /api/fleet/should-join`, `POST /api/fleet/confirm`, and attested registration's
-//! `GET /api/fleet/nodes/challenge` and `POST /api/fleet/nodes/register`.
+//! `POST /api/fleet/should-join`, `POST /api/fleet/confirm`,
+//! `POST /api/fleet/join-status` (answered 200 `{"status":"recorded"}`, or 404 like an MDMA
+//! without the route after [`MdmaEmulator::set_join_status_route`]`(false)`), and attested
+//! registration's `GET /api/fleet/nodes/challenge` and `POST /api/fleet/nodes/register`.
 //!
 //! Test double for the demo and the integration tests, not production code.
 //!
 //! - With a token configured, a request whose `X-Fleet-Token` is missing or different answers
 //!   401; without one the header is ignored (but recorded).
 //! - Bodies must be JSON objects sent with `Content-Type: application/json`: a poll
-//!   `{"peer_id": str, "mrtd"?: str}` (a `null` mrtd is refused: the contract leaves it out),
-//!   a confirm `{"peer_id": str, "group_id": str}`; unknown fields are ignored. Anything else
-//!   answers 400. Every request is recorded, whatever it was answered.
+//!   `{"peer_id": str, "mrtd"?: str, "held_namespaces"?: [str]}` (a `null` mrtd is refused:
+//!   the contract leaves it out), a confirm `{"peer_id": str, "group_id": str,
+//!   "authorship_ready"?: bool, "tee_role"?: str|null}`; unknown fields are ignored. Anything
+//!   else answers 400. Every request is recorded, whatever it was answered.
+//! - Assignments carry the `admitter_addrs` set with [`MdmaEmulator::set_admitter_addrs`]
+//!   (default `[]`).
 //! - A poll is answered with the next queued [`PollReply`], else with the standing one
 //!   (default: no assignments). A confirm answers 200 `{}`, or 503 while failures are scripted
 //!   for its group with [`MdmaEmulator::fail_next_confirms`].
@@ -160,6 +165,8 @@ pub struct PollRecord {
     pub mrtd: Option<String>,
     /// The `X-Fleet-Token` header as sent.
     pub token: Option<String>,
+    /// `held_namespaces` of the body, when present and an array (its strings).
+    pub held_namespaces: Option<Vec<String>>,
     /// What was answered; 0 for [`PollReply::Hang`].
     pub status: u16,
     /// When the request arrived.
@@ -173,6 +180,10 @@ pub struct ConfirmRecord {
     pub peer_id: Option<String>,
     /// `group_id` of the body (as sent), when it was a string.
     pub group_id: Option<String>,
+    /// `tee_role` of the body: `Some(None)` for `null`, `None` when absent.
+    pub tee_role: Option<Option<String>>,
+    /// `authorship_ready` of the body, when a boolean.
+    pub authorship_ready: Option<bool>,
     /// The `X-Fleet-Token` header as sent.
     pub token: Option<String>,
     /// What was answered.
@@ -207,6 +218,17 @@ pub struct RequestRecord {
     pub at: Instant,
 }
 
+/// One `join-status` request as received.
+#[derive(Clone, Debug)]
+pub struct JoinStatusRecord {
+    /// The body as sent (`Null` when it was not JSON).
+    pub body: Value,
+    /// What was answered.
+    pub status: u16,
+    /// When the request arrived.
+    pub at: Instant,
+}
+
 struct Inner {
     token: Option<String>,
     answers: HashMap<String, CallReply>,
@@ -221,6 +243,11 @@ struct Inner {
     register_queue: VecDeque<RegisterReply>,
     challenges: Vec<String>,
     registrations: Vec<RegisterRecord>,
+    join_statuses: Vec<JoinStatusRecord>,
+    /// Whether `/api/fleet/join-status` exists (an older MDMA answers 404).
+    join_status_route: bool,
+    /// `admitter_addrs` per assignment (lowercase group id).
+    admitter_addrs: HashMap<String, Vec<String>>,
 }
 
 struct Shared {
@@ -263,6 +290,9 @@ impl MdmaEmulator {
                 register_queue: VecDeque::new(),
                 challenges: Vec::new(),
                 registrations: Vec::new(),
+                join_statuses: Vec::new(),
+                join_status_route: true,
+                admitter_addrs: HashMap::new(),
             }),
             poll_count,
         });
@@ -335,6 +365,24 @@ impl MdmaEmulator {
     /// Every request to a path other than should-join and confirm, in arrival order.
     pub fn requests(&self) -> Vec<RequestRecord> {
         lock(&self.shared.inner).requests.clone()
+    }
+
+    /// The `admitter_addrs` sent with the assignment of `group_id` from now on.
+    pub fn set_admitter_addrs(&self, group_id: &str, addrs: Vec<String>) {
+        lock(&self.shared.inner)
+            .admitter_addrs
+            .insert(group_id.to_ascii_lowercase(), addrs);
+    }
+
+    /// Whether `POST /api/fleet/join-status` exists (default true; false: 404 like an MDMA
+    /// that predates it).
+    pub fn set_join_status_route(&self, present: bool) {
+        lock(&self.shared.inner).join_status_route = present;
+    }
+
+    /// Every join-status report so far, in arrival order.
+    pub fn join_statuses(&self) -> Vec<JoinStatusRecord> {
+        lock(&self.shared.inner).join_statuses.clone()
     }
 
     /// Every poll so far, in arrival order.
@@ -437,10 +485,20 @@ fn error_body(message: &str) -> Value {
     json!({ "error": message })
 }
 
-fn assign_body(assignments: &[String], retain: &Option<Vec<String>>) -> Value {
+fn assign_body(
+    assignments: &[String],
+    retain: &Option<Vec<String>>,
+    addrs: &HashMap<String, Vec<String>>,
+) -> Value {
     let entries: Vec<Value> = assignments
         .iter()
-        .map(|id| json!({ "group_id": id, "admitter_addrs": [] }))
+        .map(|id| {
+            let listed = addrs
+                .get(&id.to_ascii_lowercase())
+                .cloned()
+                .unwrap_or_default();
+            json!({ "group_id": id, "admitter_addrs": listed })
+        })
         .collect();
     let mut body = json!({ "assignments": entries });
     if let Some(retain) = retain {
@@ -476,6 +534,7 @@ async fn route(shared: Arc<Shared>, request: Received) -> Answer {
         ("/api/fleet/confirm", &Method::POST) => confirm(&shared, &request.headers, &body),
         ("/api/fleet/nodes/challenge", &Method::GET) => challenge(&shared),
         ("/api/fleet/nodes/register", &Method::POST) => register(&shared, &request.headers, &body),
+        ("/api/fleet/join-status", &Method::POST) => join_status(&shared, &request.headers, &body),
         (path, method) => other(&shared, method, path, &request.headers, &body).await,
     }
 }
@@ -524,6 +583,17 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
     let parsed = json_object(headers, body);
     let peer_id = string_field(&parsed, "peer_id");
     let mrtd = string_field(&parsed, "mrtd");
+    let held_namespaces = parsed
+        .as_ref()
+        .ok()
+        .and_then(|map| map.get("held_namespaces"))
+        .and_then(Value::as_array)
+        .map(|ids| {
+            ids.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        });
     let valid = check_fields(parsed, &["peer_id"], &["mrtd"]);
 
     let (answer, count) = {
@@ -541,7 +611,10 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
                 PollReply::Assign {
                     assignments,
                     retain,
-                } => Planned::Json(200, assign_body(&assignments, &retain)),
+                } => Planned::Json(
+                    200,
+                    assign_body(&assignments, &retain, &inner.admitter_addrs),
+                ),
                 PollReply::Status(status) => {
                     // Record the status actually sent (an impossible one becomes 500).
                     let sent = StatusCode::from_u16(status)
@@ -557,6 +630,7 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
             peer_id,
             mrtd,
             token,
+            held_namespaces,
             status: answer.status(),
             at,
         });
@@ -577,6 +651,9 @@ fn confirm(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
     let parsed = json_object(headers, body);
     let peer_id = string_field(&parsed, "peer_id");
     let group_id = string_field(&parsed, "group_id");
+    let field = |name: &str| parsed.as_ref().ok().and_then(|map| map.get(name)).cloned();
+    let tee_role = field("tee_role").map(|v| v.as_str().map(str::to_owned));
+    let authorship_ready = field("authorship_ready").and_then(|v| v.as_bool());
     let valid = check_fields(parsed, &["peer_id", "group_id"], &[]);
 
     let mut inner = lock(&shared.inner);
@@ -597,6 +674,8 @@ fn confirm(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
     inner.confirms.push(ConfirmRecord {
         peer_id,
         group_id,
+        tee_role,
+        authorship_ready,
         token,
         status,
         at,
@@ -687,6 +766,29 @@ fn register(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
     });
     drop(inner);
     json_response(status, body)
+}
+
+fn join_status(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
+    let at = Instant::now();
+    let token = header(headers, TOKEN_HEADER);
+    let parsed = json_object(headers, body);
+    let mut inner = lock(&shared.inner);
+    let (status, answer) = if !inner.join_status_route {
+        (404, error_body("Not found"))
+    } else if !authorised(&inner.token, &token) {
+        (401, error_body("missing or wrong X-Fleet-Token"))
+    } else if let Err(message) = &parsed {
+        (400, error_body(&message.0))
+    } else {
+        (200, json!({ "status": "recorded" }))
+    };
+    inner.join_statuses.push(JoinStatusRecord {
+        body: parsed.map_or(Value::Null, Value::Object),
+        status,
+        at,
+    });
+    drop(inner);
+    json_response(status, answer)
 }
 
 #[cfg(test)]

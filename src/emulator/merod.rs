@@ -6,8 +6,10 @@
 //! Routes (all under `/admin-api`):
 //! - `GET /health`, `GET /ready` (503 `starting` while not ready), `GET /peers` (503 while not
 //!   ready);
-//! - `POST /tee/fleet-join` `{"groupId": "<64 hex>"}` — validated like merod (content type,
-//!   camelCase field, id length, hex), then the namespace's [`JoinBehaviour`];
+//! - `POST /tee/fleet-join` `{"groupId": "<64 hex>", "admitterAddrs": [..]}` — validated like
+//!   merod (content type, camelCase field, id length, hex; `admitterAddrs` refused with a 400
+//!   naming it while [`MerodEmulator::set_older_core`] is on, as an older core would), then
+//!   the namespace's [`JoinBehaviour`];
 //! - `POST /namespaces/{id}/leave` — then the namespace's [`LeaveBehaviour`];
 //! - `GET /namespaces/{id}` (200 member / 404 `No namespace identity found`),
 //!   `GET /namespaces` (`?offset=&limit=`, default 0/100) listing the held namespaces page
@@ -19,7 +21,13 @@
 //!   `POST /tee/registration-attest` the same, but only with
 //!   [`MerodEmulator::set_registration_attest`] (rc.25 predates it: 404, like any unknown route);
 //! - `GET /groups/{id}/members` (`?offset=&limit=`): the recorded member list (an `Admin` and
-//!   this node as `ReadOnlyTee`, with the account fleet-join answers) while held, else 500;
+//!   this node, with the account fleet-join answers, as `ReadOnlyTee` or the role
+//!   [`MerodEmulator::set_role`] gives it; after [`MerodEmulator::set_extra_members`] more
+//!   rows) while held, else 500;
+//! - `POST /tee/fleet-join` naming `admitterAddrs` on an older core
+//!   ([`MerodEmulator::set_older_core`]): 400 naming the field;
+//! - [`MerodEmulator::set_foreign_404`] makes `GET /namespaces/{id}` answer a 404 that is not
+//!   merod's word on a namespace (as a proxy or a renamed route would);
 //! - a known route with another method: 405, an unknown route: 404, both with an empty body
 //!   and no content type, as merod answers them.
 //!
@@ -73,6 +81,14 @@ pub enum JoinBehaviour {
     AdmitWithoutHolding {
         /// How long the call takes.
         delay: Duration,
+    },
+    /// Answers admitted:false with these `(peer, reason)` refusals, flat (`refusals` beside
+    /// `admitted`) or, with `under_data`, the whole answer wrapped in `{"data": …}`.
+    Refuse {
+        /// The refusals, in order.
+        refusals: Vec<(String, String)>,
+        /// Wrap the answer in `data`.
+        under_data: bool,
     },
 }
 
@@ -278,7 +294,23 @@ impl Fixtures {
             }
         }
         assert!(fixtures.list_entry.get("namespaceId").is_some());
+        assert!(
+            fixtures.account().is_some(),
+            "identity-after-join has no accountId"
+        );
+        assert!(
+            fixtures.members.body["members"][0]["identity"].is_string(),
+            "group-members-member has no members[0].identity"
+        );
         fixtures
+    }
+
+    /// The node's account in the recorded identity.
+    fn account(&self) -> Option<&str> {
+        self.identity_after
+            .body
+            .pointer("/data/accountId")?
+            .as_str()
     }
 }
 
@@ -325,6 +357,14 @@ struct Inner {
     registration_attest: bool,
     /// An error status `attest` and `registration-attest` answer, when set.
     attest_error: Option<u16>,
+    /// An older core: `admitterAddrs` is refused with a 400 naming it.
+    older_core: bool,
+    /// The node's role per namespace (default `ReadOnlyTee`).
+    roles: HashMap<String, String>,
+    /// Member rows listed before the owner and the node.
+    extra_members: usize,
+    /// Namespaces for which `GET /namespaces/{id}` answers a 404 that is not merod's own.
+    foreign_404: BTreeSet<String>,
 }
 
 /// The account id of the recorded `identity-after-join` answer.
@@ -378,6 +418,10 @@ impl MerodEmulator {
                 minted: false,
                 registration_attest: false,
                 attest_error: None,
+                older_core: false,
+                roles: HashMap::new(),
+                extra_members: 0,
+                foreign_404: BTreeSet::new(),
             }),
             fixtures: Fixtures::load(),
         });
@@ -496,6 +540,48 @@ impl MerodEmulator {
             .get(&group_id.to_ascii_lowercase())
             .copied()
             .unwrap_or(0)
+    }
+
+    /// An older core (true): a fleet-join naming `admitterAddrs` is refused with a 400 that
+    /// names the field (its request type refuses unknown fields). Default false (rc.25,
+    /// which takes it).
+    pub fn set_older_core(&self, older: bool) {
+        lock(&self.shared.inner).older_core = older;
+    }
+
+    /// The node's role in one namespace, as `GET /groups/{id}/members` lists it (e.g.
+    /// `RelayTee`, `ReadOnlyTee`, `Member`).
+    pub fn set_role(&self, group_id: &str, role: &str) {
+        lock(&self.shared.inner)
+            .roles
+            .insert(group_id.to_ascii_lowercase(), role.to_owned());
+    }
+
+    /// `n` more member rows listed before the owner and the node (to make the list span
+    /// pages).
+    pub fn set_extra_members(&self, n: usize) {
+        lock(&self.shared.inner).extra_members = n;
+    }
+
+    /// While on, `GET /namespaces/{id}` of `group_id` answers 404 `{"error":"Not found"}` (a
+    /// proxy's or a renamed route's 404, not merod's word on the namespace).
+    pub fn set_foreign_404(&self, group_id: &str, on: bool) {
+        let id = group_id.to_ascii_lowercase();
+        let mut inner = lock(&self.shared.inner);
+        if on {
+            inner.foreign_404.insert(id);
+        } else {
+            inner.foreign_404.remove(&id);
+        }
+    }
+
+    /// The node's account (the recorded `identity-after-join` answer's `accountId`).
+    pub fn account(&self) -> String {
+        self.shared
+            .fixtures
+            .account()
+            .unwrap_or_default()
+            .to_owned()
     }
 
     /// Stops accepting connections (also happens when the last clone is dropped).
@@ -619,13 +705,35 @@ fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
         Ok(paging) => paging,
         Err(message) => return json_response(400, json!({ "error": message.0 })),
     };
-    if !lock(&shared.inner).held.contains(&id) {
+    let (held, role, extra) = {
+        let inner = lock(&shared.inner);
+        (
+            inner.held.contains(&id),
+            inner.roles.get(&id).cloned(),
+            inner.extra_members,
+        )
+    };
+    if !held {
         return fixtures.members_not_held.respond();
     }
-    let rows: Vec<Value> = fixtures.members.body["members"]
+    let own = fixtures.join_admitted.body["account"].clone();
+    let recorded = fixtures.members.body["members"]
         .as_array()
-        .map(|rows| rows.iter().skip(offset).take(limit).cloned().collect())
-        .unwrap_or_default();
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|mut row| {
+            if let (true, Some(role)) = (row["identity"] == own, &role) {
+                row["role"] = Value::String(role.clone());
+            }
+            row
+        });
+    let rows: Vec<Value> = (0..extra)
+        .map(|i| json!({ "identity": format!("{i:064x}"), "role": "Member" }))
+        .chain(recorded)
+        .skip(offset)
+        .take(limit)
+        .collect();
     json_response(fixtures.members.status, json!({ "members": rows }))
 }
 
@@ -669,14 +777,28 @@ fn parse_id(raw: &str) -> Result<String, IdError> {
 struct FleetJoinRequest {
     #[serde(rename = "groupId")]
     group_id: String,
+    #[serde(rename = "admitterAddrs", default)]
+    admitter_addrs: Option<Vec<String>>,
 }
 
 /// What a well-formed fleet-join will do, decided under the lock.
 enum JoinPlan {
-    Answer { delay: Duration, hold: bool },
-    Refuse { delay: Duration },
+    Answer {
+        delay: Duration,
+        hold: bool,
+    },
+    Refuse {
+        delay: Duration,
+    },
+    Refusals {
+        refusals: Vec<(String, String)>,
+        under_data: bool,
+    },
     Hang,
-    Error { status: u16, message: String },
+    Error {
+        status: u16,
+        message: String,
+    },
 }
 
 async fn fleet_join(shared: &Arc<Shared>, headers: &HeaderMap, body: Bytes) -> Answer {
@@ -711,6 +833,12 @@ async fn fleet_join(shared: &Arc<Shared>, headers: &HeaderMap, body: Bytes) -> A
         }
         Err(IdError::NotHex) => return fixtures.join_non_hex.respond(),
     };
+    if request.admitter_addrs.is_some() && lock(&shared.inner).older_core {
+        return json_response(
+            400,
+            json!({ "error": "Invalid JSON data: Failed to deserialize the JSON body into the target type: unknown field `admitterAddrs`, expected `groupId` at line 1 column 96" }),
+        );
+    }
 
     let plan = {
         let mut inner = lock(&shared.inner);
@@ -728,6 +856,13 @@ async fn fleet_join(shared: &Arc<Shared>, headers: &HeaderMap, body: Bytes) -> A
                     JoinPlan::Answer { delay, hold: true }
                 }
             }
+            JoinBehaviour::Refuse {
+                refusals,
+                under_data,
+            } => JoinPlan::Refusals {
+                refusals,
+                under_data,
+            },
             JoinBehaviour::Hang => JoinPlan::Hang,
             JoinBehaviour::Error { status, message } => JoinPlan::Error { status, message },
         }
@@ -739,6 +874,25 @@ async fn fleet_join(shared: &Arc<Shared>, headers: &HeaderMap, body: Bytes) -> A
         JoinPlan::Refuse { delay } => {
             tokio::time::sleep(delay).await;
             fixtures.join_unknown.with_id(JOIN_ID_FIELDS, &id)
+        }
+        JoinPlan::Refusals {
+            refusals,
+            under_data,
+        } => {
+            let mut body = fixtures.join_unknown.body.clone();
+            for pointer in JOIN_ID_FIELDS {
+                if let Some(field) = body.pointer_mut(pointer) {
+                    *field = Value::String(id.clone());
+                }
+            }
+            body["refusals"] = refusals
+                .iter()
+                .map(|(peer, reason)| json!({ "peer": peer, "reason": reason }))
+                .collect();
+            if under_data {
+                body = json!({ "data": body });
+            }
+            json_response(fixtures.join_unknown.status, body)
         }
         JoinPlan::Answer { delay, hold } => {
             // Detached, so the join completes even if the client stops waiting.
@@ -851,8 +1005,14 @@ fn get_namespace(shared: &Shared, raw: &str) -> Answer {
     let Ok(id) = parse_id(raw) else {
         return fixtures.leave_bad_id.respond();
     };
-    let held = lock(&shared.inner).held.contains(&id);
-    if held {
+    let (held, foreign) = {
+        let inner = lock(&shared.inner);
+        (inner.held.contains(&id), inner.foreign_404.contains(&id))
+    };
+    if foreign {
+        // A proxy's 404 with words of its own (merod's unknown route answers an empty one).
+        json_response(404, json!({ "error": "Not found" }))
+    } else if held {
         fixtures.get_member.with_id(DATA_NAMESPACE_ID, &id)
     } else {
         fixtures.get_never_joined.respond()

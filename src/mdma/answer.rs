@@ -8,7 +8,7 @@
 //! contract (docs/mdma.md) names objects: serde's derived readers would take an array in
 //! field order for the answer or an entry; this reader refuses it.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
@@ -16,13 +16,19 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use crate::ids::GroupId;
 use crate::strict_json::{Key, NoDuplicates, SeenKeys};
 
-/// Reads one `should-join` document from `body` into `(assignments, retain)`.
+/// What [`read`] gives: `(assignments, retain, admitter_addrs)`.
+pub(super) type Read = (
+    BTreeSet<GroupId>,
+    BTreeSet<GroupId>,
+    BTreeMap<GroupId, Vec<String>>,
+);
+
+/// Reads one `should-join` document from `body` into `(assignments, retain,
+/// admitter_addrs)`.
 ///
 /// Errors: serde_json's error for the first fault (syntax, a repeated key, the wrong
 /// shape, trailing data); the caller tells these kinds apart.
-pub(super) fn read(
-    body: &[u8],
-) -> Result<(BTreeSet<GroupId>, BTreeSet<GroupId>), serde_json::Error> {
+pub(super) fn read(body: &[u8]) -> Result<Read, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(body);
     // Room for as many entries as the body can hold (the shortest one,
     // `{"group_id":"<64 hex>"},`, is 80 bytes): the list is not regrown and copied.
@@ -40,7 +46,7 @@ struct Answer {
 }
 
 impl<'de> Visitor<'de> for Answer {
-    type Value = (BTreeSet<GroupId>, BTreeSet<GroupId>);
+    type Value = Read;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an object with an `assignments` array")
     }
@@ -63,8 +69,10 @@ impl<'de> Visitor<'de> for Answer {
                 Field::Other => map.next_value_seed(NoDuplicates)?,
             }
         }
-        let assignments = assignments.ok_or_else(|| de::Error::missing_field("assignments"))?;
-        Ok((assignments, retain.unwrap_or_default()))
+        let (assignments, addrs) =
+            assignments.ok_or_else(|| de::Error::missing_field("assignments"))?;
+        let retain = retain.map(|(ids, _)| ids).unwrap_or_default();
+        Ok((assignments, retain, addrs))
     }
 }
 
@@ -77,12 +85,14 @@ enum Field {
 
 /// How one element of an id array is written.
 trait Element: Copy {
-    /// Reads one element into `out`; `keys` is scratch space reused across elements.
+    /// Reads one element into `out` (and its admitter addresses into `addrs`); `keys` is
+    /// scratch space reused across elements.
     fn read<'de, A: SeqAccess<'de>>(
         self,
         seq: &mut A,
         keys: &mut SeenKeys<'de>,
         out: &mut Vec<GroupId>,
+        addrs: &mut BTreeMap<GroupId, Vec<String>>,
     ) -> Result<bool, A::Error>;
 }
 
@@ -96,6 +106,7 @@ impl Element for Bare {
         seq: &mut A,
         _: &mut SeenKeys<'de>,
         out: &mut Vec<GroupId>,
+        _: &mut BTreeMap<GroupId, Vec<String>>,
     ) -> Result<bool, A::Error> {
         Ok(seq
             .next_element::<GroupId>()?
@@ -104,7 +115,8 @@ impl Element for Bare {
     }
 }
 
-/// `assignments`: an array of objects, each with a 64-hex `group_id`.
+/// `assignments`: an array of objects, each with a 64-hex `group_id` and maybe
+/// `admitter_addrs`.
 #[derive(Clone, Copy)]
 struct Entries;
 
@@ -114,11 +126,22 @@ impl Element for Entries {
         seq: &mut A,
         keys: &mut SeenKeys<'de>,
         out: &mut Vec<GroupId>,
+        addrs: &mut BTreeMap<GroupId, Vec<String>>,
     ) -> Result<bool, A::Error> {
-        Ok(seq
-            .next_element_seed(Entry { keys })?
-            .map(|id| out.push(id))
-            .is_some())
+        let Some((id, listed)) = seq.next_element_seed(Entry { keys })? else {
+            return Ok(false);
+        };
+        out.push(id);
+        // A repeated entry's addresses are its last ones (as the two-step reading does).
+        let kept = super::keep_admitter_addrs(listed.unwrap_or_default());
+        if kept.is_empty() {
+            if !addrs.is_empty() {
+                addrs.remove(&id);
+            }
+        } else {
+            addrs.insert(id, kept);
+        }
+        Ok(true)
     }
 }
 
@@ -126,55 +149,66 @@ impl Element for Entries {
 struct Ids<E>(E, usize);
 
 impl<'de, E: Element> DeserializeSeed<'de> for Ids<E> {
-    type Value = BTreeSet<GroupId>;
+    type Value = (BTreeSet<GroupId>, BTreeMap<GroupId, Vec<String>>);
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
 impl<'de, E: Element> Visitor<'de> for Ids<E> {
-    type Value = BTreeSet<GroupId>;
+    type Value = (BTreeSet<GroupId>, BTreeMap<GroupId, Vec<String>>);
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an array of namespace ids")
     }
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut keys = SeenKeys::default();
         let mut ids = Vec::with_capacity(self.1);
-        while self.0.read(&mut seq, &mut keys, &mut ids)? {}
+        let mut addrs = BTreeMap::new();
+        while self.0.read(&mut seq, &mut keys, &mut ids, &mut addrs)? {}
         // Sorted and built in bulk (an answer in id order is already sorted).
-        Ok(ids.into_iter().collect())
+        Ok((ids.into_iter().collect(), addrs))
     }
 }
 
-/// One `assignments` entry: its `group_id`; other keys are checked and ignored.
+/// One `assignments` entry: its `group_id` and `admitter_addrs` (`null` or an array of
+/// strings); other keys are checked and ignored.
 struct Entry<'k, 'de> {
     keys: &'k mut SeenKeys<'de>,
 }
 
+/// An entry as read: its id and its `admitter_addrs`, if given.
+type EntryRead = (GroupId, Option<Vec<String>>);
+
 impl<'de> DeserializeSeed<'de> for Entry<'_, 'de> {
-    type Value = GroupId;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<GroupId, D::Error> {
+    type Value = EntryRead;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<EntryRead, D::Error> {
         d.deserialize_map(self)
     }
 }
 
 impl<'de> Visitor<'de> for Entry<'_, 'de> {
-    type Value = GroupId;
+    type Value = EntryRead;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an assignment object with a `group_id`")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<GroupId, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EntryRead, A::Error> {
         self.keys.clear();
         let mut group_id = None;
+        let mut addrs = None;
         while let Some(key) = map.next_key_seed(Key)? {
-            let is_group_id = key == "group_id";
+            let field = match &*key {
+                "group_id" => 1,
+                "admitter_addrs" => 2,
+                _ => 0,
+            };
             self.keys.insert(key)?;
-            if is_group_id {
-                group_id = Some(map.next_value::<GroupId>()?);
-            } else {
-                map.next_value_seed(NoDuplicates)?;
+            match field {
+                1 => group_id = Some(map.next_value::<GroupId>()?),
+                2 => addrs = map.next_value::<Option<Vec<String>>>()?,
+                _ => map.next_value_seed(NoDuplicates)?,
             }
         }
-        group_id.ok_or_else(|| de::Error::missing_field("group_id"))
+        let id = group_id.ok_or_else(|| de::Error::missing_field("group_id"))?;
+        Ok((id, addrs))
     }
 }

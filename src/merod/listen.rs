@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tracing::info;
 
-use super::{Admission, MerodClient, MerodError, Node, PROBE_TIMEOUT};
+use super::{Admission, MerodClient, MerodError, Node, NodeAccount, TeeRole, PROBE_TIMEOUT};
 use crate::ids::GroupId;
 
 /// merod behind several admin URLs, in the order of `[server].listen`: [`Node::probe`]
@@ -84,8 +84,12 @@ impl Node for ListenCandidates {
         }
     }
 
-    async fn fleet_join(&self, group_id: GroupId) -> Result<Admission, MerodError> {
-        self.current().fleet_join(group_id).await
+    async fn fleet_join(
+        &self,
+        group_id: GroupId,
+        admitter_addrs: &[String],
+    ) -> Result<Admission, MerodError> {
+        self.current().fleet_join(group_id, admitter_addrs).await
     }
 
     async fn leave_namespace(&self, group_id: GroupId) -> Result<(), MerodError> {
@@ -98,6 +102,18 @@ impl Node for ListenCandidates {
 
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
         self.current().list_namespaces().await
+    }
+
+    async fn identity(&self) -> Result<NodeAccount, MerodError> {
+        self.current().identity().await
+    }
+
+    async fn tee_role(
+        &self,
+        group_id: GroupId,
+        account: &str,
+    ) -> Result<Option<TeeRole>, MerodError> {
+        self.current().tee_role(group_id, account).await
     }
 }
 

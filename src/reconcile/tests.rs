@@ -43,6 +43,7 @@ fn desired(assigned: &[u8], retain: &[u8]) -> Desired {
     Desired {
         assigned: ids(assigned),
         retain: ids(retain),
+        ..Desired::default()
     }
 }
 

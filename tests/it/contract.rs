@@ -86,13 +86,14 @@ async fn fleet_join_answers() {
         ("fleet-join-unknown-namespace", (false, "announced")),
     ] {
         let (_s, client, f) = replay(name).await;
-        let got = client.fleet_join(id_of(&f)).await.unwrap();
+        let got = client.fleet_join(id_of(&f), &[]).await.unwrap();
         assert_eq!(
             got,
             Admission {
                 admitted: want.0,
                 status: want.1.to_owned(),
                 reasons: Vec::new(),
+                refusals: Vec::new(),
             },
             "{name}"
         );
@@ -111,7 +112,7 @@ async fn fleet_join_refusals_are_errors_with_merod_s_message() {
         let id = "abababababababababababababababababababababababababababababababab"
             .parse()
             .unwrap();
-        let err = client.fleet_join(id).await.unwrap_err().to_string();
+        let err = client.fleet_join(id, &[]).await.unwrap_err().to_string();
         let message = f["response"]["body"]["error"].as_str().unwrap();
         assert!(err.contains(message), "{name}: {err}");
         assert!(err.contains("fleet-join"), "{name}: {err}");
@@ -202,6 +203,7 @@ fn every_copied_fixture_is_covered() {
         "fleet-join-admitter-addrs",
         "identity-before-join",
         "identity-after-join",
+        "group-members-member",
     ];
     // Served by the merod emulator only, checked against it by
     // the_emulator_answers_every_recorded_request_in_the_recorded_shape (the sidecar does not
@@ -210,7 +212,6 @@ fn every_copied_fixture_is_covered() {
         "health",
         "ready",
         "group-members-never-joined",
-        "group-members-member",
         "group-members-after-leave",
         "namespaces-list-page-1",
         "namespaces-list-page-2",
@@ -228,6 +229,39 @@ fn every_copied_fixture_is_covered() {
             "fixture {name} is copied but no test reads it"
         );
     }
+}
+
+#[tokio::test]
+async fn the_role_is_read_from_the_member_list() {
+    let (_s, client, f) = replay("group-members-member").await;
+    let rows = f["response"]["body"]["members"].as_array().unwrap();
+    let ns = id_of(&f);
+    let ours = rows[1]["identity"].as_str().unwrap();
+    assert_eq!(
+        client.tee_role(ns, ours).await.unwrap(),
+        Some(fleet_sidecar::TeeRole::ReadOnlyTee)
+    );
+    let owner = rows[0]["identity"].as_str().unwrap();
+    assert_eq!(
+        client.tee_role(ns, owner).await.unwrap(),
+        None,
+        "Admin is no TEE role"
+    );
+    assert_eq!(
+        client.tee_role(ns, &"0".repeat(64)).await.unwrap(),
+        None,
+        "no row"
+    );
+}
+
+#[tokio::test]
+async fn fleet_join_with_admitter_addrs_answers_as_ever() {
+    let (_s, client, f) = replay("fleet-join-admitter-addrs").await;
+    let addrs: Vec<String> =
+        serde_json::from_value(f["request"]["body"]["admitterAddrs"].clone()).unwrap();
+    let got = client.fleet_join(id_of(&f), &addrs).await.unwrap();
+    assert!(got.admitted && got.refusals.is_empty(), "{got:?}");
+    assert!(!client.admitter_addrs_refused());
 }
 
 #[tokio::test]
@@ -278,7 +312,7 @@ async fn every_call_has_its_own_deadline() {
     let started = Instant::now();
     let errors = [
         client.probe().await.unwrap_err(),
-        client.fleet_join(id).await.unwrap_err(),
+        client.fleet_join(id, &[]).await.unwrap_err(),
         client.leave_namespace(id).await.unwrap_err(),
         client.holds_namespace(id).await.unwrap_err(),
         client.list_namespaces().await.unwrap_err(),

@@ -11,8 +11,9 @@ use fleet_sidecar::Config;
 use fleet_sidecar::Mrtd;
 use fleet_sidecar::ShouldJoin;
 use fleet_sidecar::{parse_should_join, ConfirmError, ControlPlane, PollError, RequestError};
-use fleet_sidecar::{Admission, MerodError, MerodOp, Node};
+use fleet_sidecar::{Admission, MerodError, MerodOp, Node, NodeAccount, TeeRole};
 use fleet_sidecar::{GroupId, PeerId};
+use fleet_sidecar::{JoinStatus, NodeReport};
 use tokio::time::Instant;
 
 use crate::common::{id, merod_err, spawn_loop, Running};
@@ -54,6 +55,7 @@ pub fn desired(a: &BTreeSet<u8>, r: &BTreeSet<u8>) -> ShouldJoin {
     ShouldJoin {
         assignments: a.iter().map(|n| id(*n)).collect(),
         retain: r.iter().map(|n| id(*n)).collect(),
+        ..ShouldJoin::default()
     }
 }
 
@@ -81,14 +83,22 @@ pub struct World {
     pub probes: usize,
     /// The namespaces merod holds.
     pub held: BTreeSet<GroupId>,
+    /// Held namespaces its list leaves out (a list that lags what merod holds).
+    pub list_hides: BTreeSet<GroupId>,
     /// Every poll: when, and the MRTD (hex) it carried.
     pub polls: Vec<(Instant, Option<String>)>,
+    /// The `held_namespaces` each poll carried (`None`: left out).
+    pub held_reported: Vec<Option<Vec<GroupId>>>,
+    /// Every join-status report.
+    pub join_statuses: Vec<JoinStatus>,
+    /// Every confirm call, in order, with the role it carried.
+    pub confirms: Vec<(GroupId, Option<TeeRole>)>,
+    /// The node's role in every namespace it holds (`None`: no TEE role).
+    pub role: Option<TeeRole>,
     /// Every fleet-join call, with when it started.
     pub joins: Vec<(GroupId, Instant)>,
     /// Every leave call (failed ones too), with when it started.
     pub leaves: Vec<(GroupId, Instant)>,
-    /// Every confirm call, in order.
-    pub confirms: Vec<GroupId>,
     /// Leaves that broke a safety rule: after a failed poll, before any poll, or of a
     /// namespace the latest poll wants.
     pub violations: Vec<String>,
@@ -129,9 +139,16 @@ impl Fake {
 
 #[async_trait]
 impl ControlPlane for Fake {
-    async fn should_join(&self, _: &PeerId, mrtd: Option<&Mrtd>) -> Result<ShouldJoin, PollError> {
+    async fn should_join(
+        &self,
+        _: &PeerId,
+        mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
+    ) -> Result<ShouldJoin, PollError> {
         let next = self.with(|w| {
             w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
+            w.held_reported
+                .push(report.held_namespaces.map(<[GroupId]>::to_vec));
             let scripted = w.poll_script.get(w.polls.len() - 1);
             match scripted {
                 Some(p) if !w.settled => Some(p.clone()),
@@ -144,6 +161,7 @@ impl ControlPlane for Fake {
             None => Ok(self.with(|w| ShouldJoin {
                 assignments: w.assignments.clone(),
                 retain: w.retain.clone(),
+                ..ShouldJoin::default()
             })),
             Some(Poll::Good(a, r)) => Ok(desired(&a, &r)),
             Some(Poll::Transport) => Err(RequestError::Transport {
@@ -177,9 +195,14 @@ impl ControlPlane for Fake {
         result
     }
 
-    async fn confirm(&self, _: &PeerId, g: GroupId) -> Result<(), ConfirmError> {
+    async fn confirm(
+        &self,
+        _: &PeerId,
+        g: GroupId,
+        role: Option<TeeRole>,
+    ) -> Result<(), ConfirmError> {
         let ok = self.with(|w| {
-            w.confirms.push(g);
+            w.confirms.push((g, role));
             w.settled || cycled(&w.confirm_script, &mut w.confirms_answered, true)
         });
         if ok {
@@ -191,6 +214,11 @@ impl ControlPlane for Fake {
                 body: String::new(),
             })
         }
+    }
+
+    async fn join_status(&self, report: &JoinStatus) -> Result<(), RequestError> {
+        self.with(|w| w.join_statuses.push(report.clone()));
+        Ok(())
     }
 }
 
@@ -206,7 +234,7 @@ impl Node for Fake {
         Ok(())
     }
 
-    async fn fleet_join(&self, g: GroupId) -> Result<Admission, MerodError> {
+    async fn fleet_join(&self, g: GroupId, _: &[String]) -> Result<Admission, MerodError> {
         let answer = self.with(|w| {
             w.joins.push((g, Instant::now()));
             if w.settled {
@@ -224,12 +252,14 @@ impl Node for Fake {
                     admitted: true,
                     status: "joined".to_owned(),
                     reasons: Vec::new(),
+                    refusals: Vec::new(),
                 })
             }
             Join::NotAdmitted => Ok(Admission {
                 admitted: false,
                 status: "announced".to_owned(),
                 reasons: vec!["no verifier answered".to_owned()],
+                refusals: Vec::new(),
             }),
             Join::Error => Err(merod_err(MerodOp::FleetJoin, "Internal server error")),
             Join::Hang => {
@@ -269,6 +299,17 @@ impl Node for Fake {
     }
 
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
-        Ok(self.with(|w| w.held.clone()))
+        if self.with(|w| w.merod_down) {
+            return Err(merod_err(MerodOp::ListNamespaces, "connection refused"));
+        }
+        Ok(self.with(|w| w.held.difference(&w.list_hides).copied().collect()))
+    }
+
+    async fn identity(&self) -> Result<NodeAccount, MerodError> {
+        Ok(NodeAccount::Account("ab".repeat(32)))
+    }
+
+    async fn tee_role(&self, g: GroupId, _: &str) -> Result<Option<TeeRole>, MerodError> {
+        Ok(self.with(|w| if w.held.contains(&g) { w.role } else { None }))
     }
 }

@@ -92,6 +92,8 @@ fn the_rules_cover_every_alert_the_operators_asked_for() {
         "FleetSidecarJoinsNotAdmitted",
         "FleetSidecarMrtdUnavailable",
         "FleetSidecarStateWriteFailing",
+        "FleetSidecarHeldUnknown",
+        "FleetSidecarHeldDrift",
     ] {
         assert!(rules.contains(&format!("alert: {alert}\n")), "{alert}");
     }

@@ -82,6 +82,11 @@ async fn systemd_gets_ready_status_watchdog_and_stopping() {
         !got.iter().any(|m| m == "READY=1"),
         "not ready before merod answers: {got:?}"
     );
+    // ...but the heartbeat does not wait for merod: MDMA is polled meanwhile.
+    eventually("polls while merod is down", LIMIT, || {
+        !sb.mdma.polls().is_empty()
+    })
+    .await;
     sb.merod.set_ready(true);
     read_until(&socket, &mut got, "READY=1", |g| {
         g.iter().any(|m| m == "READY=1")

@@ -44,16 +44,39 @@ async fn the_requests_are_what_the_clients_send() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "");
-    eventually("A confirmed", Duration::from_secs(20), || {
-        sb.mdma.confirmed().contains(A)
-    })
+    eventually(
+        "A confirmed and reported held",
+        Duration::from_secs(20),
+        || {
+            sb.mdma.confirmed().contains(A)
+                && sb
+                    .mdma
+                    .polls()
+                    .iter()
+                    .any(|p| p.held_namespaces.as_deref() == Some(&[A.to_owned()][..]))
+        },
+    )
     .await;
     d.stop().await;
-    let poll = &sb.mdma.polls()[0];
-    let sent = serde_json::json!({"peer_id": poll.peer_id, "mrtd": poll.mrtd});
+    // A poll after the held refresh saw A: it reports what merod holds.
+    let polls = sb.mdma.polls();
+    let poll = polls
+        .iter()
+        .find(|p| p.held_namespaces.as_deref() == Some(&[A.to_owned()][..]))
+        .expect("a poll reporting A as held");
+    let sent = serde_json::json!({
+        "peer_id": poll.peer_id,
+        "mrtd": poll.mrtd,
+        "held_namespaces": poll.held_namespaces,
+    });
     assert_eq!(sent, json(&proto("mdma-should-join.request.json")));
     let confirm = &sb.mdma.confirms()[0];
-    let sent = serde_json::json!({"peer_id": confirm.peer_id, "group_id": confirm.group_id});
+    let sent = serde_json::json!({
+        "peer_id": confirm.peer_id,
+        "group_id": confirm.group_id,
+        "authorship_ready": confirm.authorship_ready,
+        "tee_role": confirm.tee_role,
+    });
     assert_eq!(sent, json(&proto("mdma-confirm.request.json")));
     let join = first_fleet_join(&sb);
     assert_eq!(

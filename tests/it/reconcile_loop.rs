@@ -249,12 +249,12 @@ async fn a_failed_leave_stays_a_candidate_and_is_retried() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_daemon_waits_for_merod_before_polling() {
+async fn the_heartbeat_does_not_wait_for_merod_but_joins_do() {
     let sb = Sandbox::start(None).await.unwrap();
     sb.merod.set_ready(false);
     sb.mdma.set_reply(PollReply::assign([A]));
     let d = start(&sb, "");
-    // Three readiness probes refused (one a second), counted at the merod emulator.
+    // Three readiness probes refused (backing off from 1 s), counted at the merod emulator.
     let probes = || {
         sb.merod
             .calls()
@@ -263,12 +263,20 @@ async fn the_daemon_waits_for_merod_before_polling() {
             .count()
     };
     eventually("three readiness probes", LIMIT, || probes() >= 3).await;
-    assert!(sb.mdma.polls().is_empty(), "no poll before merod answers");
+    // MDMA hears from the node meanwhile (the poll is its heartbeat), but nothing is joined.
+    assert!(sb.mdma.polls().len() >= 2, "polls while merod is down");
+    assert_eq!(sb.merod.joins(A), 0, "no join before merod answers");
+    let live = d.telemetry.snapshot();
+    assert!(live.merod_not_answering.is_some(), "{live:?}");
+    assert!(live
+        .summary(fleet_sidecar::daemon::unix_now())
+        .starts_with("waiting for merod"));
     sb.merod.set_ready(true);
     eventually("A confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(A))
     })
     .await;
+    assert!(d.telemetry.snapshot().merod_not_answering.is_none());
     d.stop().await;
 }
 

@@ -4,7 +4,9 @@ use std::sync::Arc;
 
 use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::PeerId;
-use fleet_sidecar::{ControlPlane, MdmaClient, MdmaClientError, PollError, RequestError};
+use fleet_sidecar::{
+    ControlPlane, MdmaClient, MdmaClientError, NodeReport, PollError, RequestError,
+};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
@@ -96,12 +98,18 @@ async fn a_private_ca_file_is_trusted_and_nothing_else_is() {
     std::fs::write(&ca_file, &pki.ca_pem).unwrap();
 
     let trusted = MdmaClient::new(&url, None, Some(&ca_file)).unwrap();
-    let desired = trusted.should_join(&peer(), None).await.unwrap();
+    let desired = trusted
+        .should_join(&peer(), None, NodeReport::default())
+        .await
+        .unwrap();
     assert_eq!(desired.assignments, set(&[A]));
 
     // Without the CA file the same server is refused: verification is never off.
     let untrusted = MdmaClient::new(&url, None, None).unwrap();
-    let err = untrusted.should_join(&peer(), None).await.unwrap_err();
+    let err = untrusted
+        .should_join(&peer(), None, NodeReport::default())
+        .await
+        .unwrap_err();
     assert!(
         matches!(err, PollError::Request(RequestError::Transport { .. })),
         "{err}"

@@ -179,9 +179,14 @@ async fn a_fleet_sized_answer_of_10000_assignments_with_8_admitters_each_is_acce
     emu.set_reply(PollReply::RawBody(body));
     let mdma = MdmaClient::new(&emu.url(), None, None).unwrap();
     let peer: fleet_sidecar::PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
-    let answer = fleet_sidecar::ControlPlane::should_join(&mdma, &peer, None)
-        .await
-        .expect("a fleet-sized answer is a good poll");
+    let answer = fleet_sidecar::ControlPlane::should_join(
+        &mdma,
+        &peer,
+        None,
+        fleet_sidecar::NodeReport::default(),
+    )
+    .await
+    .expect("a fleet-sized answer is a good poll");
     assert_eq!(answer.assignments.len(), 10_000);
     assert!(answer
         .assignments
@@ -291,7 +296,7 @@ async fn merod_answers_naming_a_key_twice_fail_closed() {
     let url = merod_answering(r#"{"admitted":false,"status":"announced","admitted":true}"#).await;
     let err = MerodClient::new(&url)
         .unwrap()
-        .fleet_join(a)
+        .fleet_join(a, &[])
         .await
         .unwrap_err();
     assert!(err.to_string().contains("duplicate key"), "{err}");
@@ -313,6 +318,10 @@ async fn merod_answers_naming_a_key_twice_fail_closed() {
         r#"{"admitted":false,"status":"announced","reason":"no verifier answered"}"#,
     )
     .await;
-    let got = MerodClient::new(&url).unwrap().fleet_join(a).await.unwrap();
+    let got = MerodClient::new(&url)
+        .unwrap()
+        .fleet_join(a, &[])
+        .await
+        .unwrap();
     assert_eq!(got.reasons, vec!["no verifier answered".to_owned()]);
 }

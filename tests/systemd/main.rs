@@ -119,6 +119,11 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
             && prop(p, "StatusText").starts_with("waiting for merod")
     })
     .await;
+    // The heartbeat does not wait for merod (issue 21.5): MDMA is polled meanwhile.
+    assert!(
+        !node.mdma.polls().is_empty(),
+        "no poll while merod was down"
+    );
     node.merod.set_ready(true);
     sysd.until("active once merod answers", SOON, active).await;
     let p = sysd

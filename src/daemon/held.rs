@@ -1,0 +1,297 @@
+//! What merod holds: the `held_namespaces` refresh, a background job with an owner of its
+//! own. It reads every page of `GET /admin-api/namespaces` every [`HELD_REFRESH`] (and at
+//! once when asked: after each join or leave outcome), each read bounded, and publishes
+//! the latest read on a `watch` channel. Nothing waits for it: a poll takes whatever was
+//! last published ([`HeldView::poll_field`]), so a slow or hanging merod never delays the
+//! heartbeat.
+//!
+//! The same reads find drift: a namespace the state records as held that merod no longer
+//! lists ([`missing`]; the loop asks merod about it before it drops anything).
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{watch, Notify};
+use tokio::time::{timeout, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::ids::GroupId;
+use crate::mdma::MAX_HELD_REPORTED;
+use crate::merod::{Node, CHECK_TIMEOUT};
+use crate::telemetry::{unix_now, HeldStatus, Telemetry};
+
+/// How often merod's namespaces are read (from the start of one read to the next).
+pub(crate) const HELD_REFRESH: Duration = Duration::from_secs(60);
+/// Past this age a read is not reported any more (`held_namespaces` absent).
+pub(crate) const HELD_MAX_AGE: Duration = Duration::from_secs(180);
+/// Shortest gap between the starts of two reads: reads asked for by a burst of join
+/// outcomes are merged.
+pub(crate) const HELD_MIN_GAP: Duration = Duration::from_secs(5);
+/// Most namespaces asked about after one read (the rest after the next reads).
+pub(crate) const MAX_DRIFT_CHECKS: usize = 64;
+/// Bound of one whole read (every page), around the client's own deadline.
+pub(crate) const HELD_READ_TIMEOUT: Duration = CHECK_TIMEOUT.saturating_add(Duration::from_secs(5));
+
+/// One good read of every namespace merod holds.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct HeldRead {
+    /// Everything merod listed (no cap), sorted and unique (a slice: a third of a set's
+    /// memory at 10,000 namespaces).
+    pub(crate) ids: Arc<[GroupId]>,
+    /// When the read started: its age is counted from there.
+    pub(crate) started: Instant,
+    /// 1 for the first good read, then +1 per good read.
+    pub(crate) generation: u64,
+}
+
+/// The latest outcome of the refresh: a good read, or why there is none.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) enum HeldLatest {
+    /// No read finished yet.
+    #[default]
+    NotYet,
+    /// The latest read worked.
+    Read(HeldRead),
+    /// The latest read failed or timed out: nothing is known (an older list is not used).
+    Failed(String),
+}
+
+impl HeldLatest {
+    /// The latest good read if it is younger than [`HELD_MAX_AGE`] at `now`.
+    pub(crate) fn fresh(&self, now: Instant) -> Option<&HeldRead> {
+        match self {
+            HeldLatest::Read(r) if now.saturating_duration_since(r.started) <= HELD_MAX_AGE => {
+                Some(r)
+            }
+            _ => None,
+        }
+    }
+}
+
+/// What a poll sends as `held_namespaces` at `now`: the latest read, if it worked, is at
+/// most [`HELD_MAX_AGE`] old and holds at most [`MAX_HELD_REPORTED`] ids; otherwise
+/// nothing (the field is left out, never `[]` or an older list).
+pub(crate) fn poll_field(latest: &HeldLatest, now: Instant) -> Option<Arc<[GroupId]>> {
+    latest
+        .fresh(now)
+        .filter(|r| r.ids.len() <= MAX_HELD_REPORTED)
+        .map(|r| Arc::clone(&r.ids))
+}
+
+/// The namespaces `recorded` as held that `read` (sorted) does not list.
+pub(crate) fn missing(recorded: &BTreeSet<GroupId>, read: &[GroupId]) -> BTreeSet<GroupId> {
+    recorded
+        .iter()
+        .filter(|id| read.binary_search(id).is_err())
+        .copied()
+        .collect()
+}
+
+/// A reader of the refresh's latest outcome, for the loop and for any other consumer (it
+/// is cheap to clone; reading copies only `Arc`s).
+#[derive(Clone, Debug)]
+pub(crate) struct HeldView {
+    latest: watch::Receiver<HeldLatest>,
+    refresh: Arc<Notify>,
+}
+
+impl HeldView {
+    /// The latest outcome of the refresh.
+    pub(crate) fn latest(&self) -> HeldLatest {
+        self.latest.borrow().clone()
+    }
+
+    /// What a poll sends as `held_namespaces` now (see [`poll_field`]).
+    pub(crate) fn poll_field(&self, now: Instant) -> Option<Arc<[GroupId]>> {
+        poll_field(&self.latest.borrow(), now)
+    }
+
+    /// Asks for a read now (after a join or leave outcome); returns at once.
+    pub(crate) fn refresh_soon(&self) {
+        self.refresh.notify_one();
+    }
+
+    /// A view that never reads (dry runs, which call no merod): nothing is reported.
+    pub(crate) fn idle() -> Self {
+        let (_tx, latest) = watch::channel(HeldLatest::NotYet);
+        Self {
+            latest,
+            refresh: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Waits until a read finishes (good or not), at most `limit`.
+    pub(crate) async fn first_read(&mut self, limit: Duration) {
+        let _ = timeout(limit, self.latest.wait_for(|l| *l != HeldLatest::NotYet)).await;
+    }
+}
+
+/// Starts the refresh job: its first read at once, then every [`HELD_REFRESH`] or when
+/// asked, until `shutdown`.
+pub(crate) fn spawn(
+    merod: Arc<dyn Node>,
+    telemetry: Arc<Telemetry>,
+    shutdown: CancellationToken,
+) -> HeldView {
+    let (tx, latest) = watch::channel(HeldLatest::NotYet);
+    let refresh = Arc::new(Notify::new());
+    let asked = Arc::clone(&refresh);
+    tokio::spawn(async move {
+        let mut job = Refresh::default();
+        loop {
+            let started = Instant::now();
+            let next = job.read(merod.as_ref(), &telemetry, started).await;
+            let latest_is_read = matches!(next, HeldLatest::Read(_));
+            tx.send_replace(next);
+            if !latest_is_read {
+                telemetry.held_namespaces.set(-1);
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep_until(started + HELD_REFRESH) => continue,
+                () = asked.notified() => {}
+            }
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                () = tokio::time::sleep_until(started + HELD_MIN_GAP) => {}
+            }
+        }
+    });
+    HeldView { latest, refresh }
+}
+
+/// The refresh job's memory between reads: what to log only on a change.
+#[derive(Default)]
+struct Refresh {
+    generation: u64,
+    /// The latest failure's text (logged when it changes, and the recovery once).
+    failing: Option<String>,
+    /// Above [`MAX_HELD_REPORTED`] in the latest read (logged on the rising edge).
+    over_cap: bool,
+}
+
+impl Refresh {
+    async fn read(
+        &mut self,
+        merod: &dyn Node,
+        telemetry: &Telemetry,
+        started: Instant,
+    ) -> HeldLatest {
+        let result = timeout(HELD_READ_TIMEOUT, merod.list_namespaces()).await;
+        telemetry.observe("namespaces_list", started.elapsed());
+        let failure = match result {
+            Ok(Ok(ids)) => {
+                Telemetry::count(&telemetry.held_reads, "ok");
+                return self.good(ids, telemetry, started);
+            }
+            Ok(Err(e)) => {
+                let metric = if e.is_timeout() { "timeout" } else { "error" };
+                Telemetry::count(&telemetry.held_reads, metric);
+                e.to_string()
+            }
+            Err(_) => {
+                Telemetry::count(&telemetry.held_reads, "timeout");
+                format!("listing merod's namespaces gave no answer within {HELD_READ_TIMEOUT:?}")
+            }
+        };
+        if self.failing.as_deref() != Some(failure.as_str()) {
+            warn!("cannot read what merod holds ({failure}); polls leave held_namespaces out until a read works");
+        }
+        self.failing = Some(failure.clone());
+        telemetry.update(|st| st.held_namespaces = None);
+        HeldLatest::Failed(failure)
+    }
+
+    fn good(
+        &mut self,
+        ids: BTreeSet<GroupId>,
+        telemetry: &Telemetry,
+        started: Instant,
+    ) -> HeldLatest {
+        if self.failing.take().is_some() {
+            info!(held = ids.len(), "merod's namespaces readable again");
+        }
+        let over_cap = ids.len() > MAX_HELD_REPORTED;
+        if over_cap && !self.over_cap {
+            warn!(
+                held = ids.len(),
+                "merod holds more than {MAX_HELD_REPORTED} namespaces: polls leave held_namespaces out (MDMA cannot tell a cut list from a whole one)"
+            );
+        }
+        self.over_cap = over_cap;
+        self.generation += 1;
+        let count = ids.len();
+        telemetry
+            .held_namespaces
+            .set(i64::try_from(count).unwrap_or(i64::MAX));
+        let read_at = unix_now() - started.elapsed().as_secs_f64();
+        telemetry.update(|st| {
+            st.held_namespaces = Some(HeldStatus {
+                count,
+                read_at,
+                reported: !over_cap,
+            });
+        });
+        HeldLatest::Read(HeldRead {
+            ids: ids.into_iter().collect(),
+            started,
+            generation: self.generation,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(n: u16) -> GroupId {
+        let mut b = [0u8; 32];
+        b[30..].copy_from_slice(&n.to_be_bytes());
+        GroupId::from_bytes(b)
+    }
+
+    fn read(n: u16, started: Instant) -> HeldLatest {
+        HeldLatest::Read(HeldRead {
+            ids: (0..n).map(id).collect(),
+            started,
+            generation: 1,
+        })
+    }
+
+    #[test]
+    fn a_fresh_good_read_is_reported_sorted_and_empty_means_nothing_held() {
+        let t0 = Instant::now();
+        let field = poll_field(&read(3, t0), t0 + Duration::from_secs(1)).unwrap();
+        assert_eq!(&*field, &[id(0), id(1), id(2)]);
+        let empty = poll_field(&read(0, t0), t0).unwrap();
+        assert!(empty.is_empty(), "[] is reported: merod holds nothing");
+    }
+
+    #[test]
+    fn nothing_is_reported_without_a_fresh_whole_read() {
+        let t0 = Instant::now();
+        assert_eq!(poll_field(&HeldLatest::NotYet, t0), None);
+        assert_eq!(poll_field(&HeldLatest::Failed("refused".into()), t0), None);
+        // Older than 3 minutes: absent, never the old list.
+        assert!(poll_field(&read(3, t0), t0 + HELD_MAX_AGE).is_some());
+        assert_eq!(
+            poll_field(&read(3, t0), t0 + HELD_MAX_AGE + Duration::from_millis(1)),
+            None
+        );
+        // More than 512: absent (a cut list would read as "holds only these").
+        assert!(poll_field(&read(512, t0), t0).is_some());
+        assert_eq!(poll_field(&read(513, t0), t0), None);
+        // ...but the whole read stays available to other consumers.
+        assert_eq!(read(513, t0).fresh(t0).unwrap().ids.len(), 513);
+    }
+
+    #[test]
+    fn missing_is_what_the_state_records_and_merod_does_not_list() {
+        let recorded: BTreeSet<GroupId> = [id(1), id(2), id(3)].into();
+        assert_eq!(missing(&recorded, &[id(2), id(9)]), [id(1), id(3)].into());
+        let all: Vec<GroupId> = recorded.iter().copied().collect();
+        assert!(missing(&recorded, &all).is_empty());
+    }
+}

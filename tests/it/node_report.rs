@@ -1,0 +1,290 @@
+//! What the node tells MDMA and hands merod (issue 21), over HTTP against the emulators:
+//! join-status after each fleet-join outcome, the assignment's admitter addresses in the
+//! fleet-join (and an older core's 400), the role in the confirm, and merod's own 404s.
+
+use std::time::Duration;
+
+use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
+use fleet_sidecar::{MerodClient, MerodError, Node, State, StateStore};
+
+use crate::common::*;
+
+const LIMIT: Duration = Duration::from_secs(30);
+const ADMITTER: &str =
+    "/ip4/10.0.0.7/tcp/2428/p2p/12D3KooWSeVdxK56xM4YSnh88AaEnqzrqYHyMPGxtMJ8jufC151U";
+
+fn refuse_under_data() -> JoinBehaviour {
+    JoinBehaviour::Refuse {
+        refusals: vec![(
+            "12D3KooWSeVdxK56xM4YSnh88AaEnqzrqYHyMPGxtMJ8jufC151U".to_owned(),
+            "MRTD not in the admission policy".to_owned(),
+        )],
+        under_data: true,
+    }
+}
+
+fn fleet_joins(sb: &Sandbox) -> Vec<fleet_sidecar::emulator::merod::CallRecord> {
+    sb.merod
+        .calls()
+        .into_iter()
+        .filter(|c| c.path == "/admin-api/tee/fleet-join")
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn join_status_says_why_a_join_waits_and_attempts_survive_a_restart() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(A, refuse_under_data());
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("a refused report", LIMIT, || {
+        !sb.mdma.join_statuses().is_empty()
+    })
+    .await;
+    let first = sb.mdma.join_statuses()[0].body.clone();
+    assert_eq!(first["state"], "refused", "{first}");
+    assert_eq!(first["group_id"], A);
+    assert_eq!(first["peer_id"], PEER_ID);
+    assert_eq!(first["attempts"], 1);
+    assert_eq!(first["error"], serde_json::Value::Null);
+    assert_eq!(
+        first["refusals"][0]["reason"],
+        "MRTD not in the admission policy"
+    );
+    // The same outcome again is not reported again (only every 10th attempt).
+    eventually("a second attempt", LIMIT, || sb.merod.joins(A) >= 2).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        sb.mdma.join_statuses().len(),
+        1,
+        "{:?}",
+        sb.mdma.join_statuses()
+    );
+    // /status shows the latest outcome and its reason.
+    let live = d.telemetry.snapshot();
+    let shown = &live.join_outcomes[&gid(A)];
+    assert_eq!(shown.state, "refused");
+    assert!(shown
+        .reason
+        .as_deref()
+        .unwrap()
+        .contains("MRTD not in the admission policy"));
+    d.stop().await;
+
+    // A restart keeps counting; the flat shape is read too, and a change is reported.
+    let before = sb.merod.joins(A) as u64;
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::Refuse {
+            refusals: vec![("12D3KooWB".to_owned(), "quorum not reached".to_owned())],
+            under_data: false,
+        },
+    );
+    sb.mdma.set_join_status_route(false);
+    let d = start(&sb, "");
+    eventually("a report after the restart", LIMIT, || {
+        sb.mdma.join_statuses().len() >= 2
+    })
+    .await;
+    let after = sb.mdma.join_statuses()[1].clone();
+    assert_eq!(after.status, 404, "an MDMA without the route");
+    assert_eq!(after.body["refusals"][0]["reason"], "quorum not reached");
+    assert!(
+        after.body["attempts"].as_u64().unwrap() > before,
+        "{}",
+        after.body
+    );
+    // A 404 from MDMA changes nothing about joining: admitted and confirmed as usual.
+    sb.merod.set_join(A, JoinBehaviour::default());
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    eventually("the admitted report", LIMIT, || {
+        sb.mdma
+            .join_statuses()
+            .iter()
+            .any(|r| r.body["state"] == "admitted")
+    })
+    .await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_fleet_join_is_reported_as_an_error() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::Error {
+            status: 500,
+            message: "Failed to generate attestation".to_owned(),
+        },
+    );
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("an error report", LIMIT, || {
+        !sb.mdma.join_statuses().is_empty()
+    })
+    .await;
+    d.stop().await;
+    let body = &sb.mdma.join_statuses()[0].body;
+    assert_eq!(body["state"], "error", "{body}");
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .contains("Failed to generate attestation"),
+        "{body}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admitter_addrs_go_to_fleet_join_and_an_older_core_is_asked_again_without_them() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma
+        .set_admitter_addrs(A, vec![ADMITTER.to_owned(), "dns-name:2428".to_owned()]);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+    let join: serde_json::Value = serde_json::from_str(&first_fleet_join(&sb).body).unwrap();
+    assert_eq!(
+        join["admitterAddrs"],
+        serde_json::json!([ADMITTER]),
+        "{join}"
+    );
+
+    // An older core refuses the field: asked again at once without it, and not offered it
+    // again (B's join has none either).
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_older_core(true);
+    sb.mdma.set_admitter_addrs(A, vec![ADMITTER.to_owned()]);
+    sb.mdma.set_admitter_addrs(B, vec![ADMITTER.to_owned()]);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    eventually("B confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(B))
+    })
+    .await;
+    d.stop().await;
+    let joins = fleet_joins(&sb);
+    let statuses: Vec<u16> = joins.iter().map(|c| c.status).collect();
+    assert_eq!(statuses, [400, 200, 200], "{joins:?}");
+    assert!(joins[0].body.contains("admitterAddrs"));
+    assert!(!joins[1].body.contains("admitterAddrs") && !joins[2].body.contains("admitterAddrs"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_confirm_carries_the_role_and_a_changed_role_is_confirmed_again() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_role(A, "RelayTee");
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    let d = start(&sb, "");
+    eventually("both confirmed", LIMIT, || {
+        load(&sb).confirmed == set(&[A, B])
+    })
+    .await;
+    let role_of = |g: &str| {
+        sb.mdma
+            .confirms()
+            .iter()
+            .rev()
+            .find(|c| c.group_id.as_deref() == Some(g))
+            .map(|c| (c.tee_role.clone(), c.authorship_ready))
+    };
+    assert_eq!(
+        role_of(A),
+        Some((Some(Some("RelayTee".into())), Some(true)))
+    );
+    assert_eq!(
+        role_of(B),
+        Some((Some(Some("ReadOnlyTee".into())), Some(false)))
+    );
+    // B is promoted: the next held refresh (asked for after C's join) reads roles again and
+    // B is confirmed again with its new role.
+    sb.merod.set_role(B, "RelayTee");
+    sb.mdma.set_reply(PollReply::assign([A, B, C]));
+    eventually("B confirmed again as RelayTee", LIMIT, || {
+        role_of(B) == Some((Some(Some("RelayTee".into())), Some(true)))
+    })
+    .await;
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_merod_s_own_404_means_not_held() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let merod = MerodClient::new(&sb.merod.url()).unwrap();
+    assert!(
+        !merod.holds_namespace(gid(A)).await.unwrap(),
+        "merod's own 404"
+    );
+    sb.merod.set_foreign_404(A, true);
+    let err = merod.holds_namespace(gid(A)).await.unwrap_err();
+    assert!(
+        matches!(err, MerodError::Refused { status: 404, .. }),
+        "unknown: {err}"
+    );
+
+    // A joining-only namespace MDMA withdrew is not dropped on a 404 of another shape.
+    StateStore::new(sb.state_file())
+        .save(&State {
+            joining: set(&[A]),
+            ..State::default()
+        })
+        .unwrap();
+    sb.merod.set_default_leave(LeaveBehaviour::default());
+    sb.mdma.set_reply(PollReply::assign([B]));
+    // No leave grace (issue 18): a withdrawn joining-only namespace is checked at once.
+    let d = start(&sb, "leave_grace = \"0s\"");
+    eventually("B confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(B))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        load(&sb).joining.contains(&gid(A)),
+        "kept: membership unknown"
+    );
+    assert_eq!(sb.merod.leaves(A), 0);
+    // merod's own answer again: dropped with no leave sent.
+    sb.merod.set_foreign_404(A, false);
+    eventually("A dropped", LIMIT, || !load(&sb).joining.contains(&gid(A))).await;
+    d.stop().await;
+    assert_eq!(sb.merod.leaves(A), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_merod_does_not_list_yet_stays_recorded_and_is_checked_again() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.merod.set_join(
+        A,
+        JoinBehaviour::AdmitWithoutHolding {
+            delay: Duration::ZERO,
+        },
+    );
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let d = start(&sb, "");
+    eventually("two attempts", LIMIT, || sb.merod.joins(A) >= 2).await;
+    let state = load(&sb);
+    assert!(
+        state.joining.contains(&gid(A)) && state.admitted.is_empty(),
+        "{state:?}"
+    );
+    sb.merod.set_join(A, JoinBehaviour::default());
+    eventually("A confirmed", LIMIT, || {
+        load(&sb).confirmed.contains(&gid(A))
+    })
+    .await;
+    d.stop().await;
+}
