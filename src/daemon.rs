@@ -46,7 +46,7 @@ use crate::config::Config;
 use crate::identity::IdentityError;
 use crate::ids::PeerId;
 use crate::mdma::{ControlPlane, MdmaClient, PollError, MDMA_TIMEOUT};
-use crate::merod::{MerodClient, Node};
+use crate::merod::{ListenCandidates, Node};
 use crate::registration::TokenJob;
 use crate::state::{State, StateError};
 use crate::telemetry::Projection;
@@ -94,12 +94,13 @@ impl Deps {
     /// The real clients for `cfg`, with the fleet token's job when `cfg` needs one
     /// (`fleet_token_file` read again on a refused poll and SIGHUP; `[registration]`).
     /// `merod` takes the loop's calls; `registration_merod` the token job's (identity,
-    /// attest).
+    /// attest), sent to the address of its [`ListenCandidates::current`], which is the
+    /// loop's choice when `merod` is the same candidates.
     pub(crate) fn real(
         cfg: &Config,
         mdma: MdmaClient,
         merod: Arc<dyn Node>,
-        registration_merod: MerodClient,
+        registration_merod: Arc<ListenCandidates>,
         telemetry: Arc<Telemetry>,
     ) -> Result<Self, crate::registration::JobError> {
         let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod)?;
@@ -202,8 +203,9 @@ pub async fn run(cfg: Config, deps: Deps, shutdown: CancellationToken) -> Result
 }
 
 /// One full cycle (`fleet-sidecar once`): start as [`run`] does (but wait at most
-/// [`ONCE_MEROD_WAIT`] for merod), poll once, run the planned joins and leaves to their
-/// end, persist.
+/// [`ONCE_MEROD_WAIT`] for merod), with `[registration]` and no stored token wait for the
+/// first registration attempt to end (registered or not), poll once, run the planned joins
+/// and leaves to their end, persist.
 ///
 /// Errors: as [`run`], [`DaemonError::MerodNotReady`], and [`DaemonError::NotPersisted`]
 /// when the state could not be written. `Ok(None)` when shut down before the cycle.
@@ -212,10 +214,18 @@ pub async fn once(
     deps: Deps,
     shutdown: CancellationToken,
 ) -> Result<Option<CycleOutcome>, DaemonError> {
-    let Some(mut sidecar) = Sidecar::start(cfg, deps, shutdown, Some(ONCE_MEROD_WAIT)).await?
+    let Some(mut sidecar) =
+        Sidecar::start(cfg, deps, shutdown.clone(), Some(ONCE_MEROD_WAIT)).await?
     else {
         return Ok(None);
     };
+    // With `[registration]` and no stored token, the first attempt ends before the poll.
+    if let Some(job) = sidecar.deps.token_job.clone() {
+        tokio::select! {
+            () = shutdown.cancelled() => return Ok(None),
+            () = job.settled() => {}
+        }
+    }
     let mut held = sidecar.view.held.clone();
     held.first_read(held::HELD_READ_TIMEOUT).await;
     let outcome = sidecar.cycle().await;

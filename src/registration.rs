@@ -30,7 +30,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tokio::sync::Notify;
+use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -41,7 +41,7 @@ use crate::ids::PeerId;
 use crate::mdma::{
     EnrolmentToken, FleetToken, MdmaClient, PollVerdict, RegisterError, RegisterRequest,
 };
-use crate::merod::{MerodClient, MerodError, NodeAccount};
+use crate::merod::{ListenCandidates, MerodError, NodeAccount};
 use crate::telemetry::Telemetry;
 
 /// Polls refused (401/403) for this long in a row make a held token count as rejected: the
@@ -454,7 +454,8 @@ enum Source {
 
 /// What a registration needs besides MDMA: merod, the metadata server, the settings.
 struct Registrar {
-    merod: MerodClient,
+    /// merod at the `[server].listen` address the loop chose.
+    merod: Arc<ListenCandidates>,
     cfg: RegistrationConfig,
     metadata: reqwest::Client,
 }
@@ -464,6 +465,9 @@ pub(crate) struct TokenJob {
     mdma: MdmaClient,
     source: Source,
     hup: Notify,
+    /// `true` once the token to start with is settled: a stored or configured one in place,
+    /// or the first registration attempt ended (registered or not); what `once` waits for.
+    settled: watch::Sender<bool>,
 }
 
 /// Why the token job could not be built.
@@ -479,11 +483,11 @@ impl TokenJob {
     pub(crate) fn for_config(
         cfg: &Config,
         mdma: &MdmaClient,
-        merod: &MerodClient,
+        merod: &Arc<ListenCandidates>,
     ) -> Result<Option<Arc<Self>>, JobError> {
         let source = match (&cfg.registration, &cfg.fleet_token_file) {
             (Some(reg), _) => Source::Registration(Box::new(Registrar {
-                merod: merod.clone(),
+                merod: Arc::clone(merod),
                 cfg: reg.clone(),
                 // Never through a proxy: the metadata server is link-local, and a proxy
                 // would see the enrolment token.
@@ -502,7 +506,19 @@ impl TokenJob {
             mdma: mdma.clone(),
             source,
             hup: Notify::new(),
+            settled: watch::Sender::new(false),
         })))
+    }
+
+    /// Waits until the token to start with is settled: at once with a configured or stored
+    /// token (or in a dry run), else until the first registration attempt ended, registered
+    /// or not (each of its calls is bounded, so this is too). `once` waits for this before
+    /// its poll, so the poll carries a token the attempt earned, and the process does not
+    /// exit in the middle of a registration.
+    pub(crate) async fn settled(&self) {
+        let mut settled = self.settled.subscribe();
+        // The sender lives as long as `self`: this ends when the value turns `true`.
+        let _ = settled.wait_for(|done| *done).await;
     }
 
     /// SIGHUP: read the token file again.
@@ -523,6 +539,7 @@ impl TokenJob {
     ) {
         match &self.source {
             Source::File(_) => {
+                self.settled.send_replace(true);
                 telemetry.update(|st| st.fleet_token = "configured".to_owned());
                 tokio::spawn(async move { self.watch_file(shutdown).await });
             }
@@ -555,6 +572,9 @@ impl TokenJob {
                         "pending".to_owned()
                     });
                 });
+                if held == Held::Token || dry_run {
+                    self.settled.send_replace(true);
+                }
                 if dry_run {
                     info!("dry run: no registration is attempted");
                     return;
@@ -652,6 +672,7 @@ impl TokenJob {
                     };
                     self.settle(&mut machine, why, outcome, &mut blocked, &telemetry)
                         .await;
+                    self.settled.send_replace(true);
                     next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
                     continue;
                 }
@@ -786,7 +807,7 @@ impl Registrar {
     /// The identity as it is now: the account from merod, the relay URL from the config or
     /// the metadata.
     async fn identity(&self, peer_id: &PeerId) -> Result<Identity, AttemptError> {
-        let account = match self.merod.identity().await {
+        let account = match self.merod.current().identity().await {
             Ok(NodeAccount::Account(a)) => a,
             Ok(NodeAccount::NotMinted) => return Err(AttemptError::NotMinted),
             Err(e) => return Err(AttemptError::Identity(e)),
@@ -829,22 +850,24 @@ impl Registrar {
         };
         let challenge = mdma.challenge().await.map_err(AttemptError::Challenge)?;
         let nonce = nonce(&challenge.challenge, &id);
-        let (quote, registration_bound) = match self.merod.registration_attest(&nonce).await {
-            Ok(Some(q)) => (q, true),
-            Ok(None) => {
-                debug!(
+        let (quote, registration_bound) =
+            match self.merod.current().registration_attest(&nonce).await {
+                Ok(Some(q)) => (q, true),
+                Ok(None) => {
+                    debug!(
                     "merod has no registration-attest (404): quoting with tee/attest, no binding"
                 );
-                (
-                    self.merod
-                        .attest(&nonce)
-                        .await
-                        .map_err(AttemptError::Attest)?,
-                    false,
-                )
-            }
-            Err(e) => return Err(AttemptError::Attest(e)),
-        };
+                    (
+                        self.merod
+                            .current()
+                            .attest(&nonce)
+                            .await
+                            .map_err(AttemptError::Attest)?,
+                        false,
+                    )
+                }
+                Err(e) => return Err(AttemptError::Attest(e)),
+            };
         let request = RegisterRequest {
             peer_id: peer_id.clone(),
             executor_account: id.executor_account.clone(),

@@ -12,8 +12,10 @@
 //! 3. a withdrawn namespace is left once its `leave_grace` (3 s) has passed, merod no longer
 //!    holds it, and the state file is exactly the one namespace still assigned (and the one
 //!    leave, stamped);
-//! 4. the quote registration would send: merod answers `registration-attest` 404, and the
-//!    fallback `/admin-api/tee/attest` yields a mock quote over the nonce.
+//! 4. attested registration (`[registration]`, run by the daemon once merod has minted the
+//!    node's account at its first admission): merod answers `registration-attest` 404, the
+//!    daemon falls back to `/admin-api/tee/attest`, registers with merod's mock quote over
+//!    `sha256(challenge|peer_id|account|relay_url)`, unbound, and polls with the issued token.
 //!
 //! Needs `python3` (for the lab tool) when it runs; it takes about a minute.
 
@@ -22,10 +24,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
+use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply, ISSUED_TOKEN};
 use fleet_sidecar::emulator::sandbox::MRTD_HEX;
 use fleet_sidecar::{GroupId, MerodClient, Node, StateStore};
 use serde_json::Value;
+use sha2::{Digest, Sha256};
 
 /// The withdrawal's leave policy: left after 3 s of absence and two successful polls
 /// without it.
@@ -34,6 +37,10 @@ const LEAVE_POLICY: &str = "leave_grace = \"3s\"\nleave_after_polls = 2";
 const LEAVE_GRACE: Duration = Duration::from_secs(3);
 /// Failed polls back off up to 2 s, so an outage of 8 polls takes seconds, not a minute.
 const BACKOFF: &str = "max_backoff = \"2s\"";
+/// The relay URL the node registers with (given, so no metadata server is asked).
+const RELAY: &str = "https://relay.fleet.test";
+/// The enrolment token in the registration's `enrolment_token_file`.
+const ENROLMENT: &str = "NEVER-LOGGED-TOKEN-enrolment";
 
 /// A two-node lab started by `scripts/merod-lab.py`; stopped when dropped.
 struct Lab {
@@ -205,15 +212,18 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     let state_file = work.join("state.json");
     let log_file = work.join("fleet-sidecar.log");
     let config = work.join("fleet-sidecar.toml");
+    std::fs::write(work.join("enrolment-token"), ENROLMENT).expect("enrolment token");
     std::fs::write(
         &config,
         format!(
-            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n",
+            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[registration]\ntoken_file = \"{token}\"\nenrolment_token_file = \"{enrolment}\"\nrelay_url = \"{RELAY}\"\nretry_interval = \"1s\"\n",
             mdma = mdma.url(),
             state = state_file.display(),
             log = log_file.display(),
             home = lab.str("home"),
             mrtd = work.join("mrtd").display(),
+            token = work.join("fleet/fleet-token").display(),
+            enrolment = work.join("enrolment-token").display(),
         ),
     )
     .expect("config");
@@ -360,17 +370,55 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     );
     assert_eq!(members(&withdrawn).await.0, 500);
 
-    // 4. The quote registration would send: `registration-attest` is absent (404) on this
-    //    core, so the fallback `/admin-api/tee/attest` is asked, and yields a mock quote
-    //    whose report data is the nonce followed by 32 zero bytes.
+    // 4. Attested registration, by the daemon: merod minted the account at the first
+    //    admission; registration-attest is absent on this core (404), so the quote came from
+    //    /admin-api/tee/attest, unbound; the issued token is used at once.
+    eventually(
+        "a poll accepted with the issued token",
+        Duration::from_secs(60),
+        why,
+        || async {
+            mdma.polls()
+                .iter()
+                .any(|p| p.token.as_deref() == Some(ISSUED_TOKEN) && p.status == 200)
+        },
+    )
+    .await;
+    let regs = mdma.registrations();
+    assert_eq!(regs.len(), 1, "one registration");
+    let body = Value::Object(regs[0].body.clone().expect("a JSON body"));
     let http = reqwest::Client::builder()
         .no_proxy()
         .build()
         .expect("client");
-    let nonce = "5a".repeat(32);
-    let attest = |route: &'static str| {
-        let url = format!("{}admin-api/tee/{route}", lab.str("b_admin_url"));
+    let b = lab.str("b_admin_url");
+    let identity: Value = http
+        .get(format!("{b}admin-api/identity"))
+        .send()
+        .await
+        .expect("merod answers")
+        .json()
+        .await
+        .expect("JSON");
+    let account = identity["data"]["accountId"].as_str().expect("accountId");
+    let challenge = mdma.challenges()[0].clone();
+    assert_eq!(body["peer_id"], lab.str("b_peer_id"));
+    assert_eq!(body["executor_account"], account);
+    assert_eq!(body["relay_url"], RELAY);
+    assert_eq!(body["challenge"], challenge.as_str());
+    assert_eq!(body["enrolment_token"], ENROLMENT);
+    assert!(
+        body.get("quote_binding").is_none(),
+        "the fallback quote is unbound: {body}"
+    );
+    let nonce = hex::encode(Sha256::digest(
+        format!("{challenge}|{}|{account}|{RELAY}", lab.str("b_peer_id")).as_bytes(),
+    ));
+    // merod's mock quote depends only on the report data: asking for one over the same nonce
+    // gives the quote the daemon sent, whose report data is the nonce and 32 zero bytes.
+    let post = |route: &'static str| {
         let http = http.clone();
+        let url = format!("{b}admin-api/tee/{route}");
         let nonce = nonce.clone();
         async move {
             let r = http
@@ -383,18 +431,27 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
             (status, r.json::<Value>().await.unwrap_or(Value::Null))
         }
     };
-    let (status, _) = attest("registration-attest").await;
-    assert_eq!(status, 404, "registration-attest is newer than this core");
-    let (status, body) = attest("attest").await;
-    assert_eq!(status, 200, "{body}");
-    let quote = body["data"]["quoteB64"].as_str().expect("quoteB64");
-    assert!(quote.len() > 100, "a quote, not a stub: {quote}");
     assert_eq!(
-        body["data"]["quote"]["body"]["reportdata"].as_str(),
-        Some(format!("{nonce}{}", "0".repeat(64)).as_str()),
-        "{body}"
+        post("registration-attest").await.0,
+        404,
+        "absent on this core"
     );
-    step("the attest fallback yields a quote over the nonce");
+    let (status, quote) = post("attest").await;
+    assert_eq!(status, 200, "{quote}");
+    assert_eq!(
+        body["quote"], quote["data"]["quoteB64"],
+        "the daemon sent merod's quote"
+    );
+    assert_eq!(
+        quote["data"]["quote"]["body"]["reportdata"].as_str(),
+        Some(format!("{nonce}{}", "0".repeat(64)).as_str()),
+        "{quote}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(work.join("fleet/fleet-token")).expect("token file"),
+        ISSUED_TOKEN
+    );
+    step("registered through the attest fallback; polls carry the issued token");
 
     // The daemon stops cleanly on SIGTERM.
     let mut daemon = daemon;

@@ -216,12 +216,13 @@ async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> Exit
     let Some(first) = clients.next() else {
         return ExitCode::from(EXIT_FAILURE);
     };
-    // Registration's merod calls (identity, attest) go to [server].listen[0]'s address.
-    let registration_merod = first.clone();
+    // Registration's merod calls (identity, attest) follow the loop's choice among the
+    // `[server].listen` addresses: the one whose probe answered.
+    let candidates = Arc::new(ListenCandidates::new(first, clients.collect()));
     let merod: Arc<dyn Node> = if fallbacks.is_empty() {
-        Arc::new(first)
+        Arc::new(candidates.current().clone())
     } else {
-        Arc::new(ListenCandidates::new(first, clients.collect()))
+        Arc::clone(&candidates) as Arc<dyn Node>
     };
     let also: Vec<String> = fallbacks.iter().map(ToString::to_string).collect();
     info!(
@@ -232,7 +233,7 @@ async fn serve_logged(cfg: Config, once: bool, logs: Arc<logging::Logs>) -> Exit
         state = %cfg.state_file.display(),
         "fleet-sidecar starting"
     );
-    let deps = match Deps::real(&cfg, mdma, merod, registration_merod, telemetry) {
+    let deps = match Deps::real(&cfg, mdma, merod, candidates, telemetry) {
         Ok(d) => d,
         Err(e) => {
             error!("{e}");

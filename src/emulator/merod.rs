@@ -17,7 +17,9 @@
 //! - `GET /identity`: 404 "holds neither a device nor an account root yet" until the node
 //!   first takes part in a namespace (an admission, [`MerodEmulator::hold`] or
 //!   [`MerodEmulator::set_minted`]), then the recorded account;
-//! - `POST /tee/attest` `{"nonce": "<64 hex>"}`: 200 `{"data":{"quoteB64": …}}`, a mock quote;
+//! - `POST /tee/attest` `{"nonce": "<64 hex>"}`: 200 `{"data":{"quoteB64": …, "quote": {…}}}`,
+//!   a mock quote (`quote` is the recorded parsed quote, its report data the nonce and 32 zero
+//!   bytes); a bad nonce 400 worded as merod words it;
 //!   `POST /tee/registration-attest` the same, but only with
 //!   [`MerodEmulator::set_registration_attest`] (rc.25 predates it: 404, like any unknown route);
 //! - `GET /groups/{id}/members` (`?offset=&limit=`): the recorded member list (an `Admin` and
@@ -239,6 +241,10 @@ struct Fixtures {
     leave_member: Recorded,
     leave_again: Recorded,
     leave_bad_id: Recorded,
+    /// `POST /tee/attest`: `data.quoteB64` and the parsed `data.quote`.
+    attest: Recorded,
+    /// `POST /tee/attest` with a short nonce (400).
+    attest_short_nonce: Recorded,
     /// `GET /groups/{id}/members` of a namespace held, this node's row carrying `account`.
     members: Recorded,
     /// `GET /groups/{id}/members` of a namespace not held.
@@ -273,6 +279,8 @@ impl Fixtures {
             leave_member: fixture!("namespace-leave-member"),
             leave_again: fixture!("namespace-leave-again"),
             leave_bad_id: fixture!("namespace-leave-bad-id"),
+            attest: fixture!("attest"),
+            attest_short_nonce: fixture!("attest-short-nonce"),
             members: own_member_row(fixture!("group-members-member"), &join_admitted),
             members_not_held: fixture!("group-members-never-joined"),
             identity_before: fixture!("identity-before-join"),
@@ -285,6 +293,7 @@ impl Fixtures {
             (&fixtures.join_unknown, JOIN_ID_FIELDS),
             (&fixtures.get_member, DATA_NAMESPACE_ID),
             (&fixtures.leave_member, DATA_NAMESPACE_ID),
+            (&fixtures.attest, ATTEST_FIELDS),
         ] {
             for pointer in pointers {
                 assert!(
@@ -335,6 +344,7 @@ fn own_member_row(mut members: Recorded, join_admitted: &Recorded) -> Recorded {
 
 const JOIN_ID_FIELDS: &[&str] = &["/group_id", "/namespace_id"];
 const DATA_NAMESPACE_ID: &[&str] = &["/data/namespaceId"];
+const ATTEST_FIELDS: &[&str] = &["/data/quoteB64", "/data/quote/body/reportdata"];
 
 struct Inner {
     default_join: JoinBehaviour,
@@ -946,13 +956,34 @@ fn quote(shared: &Shared, headers: &HeaderMap, body: &[u8]) -> Answer {
             json!({ "error": "Expected request with `Content-Type: application/json`" }),
         );
     }
-    match serde_json::from_slice::<AttestRequest>(body) {
-        Ok(r) if parse_id(&r.nonce).is_ok() => json_response(
-            200,
-            json!({ "data": { "quoteB64": mock_quote(&r.nonce.to_ascii_lowercase()) } }),
+    let fixtures = &shared.fixtures;
+    let request: AttestRequest = match serde_json::from_slice(body) {
+        Ok(request) => request,
+        Err(err) => {
+            return json_response(
+                400,
+                json!({ "error": format!("Invalid JSON data: Failed to deserialize the JSON body into the target type: {err}") }),
+            )
+        }
+    };
+    match parse_id(&request.nonce) {
+        // The recorded answer: the quote as base64 and parsed, its report data the nonce
+        // and 32 zero bytes.
+        Ok(nonce) => {
+            let mut answer = fixtures.attest.body.clone();
+            answer["data"]["quoteB64"] = Value::String(mock_quote(&nonce));
+            answer["data"]["quote"]["body"]["reportdata"] =
+                Value::String(format!("{nonce}{}", "0".repeat(64)));
+            json_response(fixtures.attest.status, answer)
+        }
+        Err(IdError::Length(got)) => json_response(
+            fixtures.attest_short_nonce.status,
+            json!({ "error": format!("Field 'nonce' must be exactly 64 characters (got {got})") }),
         ),
-        Ok(_) => json_response(400, json!({ "error": "nonce must be 64 hex characters" })),
-        Err(err) => json_response(400, json!({ "error": format!("Invalid JSON data: {err}") })),
+        Err(IdError::NotHex) => json_response(
+            400,
+            json!({ "error": "Field 'nonce' contains invalid hex encoding: contains non-hexadecimal characters" }),
+        ),
     }
 }
 

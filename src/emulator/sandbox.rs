@@ -13,7 +13,7 @@ use super::merod::MerodEmulator;
 use crate::config::{Config, ConfigError};
 use crate::daemon::Deps;
 use crate::mdma::MdmaClient;
-use crate::merod::MerodClient;
+use crate::merod::{ListenCandidates, MerodClient};
 use crate::telemetry::Telemetry;
 
 /// The PeerId written into the sandbox's merod config.toml.
@@ -126,7 +126,7 @@ impl Sandbox {
             cfg,
             mdma,
             Arc::new(merod.clone()),
-            merod,
+            Arc::new(ListenCandidates::new(merod, Vec::new())),
             Arc::new(Telemetry::new()),
         )?)
     }

@@ -34,7 +34,10 @@ impl ListenCandidates {
         }
     }
 
-    fn current(&self) -> &MerodClient {
+    /// The client of the address the last answering probe chose (`[server].listen[0]`'s
+    /// before any answered): where every call goes, the loop's and those beside it
+    /// (registration's identity and quotes), so all follow the one choice.
+    pub(crate) fn current(&self) -> &MerodClient {
         let i = self.chosen.load(Ordering::Relaxed);
         self.clients.get(i).unwrap_or(&self.clients[0])
     }

@@ -204,6 +204,10 @@ fn every_copied_fixture_is_covered() {
         "identity-before-join",
         "identity-after-join",
         "group-members-member",
+        "identity-after-leave",
+        "registration-attest",
+        "attest",
+        "attest-short-nonce",
     ];
     // Served by the merod emulator only, checked against it by
     // the_emulator_answers_every_recorded_request_in_the_recorded_shape (the sidecar does not
@@ -216,7 +220,6 @@ fn every_copied_fixture_is_covered() {
         "namespaces-list-page-1",
         "namespaces-list-page-2",
         "namespaces-list-page-end",
-        "registration-attest",
     ];
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/merod");
     for entry in std::fs::read_dir(dir).unwrap() {
@@ -411,6 +414,8 @@ fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f:
         | "namespace-get-member"
         | "group-members-member"
         | "namespace-leave-member" => merod.hold(&id()),
+        // The account was minted by the first admission and outlives the leave.
+        "identity-after-join" | "identity-after-leave" => merod.set_minted(true),
         // Held: what the recorded listing names.
         "namespaces-list-member" | "namespaces-list-after-leave" => {
             for entry in f["response"]["body"]["data"].as_array().unwrap() {
@@ -429,8 +434,6 @@ fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f:
                 delay: std::time::Duration::ZERO,
             },
         ),
-        // Recorded once the node had taken part in a namespace (its account minted).
-        "identity-after-join" => merod.set_minted(true),
         // Everything else was recorded on a node holding nothing of the namespace asked.
         _ => {}
     }
@@ -513,16 +516,20 @@ async fn the_emulator_answers_every_recorded_request_in_the_recorded_shape() {
         wrong.join("\n")
     );
 }
+
 #[tokio::test]
 async fn identity_answers_not_minted_before_a_namespace_and_the_account_after() {
     let (_s, client, _f) = replay("identity-before-join").await;
     assert_eq!(client.identity().await.unwrap(), NodeAccount::NotMinted);
-    let (_s, client, f) = replay("identity-after-join").await;
-    let want = f["response"]["body"]["data"]["accountId"].as_str().unwrap();
-    assert_eq!(
-        client.identity().await.unwrap(),
-        NodeAccount::Account(want.to_owned())
-    );
+    for name in ["identity-after-join", "identity-after-leave"] {
+        let (_s, client, f) = replay(name).await;
+        let want = f["response"]["body"]["data"]["accountId"].as_str().unwrap();
+        assert_eq!(
+            client.identity().await.unwrap(),
+            NodeAccount::Account(want.to_owned()),
+            "{name}"
+        );
+    }
 }
 
 /// A server answering every request with `status` and `body`.
@@ -576,6 +583,21 @@ async fn quotes_are_read_under_data_or_at_the_top_and_a_404_is_the_fallback_sign
         client.attest(&nonce).await,
         Err(MerodError::Answer { .. })
     ));
+    // As recorded from rc.25: the quote over the nonce, and a short nonce refused.
+    let (_s, recorded, f) = replay("attest").await;
+    let recorded_nonce = &f["request"]["body"]["nonce"].as_str().unwrap();
+    assert_eq!(
+        recorded.attest(recorded_nonce).await.unwrap(),
+        f["response"]["body"]["data"]["quoteB64"].as_str().unwrap()
+    );
+    let (_s, recorded, _f) = replay("attest-short-nonce").await;
+    assert!(matches!(
+        recorded.attest("abcd").await,
+        Err(MerodError::Status { status: 400, .. })
+    ));
+    // As recorded from rc.25 (404, empty, no content type): absent, fall back.
+    let (_s, recorded, _f) = replay("registration-attest").await;
+    assert_eq!(recorded.registration_attest(&nonce).await.unwrap(), None);
     // registration-attest: only a 404 means "absent, fall back"; a 400 is a failure.
     let (_s, client) = answering(404, r#"{"error":"Not found"}"#).await;
     assert_eq!(client.registration_attest(&nonce).await.unwrap(), None);

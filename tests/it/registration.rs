@@ -12,7 +12,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
-use fleet_sidecar::emulator::mdma::{RegisterReply, ISSUED_TOKEN};
+use fleet_sidecar::emulator::mdma::{PollReply, RegisterReply, ISSUED_TOKEN};
 use fleet_sidecar::emulator::merod::{mock_quote, ACCOUNT_ID};
 use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
 use serde_json::Value;
@@ -35,6 +35,11 @@ struct Metadata {
 }
 
 async fn metadata() -> Metadata {
+    metadata_after(Duration::ZERO).await
+}
+
+/// [`metadata`], each answer sent `delay` after its request.
+async fn metadata_after(delay: Duration) -> Metadata {
     let without_header = Arc::new(Mutex::new(0));
     let seen = Arc::clone(&without_header);
     let router = Router::new().route(
@@ -43,6 +48,7 @@ async fn metadata() -> Metadata {
             move |axum::extract::Path(name): axum::extract::Path<String>, headers: HeaderMap| {
                 let seen = Arc::clone(&seen);
                 async move {
+                    tokio::time::sleep(delay).await;
                     if headers.get("metadata-flavor").map(|v| v.as_bytes()) != Some(b"Google") {
                         *seen.lock().unwrap() += 1;
                         return (StatusCode::FORBIDDEN, "").into_response();
@@ -195,6 +201,68 @@ async fn a_node_registers_through_the_attest_fallback_and_polls_with_its_token_a
     let shown = format!("{}{metrics}", serde_json::to_string(&status).unwrap());
     assert!(!shown.contains("NEVER-LOGGED-TOKEN"), "{shown}");
     d.stop().await;
+}
+
+/// Issue 20's gap: merod behind its second `[server].listen` address (the first refuses
+/// connections). The loop's probe picks the second; registration's identity and quote go
+/// there too, so the node registers (they went to `listen[0]` and never got through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn registration_asks_merod_at_the_listen_address_that_answered() {
+    let (sb, md) = fleet().await;
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let merod_port = sb.merod.addr().port();
+    let toml = sb.dir().join("calimero/default/config.toml");
+    let text = std::fs::read_to_string(&toml).unwrap().replace(
+        &format!("listen = [\"/ip4/127.0.0.1/tcp/{merod_port}\"]"),
+        &format!("listen = [\"/ip4/127.0.0.1/tcp/{dead}\", \"/ip4/127.0.0.1/tcp/{merod_port}\"]"),
+    );
+    assert!(text.contains(&format!("tcp/{dead}")), "{text}");
+    std::fs::write(&toml, text).unwrap();
+    let cfg = sb.write_config(&registration(&sb, &md)).unwrap();
+    let _daemon = spawn_daemon(&cfg, false, &[]);
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    assert_eq!(merod_calls(&sb, "/admin-api/identity").len(), 1);
+    assert_eq!(merod_calls(&sb, "/admin-api/tee/attest").len(), 1);
+    assert_eq!(sb.mdma.registrations().len(), 1);
+}
+
+/// `once` with `[registration]` and no stored token: the first attempt ends before the
+/// poll (here it takes a second, the metadata server being slow), so the one poll carries
+/// the token it earned, instead of going without one and being refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_registers_before_its_poll() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_token(Some(UNKNOWN.to_owned()));
+    sb.merod.set_minted(true);
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let md = metadata_after(Duration::from_millis(500)).await;
+    let cfg = sb.write_config(&registration(&sb, &md)).unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"))
+            .arg("--config")
+            .arg(&cfg)
+            .arg("once")
+            .output()
+            .unwrap()
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let polls = sb.mdma.polls();
+    assert_eq!(polls.len(), 1, "{stderr}");
+    assert_eq!(polls[0].token.as_deref(), Some(ISSUED_TOKEN));
+    assert_eq!(polls[0].status, 200);
+    assert!(sb.mdma.confirmed().contains(A), "{stderr}");
+    assert_eq!(
+        std::fs::read_to_string(token_file(&sb)).unwrap(),
+        ISSUED_TOKEN
+    );
+    assert!(!stderr.contains("NEVER-LOGGED-TOKEN"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
