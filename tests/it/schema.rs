@@ -11,10 +11,67 @@ fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
+/// `path` parsed, refusing a key written twice in one object: JSON readers keep only one of
+/// the two (serde_json the last), so a second copy of a path or schema would silently hide
+/// the first from every check here.
 fn read_json(path: &Path) -> Value {
     let text = std::fs::read_to_string(path)
         .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    if let Err(e) = serde_json::from_str::<NoDuplicateKeys>(&text) {
+        panic!("{}: {e}", path.display());
+    }
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()))
+}
+
+/// Any JSON document whose objects name each key once (deserializing it fails otherwise).
+struct NoDuplicateKeys;
+
+impl<'de> serde::Deserialize<'de> for NoDuplicateKeys {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NoDuplicateKeys)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for NoDuplicateKeys {
+    type Value = NoDuplicateKeys;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_str<E>(self, _: &str) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_unit<E>(self) -> Result<Self, E> {
+        Ok(self)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self, A::Error> {
+        while seq.next_element::<NoDuplicateKeys>()?.is_some() {}
+        Ok(self)
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self, A::Error> {
+        let mut seen = std::collections::HashSet::new();
+        while let Some(key) = map.next_key::<String>()? {
+            if !seen.insert(key.clone()) {
+                return Err(serde::de::Error::custom(format!(
+                    "key {key:?} written twice"
+                )));
+            }
+            map.next_value::<NoDuplicateKeys>()?;
+        }
+        Ok(self)
+    }
 }
 
 /// A 2020-12 validator for `schema` (itself checked against the meta-schema first).
@@ -348,4 +405,39 @@ fn the_bash_sidecar_schema_and_the_import_agree_on_its_files() {
             "the code accepts {doc}"
         );
     }
+}
+
+#[test]
+fn a_key_written_twice_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("twice.json");
+    std::fs::write(
+        &path,
+        r#"{"paths": {"/a": {}, "/b": [1, {"x": 1, "x": 2}]}}"#,
+    )
+    .unwrap();
+    let refused = std::panic::catch_unwind(|| read_json(&path)).unwrap_err();
+    let text = refused.downcast_ref::<String>().unwrap();
+    assert!(text.contains(r#"key "x" written twice"#), "{text}");
+    std::fs::write(&path, r#"{"paths": {"/a": {"x": 1}, "/b": [{"x": 2}]}}"#).unwrap();
+    assert_eq!(read_json(&path)["paths"]["/b"][0]["x"], 2);
+}
+
+#[test]
+fn every_json_file_in_proto_and_fixtures_names_each_key_once() {
+    fn walk(dir: &Path, n: &mut usize) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            if path.is_dir() {
+                walk(&path, n);
+            } else if path.extension().is_some_and(|e| e == "json") {
+                read_json(&path);
+                *n += 1;
+            }
+        }
+    }
+    let mut n = 0;
+    walk(&root().join("proto"), &mut n);
+    walk(&root().join("fixtures"), &mut n);
+    assert!(n > 40, "only {n} JSON files found");
 }
