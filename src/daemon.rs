@@ -63,6 +63,9 @@ use tasks::InFlight;
 pub(crate) const MDMA_DEADLINE: Duration = MDMA_TIMEOUT.saturating_add(Duration::from_secs(1));
 /// On shutdown, how long running joins and leaves may take to finish before they are cut.
 pub(crate) const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// At shutdown, how long the loop waits for the state writes (the one running, then the
+/// final one) before it exits without them.
+pub(crate) const SHUTDOWN_WRITE_WAIT: Duration = Duration::from_secs(10);
 /// The longest time between two turns of the loop (the systemd watchdog's sign of life).
 pub(crate) const ALIVE_TURN: Duration = Duration::from_secs(1);
 
@@ -229,9 +232,12 @@ pub async fn once(
     let mut held = sidecar.view.held.clone();
     held.first_read(held::HELD_READ_TIMEOUT).await;
     let outcome = sidecar.cycle().await;
-    sidecar.drain(None).await;
+    let persisted = sidecar.drain(None).await;
     match sidecar.record.write_error() {
         Some(text) => Err(DaemonError::NotPersisted(text.to_owned())),
+        None if !persisted => Err(DaemonError::NotPersisted(format!(
+            "the state write did not end within {SHUTDOWN_WRITE_WAIT:?}"
+        ))),
         None => Ok(Some(outcome)),
     }
 }

@@ -949,6 +949,8 @@ impl StateStore {
 
     /// Writes `state` if its document differs from what the file holds; returns whether it
     /// wrote. Atomic: a crash at any point leaves either the old or the new document.
+    /// Blocks for the write and its fsyncs (the daemon's loop runs its writes off its
+    /// thread).
     ///
     /// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
     pub fn save(&mut self, state: &State) -> Result<bool, StateError> {
@@ -956,13 +958,63 @@ impl StateStore {
             return Ok(false);
         }
         write_atomically(&self.path, &render_state(state))?;
-        self.written_at = Some(tokio::time::Instant::now());
-        match &mut self.last_written {
-            Some(last) => last.clone_from(state),
-            None => self.last_written = Some(state.clone()),
-        }
+        self.mark_written(state.clone(), tokio::time::Instant::now());
         Ok(true)
     }
+
+    /// A write of `state` to this store's file, to run anywhere ([`PendingWrite::run`]
+    /// blocks); once it succeeded, [`StateStore::mark_written`] tells the store.
+    pub(crate) fn prepare_write(&self, state: State) -> PendingWrite {
+        PendingWrite {
+            path: self.path.clone(),
+            state,
+        }
+    }
+
+    /// Tells the store that its file holds `state` since `at` (monotonic), written by a
+    /// [`PendingWrite`] that succeeded.
+    pub(crate) fn mark_written(&mut self, state: State, at: tokio::time::Instant) {
+        self.written_at = Some(at);
+        self.last_written = Some(state);
+    }
+}
+
+/// A state write prepared by [`StateStore::prepare_write`]: the file's path and the state
+/// to write. Rendered and written by [`PendingWrite::run`], which blocks (a write, two
+/// fsyncs and a rename), so the daemon runs it on a blocking thread, never on its loop.
+#[derive(Debug)]
+pub(crate) struct PendingWrite {
+    path: PathBuf,
+    state: State,
+}
+
+impl PendingWrite {
+    /// Writes the state atomically (as [`StateStore::save`] does); with `probe`, then checks
+    /// that a file can still be created beside it ([`StateStore::check_writable`]). Gives
+    /// the state back with the write's outcome and the probe's.
+    ///
+    /// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
+    pub(crate) fn run(self, probe: bool) -> WriteOutcome {
+        let written = write_atomically(&self.path, &render_state(&self.state));
+        let probed =
+            (probe && written.is_ok()).then(|| StateStore::new(&self.path).check_writable());
+        WriteOutcome {
+            state: self.state,
+            written,
+            probed,
+        }
+    }
+}
+
+/// What a [`PendingWrite`] did.
+#[derive(Debug)]
+pub(crate) struct WriteOutcome {
+    /// The state it wrote (or tried to).
+    pub(crate) state: State,
+    /// Whether the file holds it now.
+    pub(crate) written: Result<(), StateError>,
+    /// The writability probe after a successful write, when one was asked for.
+    pub(crate) probed: Option<Result<(), StateError>>,
 }
 
 /// Writes `bytes` to `path` atomically (temp file in the same directory, fsync, rename,

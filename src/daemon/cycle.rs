@@ -17,8 +17,11 @@ use crate::reconcile::{
 };
 use crate::telemetry::{unix_now, Phase, Telemetry};
 
+use super::record::AfterWrite;
 use super::tasks::{Calls, Counted, Event, JoinEnd, Next};
-use super::{publish, CycleOutcome, Sidecar, ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE};
+use super::{
+    publish, CycleOutcome, Sidecar, ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT,
+};
 
 /// What planning works from besides the state: the last successful poll's answer, and what
 /// it remembers between polls.
@@ -83,6 +86,7 @@ impl Sidecar {
                 biased;
                 () = shutdown.cancelled() => break,
                 next = self.work.next() => self.on_next(next),
+                written = self.record.written() => self.on_written(written, true),
                 () = tokio::time::sleep_until(next_poll.min(alive_at)) => {
                     let started = Instant::now();
                     alive_at = started + ALIVE_TURN;
@@ -103,10 +107,14 @@ impl Sidecar {
     }
 
     /// Waits for running tasks (all of them, or until `grace` runs out, then cuts the
-    /// rest), folding in their events, and persists.
-    pub(super) async fn drain(&mut self, grace: Option<Duration>) {
+    /// rest), folding in their events and the writes that end, and persists (waiting at
+    /// most `SHUTDOWN_WRITE_WAIT` for the state writes). Without `grace` (`once`), the
+    /// joins and leaves waiting for a write start when it ends and are waited for too; with
+    /// it (shutdown), they are not started. `true`: the state is on disk.
+    pub(super) async fn drain(&mut self, grace: Option<Duration>) -> bool {
         let deadline = grace.map(|g| Instant::now() + g);
-        while self.work.running() > 0 {
+        let start = grace.is_none();
+        while self.work.running() > 0 || (start && self.record.writing()) {
             let until_deadline = async {
                 match deadline {
                     Some(d) => tokio::time::sleep_until(d).await,
@@ -115,6 +123,7 @@ impl Sidecar {
             };
             tokio::select! {
                 next = self.work.next() => self.on_next(next),
+                written = self.record.written() => self.on_written(written, start),
                 () = until_deadline => {
                     warn!(running = self.work.running(), "cutting joins/leaves still running at shutdown; they are retried at the next start");
                     self.work.cut().await;
@@ -125,7 +134,7 @@ impl Sidecar {
         while let Some(event) = self.work.try_event() {
             self.on_event(event);
         }
-        self.persist_all();
+        self.persist_all().await
     }
 
     /// One cycle: poll; on success plan and start the joins and leaves, prune, persist.
@@ -233,7 +242,9 @@ impl Sidecar {
             .keep_only(|id| !desired.assigned.contains(id) && !desired.retain.contains(id));
         let join_backoff = work.join_retry.waiting(now);
         let leave_backoff = work.leave_retry.waiting(now);
-        let in_flight = work.in_flight();
+        // The joins and leaves waiting for a write count as in flight: not planned again.
+        let mut in_flight = work.in_flight();
+        in_flight.extend(self.record.awaiting());
         let policy = &self.planner.policy;
         let plan = reconcile::plan(PlanInput {
             policy,
@@ -275,11 +286,14 @@ impl Sidecar {
         };
         self.planner.guard = plan.guard;
         // The plan (absence counts and joins included) is recorded before anything starts:
-        // no join or leave starts while it could not be recorded, and a leave
-        // (irreversible) only while its outcome can be recorded too.
-        let recorded = self.record.record_plan(plan.state, &plan.joins, |state| {
-            publish(&self.deps, &self.planner, &self.work, state)
-        });
+        // no join or leave starts before the write recording it ended (it then starts in
+        // `on_written`), and a leave (irreversible) only while its outcome can be recorded
+        // too (the write's probe).
+        let ready = self
+            .record
+            .record_plan(plan.state, &plan.joins, &plan.leaves, |state| {
+                publish(&self.deps, &self.planner, &self.work, state)
+            });
         if self.planner.dry_run {
             for id in &plan.joins {
                 info!(namespace_id = %id, "dry run: would join (fleet-join, then confirm)");
@@ -289,41 +303,61 @@ impl Sidecar {
             }
             return outcome;
         }
-        let calls = self.calls();
-        if recorded {
-            for id in plan.joins {
-                let addrs = self
-                    .planner
-                    .desired
-                    .admitter_addrs
-                    .get(&id)
-                    .cloned()
-                    .unwrap_or_default();
-                self.work
-                    .spawn_join(id, &calls, &self.identity.peer_id, addrs);
-            }
-        } else if !plan.joins.is_empty() {
-            debug!(
-                held = plan.joins.len(),
-                "joins held: the state file cannot be written, so the join could not be recorded first"
-            );
+        self.after_write(ready, true);
+        outcome
+    }
+
+    /// Takes in a state write that ended (see `Record::on_written`) and does what waited
+    /// for it; `start`: the joins and leaves that waited start (not at shutdown).
+    fn on_written(&mut self, written: super::record::Written, start: bool) {
+        let ready = self.record.on_written(written, |state| {
+            publish(&self.deps, &self.planner, &self.work, state)
+        });
+        self.after_write(ready, start);
+        self.publish();
+    }
+
+    /// Does what waited for a write that succeeded: acknowledges admissions (the join task
+    /// confirms only while the latest poll assigns the namespace), and with `start` sends
+    /// the joins and starts the leaves. A leave whose namespace the latest poll assigns or
+    /// retains again meanwhile is not started (its stamp stays: a leave budget errs on the
+    /// side of fewer leaves).
+    fn after_write(&mut self, ready: Vec<AfterWrite>, start: bool) {
+        if ready.is_empty() {
+            return;
         }
-        if !plan.leaves.is_empty() {
-            if recorded && self.record.check_writable() {
-                for id in plan.leaves {
+        let calls = self.calls();
+        for after in ready {
+            match after {
+                AfterWrite::Ack { id, ack } => {
+                    // Confirmed to MDMA only while the latest poll assigns it: one withdrawn
+                    // (or moved to retain) meanwhile stays admitted, unconfirmed, and goes
+                    // through the grace like any withdrawn namespace.
+                    let _ = ack.send(self.planner.desired.assigned.contains(&id));
+                }
+                AfterWrite::Join(id) if start => {
+                    let addrs = self
+                        .planner
+                        .desired
+                        .admitter_addrs
+                        .get(&id)
+                        .cloned()
+                        .unwrap_or_default();
+                    self.work
+                        .spawn_join(id, &calls, &self.identity.peer_id, addrs);
+                }
+                AfterWrite::Leave(id) if start => {
+                    let desired = &self.planner.desired;
+                    if desired.assigned.contains(&id) || desired.retain.contains(&id) {
+                        info!(namespace_id = %id, "leave not started: the latest poll assigns or retains the namespace again");
+                        continue;
+                    }
                     let maybe_held = !self.record.state().admitted.contains(&id);
                     self.work.spawn_leave(id, &calls, maybe_held);
                 }
-            } else {
-                // Held leaves did not start: they use none of the rate limit.
-                self.record.unstamp_leaves(plan.leaves.len());
-                debug!(
-                    held = plan.leaves.len(),
-                    "leaves held: the state file cannot be written, so their outcome could not be recorded"
-                );
+                AfterWrite::Join(_) | AfterWrite::Leave(_) => {}
             }
         }
-        outcome
     }
 
     /// After a new read of what merod holds (see `MerodView::after_read`): takes it as
@@ -374,18 +408,22 @@ impl Sidecar {
         }
     }
 
-    /// Writes the state if it changed in anything, time included (see
-    /// `Record::persist_all`): at shutdown.
-    fn persist_all(&mut self) -> bool {
+    /// Writes the state if it changed in anything, time included, after the write running
+    /// (see `Record::flush`, bounded by `SHUTDOWN_WRITE_WAIT`): at shutdown.
+    async fn persist_all(&mut self) -> bool {
+        let (deps, planner, work) = (&self.deps, &self.planner, &self.work);
         self.record
-            .persist_all(|state| publish(&self.deps, &self.planner, &self.work, state))
+            .flush(SHUTDOWN_WRITE_WAIT, |state| {
+                publish(deps, planner, work, state)
+            })
+            .await
     }
 
     /// Folds `outcome` into the state and persists it (see `Record::record`).
-    fn record(&mut self, outcome: Outcome) -> bool {
+    fn record(&mut self, outcome: Outcome) {
         self.record.record(outcome, |state| {
             publish(&self.deps, &self.planner, &self.work, state)
-        })
+        });
     }
 
     /// Folds in what a task sent, or accounts for a task that ended.
@@ -412,12 +450,13 @@ impl Sidecar {
                 if let Some(held) = &mut self.planner.held {
                     held.insert(id);
                 }
-                if self.record(Outcome::Admitted(id)) {
-                    // Confirmed to MDMA only while the latest poll assigns it: one withdrawn
-                    // (or moved to retain) meanwhile stays admitted, unconfirmed, and goes
-                    // through the grace like any withdrawn namespace.
-                    let _ = ack.send(self.planner.desired.assigned.contains(&id));
-                }
+                // Acknowledged once the admission is on disk (`after_write`).
+                let ready = self.record.record_then(
+                    Outcome::Admitted(id),
+                    AfterWrite::Ack { id, ack },
+                    |state| publish(&self.deps, &self.planner, &self.work, state),
+                );
+                self.after_write(ready.into_iter().collect(), true);
             }
             Event::DriftChecked { id, held } => {
                 self.work.checking.remove(&id);

@@ -1,26 +1,39 @@
-//! The record: the state, the file it is persisted to, and a failing write.
+//! The record: the state, the file it is persisted to, the write running off the loop
+//! thread, and a failing write.
 //!
-//! The state changes only through [`Record::record`] (an outcome, persisted at once) and
-//! [`Record::record_plan`] (a cycle's plan, persisted when a failing write is due again), so
-//! "nothing is confirmed, and no leave starts, before its record is on disk" is kept here:
-//! each returns whether the state is on disk, and the loop acts only on `true`.
+//! The state changes only through [`Record::record`] (an outcome), [`Record::record_then`]
+//! (an outcome something waits on) and [`Record::record_plan`] (a cycle's plan), and each
+//! change is persisted from here. A write (render, write, fsync, rename, fsync of the
+//! directory) never runs on the loop thread: it runs on a blocking thread, one at a time,
+//! and the changes made meanwhile are coalesced into the next write. What may only happen
+//! once a change is on disk (confirming an admission, sending a join recorded as started,
+//! starting a leave) waits here as an [`AfterWrite`], tagged with the change's sequence
+//! number, and is handed back to the loop only when a write covering that change
+//! succeeded ([`Record::on_written`]); a failed write drops what waited on it. So a slow
+//! fsync delays only what waits for that write, never the poll or `/healthz`, and
+//! "nothing is confirmed, and no leave starts, before its record is on disk" is kept here.
 
+use std::collections::{BTreeSet, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
+use tokio::sync::oneshot;
+use tokio::task::{JoinError, JoinHandle};
 use tokio::time::Instant;
-use tracing::{error, info};
+use tracing::{debug, error, info};
 
 use crate::backoff::{self, RETRY_MAX, RETRY_MIN};
 use crate::ids::GroupId;
 use crate::reconcile::{self, Outcome, StateChange};
-use crate::state::{State, StateError, StateStore};
+use crate::state::{State, StateError, StateStore, WriteOutcome};
 use crate::telemetry::Telemetry;
 
-/// The state, its store and a failing write.
+/// The state, its store, the write in flight and a failing write.
 pub(super) struct Record {
-    /// The state as of now (the file holds it unless a write failed).
+    /// The state as of now (the file holds it once the writes in flight and due are done,
+    /// unless a write failed).
     state: State,
-    /// The state file.
+    /// The state file, as of the last write that succeeded.
     store: StateStore,
     /// A dry run: nothing is written.
     dry_run: bool,
@@ -28,6 +41,46 @@ pub(super) struct Record {
     failure: Option<WriteFailure>,
     /// Where writes are counted and a failing one is shown.
     telemetry: Arc<Telemetry>,
+    /// The sequence number of the latest change to `state` (one per recorded change).
+    changed: u64,
+    /// The write running on a blocking thread (at most one).
+    writing: Option<Writing>,
+    /// What waits for its change to be on disk, in the order of the changes: the
+    /// sequence number of the change, and what to do then.
+    waiting: VecDeque<(u64, AfterWrite)>,
+}
+
+/// What may happen only once the change it follows is on disk.
+#[derive(Debug)]
+pub(super) enum AfterWrite {
+    /// Acknowledge an admission to its join task, which then confirms it to MDMA.
+    Ack {
+        /// The namespace admitted.
+        id: GroupId,
+        /// The join task's acknowledgement.
+        ack: oneshot::Sender<bool>,
+    },
+    /// Send a join recorded as started.
+    Join(GroupId),
+    /// Start a leave (its stamp is recorded, and a file could be created beside the state
+    /// file after the write: its outcome can be recorded).
+    Leave(GroupId),
+}
+
+/// The write on its blocking thread.
+struct Writing {
+    /// The sequence number of the latest change it writes.
+    seq: u64,
+    /// It gives back the state written and how the write went.
+    handle: JoinHandle<WriteOutcome>,
+}
+
+/// A write that ended (from [`Record::written`]), to give to [`Record::on_written`].
+pub(super) struct Written {
+    /// The sequence number of the latest change it wrote.
+    seq: u64,
+    /// How it went (`Err`: its thread panicked).
+    outcome: Result<WriteOutcome, JoinError>,
 }
 
 /// A state write failing: which fault (to log it once), and when the loop tries again.
@@ -56,6 +109,9 @@ impl Record {
             dry_run,
             failure: None,
             telemetry,
+            changed: 0,
+            writing: None,
+            waiting: VecDeque::new(),
         }
     }
 
@@ -69,75 +125,149 @@ impl Record {
         self.failure.as_ref().map(|f| f.text.as_str())
     }
 
-    /// Folds `outcome` into the state and persists it now (`publish` is called with the
-    /// new state before the write). `true`: it is on disk.
-    pub(super) fn record(&mut self, outcome: Outcome, publish: impl FnOnce(&State)) -> bool {
+    /// Whether a write runs.
+    pub(super) fn writing(&self) -> bool {
+        self.writing.is_some()
+    }
+
+    /// The namespaces whose join or leave waits for a write (planning counts them as in
+    /// flight, so a later cycle does not plan them again).
+    pub(super) fn awaiting(&self) -> BTreeSet<GroupId> {
+        self.waiting
+            .iter()
+            .filter_map(|(_, after)| match after {
+                AfterWrite::Join(id) | AfterWrite::Leave(id) => Some(*id),
+                AfterWrite::Ack { .. } => None,
+            })
+            .collect()
+    }
+
+    /// Folds `outcome` into the state and persists it (`publish` is called with the new
+    /// state before the write starts): a write starts now, or, while one runs, follows it.
+    pub(super) fn record(&mut self, outcome: Outcome, publish: impl FnOnce(&State)) {
         reconcile::apply(&mut self.state, outcome);
-        self.persist(publish)
+        self.changed += 1;
+        self.persist(publish);
+    }
+
+    /// [`Record::record`], with `after` to do once the change is on disk: given back now
+    /// when it already is (nothing to write), else by the [`Record::on_written`] of the
+    /// write that puts it there; dropped in a dry run or when that write fails.
+    pub(super) fn record_then(
+        &mut self,
+        outcome: Outcome,
+        after: AfterWrite,
+        publish: impl FnOnce(&State),
+    ) -> Option<AfterWrite> {
+        self.record(outcome, publish);
+        if self.dry_run {
+            return None;
+        }
+        self.wait_for_change(after)
     }
 
     /// Makes a cycle's `change` and, outside a dry run, records every join of `joins` as
     /// started (a join is recorded before it is sent: merod may hold the namespace from
     /// then on, whatever happens to this process); then persists, but while writes fail
-    /// only once the back-off of the last failure has ended. `true`: it is on disk (and
-    /// the joins may be sent).
+    /// only once the back-off of the last failure has ended. The joins and the `leaves`
+    /// (whose stamps `change` holds) wait for that write: the joins already on disk are
+    /// given back now; the rest come from [`Record::on_written`]. Held (not started, the
+    /// leaves' stamps dropped so they use none of the rate limits) while the state cannot
+    /// be written; nothing in a dry run.
     pub(super) fn record_plan(
         &mut self,
         change: StateChange,
         joins: &[GroupId],
+        leaves: &[GroupId],
         publish: impl FnOnce(&State),
-    ) -> bool {
+    ) -> Vec<AfterWrite> {
         change.apply_to(&mut self.state);
+        self.changed += 1;
         if self.dry_run {
-            return false;
+            return Vec::new();
         }
         for id in joins {
             reconcile::apply(&mut self.state, Outcome::JoinStarted(*id));
         }
-        match &self.failure {
-            Some(f) if Instant::now() < f.retry_at => false,
-            _ => self.persist(publish),
+        let backing_off = self.writing.is_none()
+            && self
+                .failure
+                .as_ref()
+                .is_some_and(|f| Instant::now() < f.retry_at);
+        if backing_off {
+            self.hold(joins.len(), leaves.len());
+            return Vec::new();
+        }
+        if !leaves.is_empty() {
+            // A leave starts only after a write that recorded its stamp and the probe
+            // after it, even if nothing else changed.
+            self.store.forget_written();
+        }
+        self.persist(publish);
+        let afters = joins
+            .iter()
+            .map(|id| AfterWrite::Join(*id))
+            .chain(leaves.iter().map(|id| AfterWrite::Leave(*id)));
+        afters
+            .filter_map(|after| self.wait_for_change(after))
+            .collect()
+    }
+
+    /// `after` waits for the latest change, or is given back if no write is due for it.
+    fn wait_for_change(&mut self, after: AfterWrite) -> Option<AfterWrite> {
+        if self.writing.is_none() {
+            // Nothing runs: the change was on disk already, or its write could not start.
+            return self.failure.is_none().then_some(after);
+        }
+        self.waiting.push_back((self.changed, after));
+        None
+    }
+
+    /// Joins and leaves of a plan not started because the state cannot be written now.
+    fn hold(&mut self, joins: usize, leaves: usize) {
+        if joins > 0 {
+            debug!(
+                held = joins,
+                "joins held: the state file cannot be written, so the join could not be recorded first"
+            );
+        }
+        if leaves > 0 {
+            self.unstamp_leaves(leaves);
+            debug!(
+                held = leaves,
+                "leaves held: the state file cannot be written, so their outcome could not be recorded"
+            );
         }
     }
 
-    /// Whether a file can be created next to the state file now (checked before leaves);
-    /// a failure is recorded as a state write error.
-    pub(super) fn check_writable(&mut self) -> bool {
-        match self.store.check_writable() {
-            Ok(()) => true,
-            Err(e) => {
-                self.fail(&e);
-                false
-            }
-        }
-    }
-
-    /// Drops the last `n` leave stamps of the plan just recorded: those leaves were held
-    /// (not started), so they use none of the rate limits.
-    pub(super) fn unstamp_leaves(&mut self, n: usize) {
+    /// Drops the last `n` leave stamps: those leaves were held (not started), so they use
+    /// none of the rate limits. (Stamps are appended in the order of the changes, and the
+    /// held leaves are always the latest ones.)
+    fn unstamp_leaves(&mut self, n: usize) {
         let kept = self.state.recent_leaves_ms.len().saturating_sub(n);
         self.state.recent_leaves_ms.truncate(kept);
     }
 
-    /// Writes the state if it changed (atomically; `false` when it could not be written or
-    /// in a dry run). A change of time alone (the observed clock, poll counts) is written at
-    /// most once a minute ([`StateStore::is_recorded`]): a pending leave costs no write per
-    /// poll. Before a write `publish` brings the live status up to date, so it never lags
-    /// the file: whoever sees the file change and then asks `/status` finds the change
-    /// there. Nothing to write (an idle cycle): neither is done.
-    pub(super) fn persist(&mut self, publish: impl FnOnce(&State)) -> bool {
-        self.write(publish, false)
+    /// Persists the state if it changed (atomically, off the loop thread; never in a dry
+    /// run). A change of time alone (the observed clock, poll counts) is written at most
+    /// once a minute ([`StateStore::is_recorded`]): a pending leave costs no write per
+    /// poll. While a write runs, the change follows it (coalesced). Before a write
+    /// `publish` brings the live status up to date, so it never lags the file: whoever sees
+    /// the file change and then asks `/status` finds the change there. Nothing to write (an
+    /// idle cycle): neither is done.
+    pub(super) fn persist(&mut self, publish: impl FnOnce(&State)) {
+        self.start_write(publish, false);
     }
 
-    /// [`Record::persist`], time-only changes included (at shutdown, so the observed clock
-    /// is kept up to the last poll).
-    pub(super) fn persist_all(&mut self, publish: impl FnOnce(&State)) -> bool {
-        self.write(publish, true)
-    }
-
-    fn write(&mut self, publish: impl FnOnce(&State), time_too: bool) -> bool {
+    /// Starts the write of the state if one is due and none runs (`time_too`: time-only
+    /// changes too). `false`: nothing to write.
+    fn start_write(&mut self, publish: impl FnOnce(&State), time_too: bool) -> bool {
         if self.dry_run {
             return false;
+        }
+        if self.writing.is_some() {
+            // Checked again when it ends.
+            return true;
         }
         // While writes fail, the document is written again at each try (not only on
         // change), so recovery is noticed.
@@ -150,23 +280,138 @@ impl Record {
             self.store.is_recorded(&self.state, Instant::now())
         };
         if recorded {
-            return true;
+            return false;
         }
         publish(&self.state);
-        match self.store.save(&self.state) {
-            Ok(_) => {
+        let job = self.store.prepare_write(self.state.clone());
+        let probe = self
+            .waiting
+            .iter()
+            .any(|(_, after)| matches!(after, AfterWrite::Leave(_)));
+        self.writing = Some(Writing {
+            seq: self.changed,
+            handle: tokio::task::spawn_blocking(move || job.run(probe)),
+        });
+        true
+    }
+
+    /// The write running, once it ends (pending while none runs). Cancel-safe: a write not
+    /// ended yet stays where it is.
+    pub(super) async fn written(&mut self) -> Written {
+        let Some(writing) = &mut self.writing else {
+            return std::future::pending().await;
+        };
+        let outcome = (&mut writing.handle).await;
+        let seq = writing.seq;
+        self.writing = None;
+        Written { seq, outcome }
+    }
+
+    /// Takes in a write that ended: what waited for the changes it wrote is given back
+    /// (when it succeeded: confirm, send those joins, start those leaves); a failed write
+    /// drops what waited (an admission is then not confirmed, a join not sent, a leave not
+    /// started) and backs off. Then the changes made meanwhile are written.
+    pub(super) fn on_written(
+        &mut self,
+        written: Written,
+        publish: impl FnOnce(&State),
+    ) -> Vec<AfterWrite> {
+        let mut ready = Vec::new();
+        let outcome = written.outcome.unwrap_or_else(|e| WriteOutcome {
+            state: self.state.clone(),
+            written: Err(StateError::Write {
+                path: self.store.path().to_owned(),
+                step: "write thread",
+                source: std::io::Error::other(e.to_string()),
+            }),
+            probed: None,
+        });
+        match outcome.written {
+            Ok(()) => {
                 Telemetry::count(&self.telemetry.state_writes, "ok");
+                self.store.mark_written(outcome.state, Instant::now());
                 if self.failure.take().is_some() {
                     info!(path = %self.store.path().display(), "state file written again");
                     self.telemetry.update(|st| st.state_write_error = None);
                 }
-                true
+                while self
+                    .waiting
+                    .front()
+                    .is_some_and(|(seq, _)| *seq <= written.seq)
+                {
+                    ready.extend(self.waiting.pop_front().map(|(_, after)| after));
+                }
+                if let Some(Err(e)) = &outcome.probed {
+                    self.fail(e);
+                    // No leave starts, neither of this write nor of a later one.
+                    let released = ready
+                        .iter()
+                        .filter(|after| matches!(after, AfterWrite::Leave(_)))
+                        .count();
+                    ready.retain(|after| !matches!(after, AfterWrite::Leave(_)));
+                    let later = self.drop_waiting(|after| matches!(after, AfterWrite::Leave(_)));
+                    self.hold(0, released + later);
+                }
             }
             Err(e) => {
                 self.fail(&e);
-                false
+                let joins = self.drop_waiting(|after| matches!(after, AfterWrite::Join(_)));
+                let leaves = self.drop_waiting(|after| matches!(after, AfterWrite::Leave(_)));
+                // Acknowledgements dropped: their joins end as not persisted.
+                self.drop_waiting(|_| true);
+                self.hold(joins, leaves);
             }
         }
+        if self.failure.is_none() && self.changed > written.seq {
+            self.persist(publish);
+        }
+        if self.writing.is_none() {
+            if self.failure.is_none() {
+                // The changes since needed no write: on disk already.
+                ready.extend(self.waiting.drain(..).map(|(_, after)| after));
+            } else {
+                // Not written (the probe failed): held like the rest.
+                let joins = self.drop_waiting(|after| matches!(after, AfterWrite::Join(_)));
+                self.drop_waiting(|_| true);
+                self.hold(joins, 0);
+            }
+        }
+        ready
+    }
+
+    /// Drops what waits and matches `which`; how many.
+    fn drop_waiting(&mut self, which: impl Fn(&AfterWrite) -> bool) -> usize {
+        let before = self.waiting.len();
+        self.waiting.retain(|(_, after)| !which(after));
+        before - self.waiting.len()
+    }
+
+    /// At shutdown: waits for the write running, then writes the state if it changed in
+    /// anything, time included (so the observed clock is kept up to the last poll), and
+    /// waits for that write; at most `bound` in all. What waited on a write is dropped (the
+    /// joins and leaves start at the next run). `true`: the state is on disk (or, in a
+    /// dry run, nothing is to be written).
+    pub(super) async fn flush(&mut self, bound: Duration, publish: impl Fn(&State)) -> bool {
+        if self.dry_run {
+            return true;
+        }
+        let deadline = Instant::now() + bound;
+        // The write running, the changes coalesced after it, the final write (time included),
+        // and one retry of it if it fails.
+        for _ in 0..4 {
+            if self.writing.is_none() && !self.start_write(&publish, true) {
+                break;
+            }
+            match tokio::time::timeout_at(deadline, self.written()).await {
+                Ok(written) => drop(self.on_written(written, &publish)),
+                Err(_) => {
+                    error!(path = %self.store.path().display(), "the state write did not end within {bound:?} at shutdown; the file holds the last write that ended (writes are atomic), without the changes since");
+                    return false;
+                }
+            }
+        }
+        self.waiting.clear();
+        self.writing.is_none() && self.failure.is_none() && self.store.is_saved(&self.state)
     }
 
     /// Counts a failed state write (or write check), logs it once per kind (step and OS

@@ -448,3 +448,125 @@ async fn merods_words_cannot_forge_a_json_log_line() {
         assert!(found, "{sink}: merod's words are logged: {text}");
     }
 }
+
+/// An `LD_PRELOAD` shim making `fsync`/`fdatasync` of files under `$SLOW_FSYNC_DIR` take
+/// `$SLOW_FSYNC_MS` milliseconds (a slowed disk, without root).
+const SLOW_FSYNC_C: &str = r#"
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <limits.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static void slow(int fd) {
+    const char *dir = getenv("SLOW_FSYNC_DIR");
+    const char *ms = getenv("SLOW_FSYNC_MS");
+    char link[64], path[PATH_MAX];
+    if (!dir || !ms) return;
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(link, path, sizeof path - 1);
+    if (n < 0) return;
+    path[n] = 0;
+    if (strncmp(path, dir, strlen(dir)) != 0) return;
+    long v = atol(ms);
+    struct timespec ts = { v / 1000, (v % 1000) * 1000000L };
+    nanosleep(&ts, NULL);
+}
+
+int fsync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fsync");
+    slow(fd);
+    return real(fd);
+}
+
+int fdatasync(int fd) {
+    static int (*real)(int);
+    if (!real) real = (int (*)(int))dlsym(RTLD_NEXT, "fdatasync");
+    slow(fd);
+    return real(fd);
+}
+"#;
+
+/// Builds the slow-fsync shim with gcc into `dir`; `None` (test skipped) without gcc.
+fn slow_fsync_shim(dir: &std::path::Path) -> Option<std::path::PathBuf> {
+    let src = dir.join("slow_fsync.c");
+    let lib = dir.join("slow_fsync.so");
+    std::fs::write(&src, SLOW_FSYNC_C).unwrap();
+    let built = std::process::Command::new("gcc")
+        .args(["-shared", "-fPIC", "-O2", "-o"])
+        .arg(&lib)
+        .arg(&src)
+        .arg("-ldl")
+        .status();
+    match built {
+        Ok(s) if s.success() => Some(lib),
+        _ => None,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_it() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let shim_dir = tempfile::tempdir().unwrap();
+    let Some(shim) = slow_fsync_shim(shim_dir.path()) else {
+        println!("SKIPPED: no gcc to build the slow-fsync shim");
+        return;
+    };
+    // Every write of the state file: two fsyncs (temp file, directory) of 1.5 s each.
+    let state_dir = sb.state_file().parent().unwrap().to_owned();
+    std::fs::create_dir_all(&state_dir).unwrap();
+    let state_dir = state_dir.canonicalize().unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let port = free_port();
+    let cfg = sb
+        .write_config(&format!("status_listen = \"127.0.0.1:{port}\""))
+        .unwrap();
+    let _child = spawn_with_stderr(
+        &cfg,
+        std::process::Stdio::null(),
+        &[
+            ("LD_PRELOAD", shim.to_str().unwrap()),
+            ("SLOW_FSYNC_DIR", state_dir.to_str().unwrap()),
+            ("SLOW_FSYNC_MS", "1500"),
+        ],
+    );
+    eventually("two polls", LIMIT, || sb.mdma.polls().len() >= 2).await;
+    let first = sb.mdma.polls().len() - 1;
+    // The join is recorded (a 3 s write), sent, admitted, recorded (3 s), confirmed,
+    // recorded (3 s): polls go on at 1 s meanwhile, and /healthz answers.
+    let checking = async {
+        while !sb.mdma.confirmed().contains(A) {
+            healthz_answers(port).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, checking)
+        .await
+        .expect("A confirmed");
+    eventually("four more polls", LIMIT, || {
+        sb.mdma.polls().len() >= first + 4
+    })
+    .await;
+    let gap = worst_poll_gap(&sb, first);
+    assert!(gap < Duration::from_millis(1800), "worst poll gap {gap:?}");
+    // The confirm waited for the writes: the join recorded before fleet-join was sent
+    // (3 s), the admission recorded before the confirm (3 s more).
+    let join_at = first_fleet_join(&sb).at;
+    let confirm_at = sb.mdma.confirms()[0].at;
+    let first_poll_at = sb.mdma.polls()[0].at;
+    assert!(
+        join_at - first_poll_at >= Duration::from_millis(2900),
+        "fleet-join {:?} after the first poll",
+        join_at - first_poll_at
+    );
+    assert!(
+        confirm_at - join_at >= Duration::from_millis(2900),
+        "confirm {:?} after fleet-join",
+        confirm_at - join_at
+    );
+    assert!(load(&sb).admitted.contains(&gid(A)));
+}
