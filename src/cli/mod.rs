@@ -33,10 +33,6 @@ const EXIT_POLL_FAILED: u8 = 3;
 const EXIT_USAGE: u8 = 2;
 /// Exit code for an unusable config file (sysexits EX_CONFIG).
 const EXIT_CONFIG: u8 = 78;
-/// How long an idle thread of the runtime's blocking pool stays (tokio's default is 10 s):
-/// the pool serves short file reads and writes, so a thread made again costs less than
-/// threads kept asleep in the idle daemon.
-const BLOCKING_KEEP_ALIVE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Keeps this Calimero TEE node's namespace membership in sync with MDMA.
 #[derive(Parser, Debug)]
@@ -139,14 +135,9 @@ pub fn main() -> ExitCode {
             // work between worker threads (issue 10: ~14 wake-ups a poll with 2 workers,
             // ~3 with one). Nothing on it blocks for long: every outside call is async and
             // bounded, the MRTD read runs on the blocking pool; a hanging join cannot delay
-            // a poll (tests/it/heartbeat.rs pins it for this binary). The blocking pool
-            // (file reads and writes, the MRTD read) lets an idle thread go after
-            // BLOCKING_KEEP_ALIVE instead of tokio's 10 s, so the reads of the start-up
-            // (MRTD, token, join-status file), which may overlap and each take a thread,
-            // leave no threads behind in the idle daemon (tests/it/idle.rs).
+            // a poll (tests/it/heartbeat.rs pins it for this binary).
             let runtime = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
-                .thread_keep_alive(BLOCKING_KEEP_ALIVE)
                 .build()
             {
                 Ok(r) => r,

@@ -57,9 +57,8 @@ async fn the_idle_binary_wakes_about_three_times_a_poll() {
         "{per_poll:.1} wake-ups a poll ({} over {polls} polls)",
         after - before
     );
-    // The runtime's thread and the log writers of stderr and the log file (asleep while
-    // nothing is logged: their wake-ups are in the count above). The blocking pool's
-    // threads of the start-up's reads (MRTD, token, join-status file; several when they
-    // overlap) have gone: an idle one stays 1 s, not tokio's 10 s.
-    assert!(threads <= 3, "{threads} threads");
+    // The runtime's thread, the blocking pool's if the MRTD read's is still idling, and
+    // the log writers of stderr and the log file (asleep while nothing is logged: their
+    // wake-ups are in the count above).
+    assert!(threads <= 4, "{threads} threads");
 }
