@@ -2,9 +2,9 @@
 //! ([`journald`], `log_target`) — and appended to the log file
 //! (`/var/log/fleet-sidecar.log` by default, `log_to_file`), via `tracing`.
 //!
-//! No sink can make the loop wait: stderr and the log file are written by a thread of
-//! their own each, through a bounded queue ([`sink`]); the journal gets datagrams sent
-//! without waiting. A sink that stops reading loses lines — counted in
+//! No sink can make the loop wait: the journal (or stderr) and the log file are written by
+//! a thread of their own each, through a bounded queue ([`sink`]). A sink that stops
+//! reading loses lines — counted in
 //! `fleet_sidecar_log_lines_dropped_total{sink}` and said once when it reads again — and
 //! the poll and `/healthz` go on. Control characters in a line (outside text: merod's and
 //! MDMA's words) are escaped in text lines and journal fields ([`escape`]); JSON escapes
@@ -36,7 +36,7 @@ use sink::Sink;
 pub(crate) struct Logs {
     /// The log file's sink and path, when one is open.
     file: Option<(Sink, PathBuf)>,
-    /// Every queued sink (stderr, the log file).
+    /// Every queued sink (the journal or stderr, the log file).
     queued: Vec<Sink>,
 }
 
@@ -127,12 +127,15 @@ pub(crate) fn init(
         LogTarget::Stderr => false,
         LogTarget::Auto => journald::stderr_is_journal(),
     };
+    let mut logs = Logs::default();
     let (journal, journal_problem) = match want_journal.then(journald::layer) {
         None => (None, None),
-        Some(Ok(l)) => (Some(l.with_filter(filter())), None),
+        Some(Ok((l, sink))) => {
+            logs.queued.push(sink);
+            (Some(l.with_filter(filter())), None)
+        }
         Some(Err(e)) => (None, Some(e)),
     };
-    let mut logs = Logs::default();
     let stderr = match journal {
         Some(_) => None,
         None => {

@@ -5,9 +5,13 @@
 //! upper-case journal field — `NAMESPACE_ID`, `OUTCOME`, `DURATION` (seconds),
 //! `ERROR_KIND` — so `journalctl -u fleet-sidecar NAMESPACE_ID=<64 hex>` works.
 //!
-//! The datagram is sent without waiting: a journal that stops reading (its socket's queue
-//! full) loses the event, counted in `fleet_sidecar_log_lines_dropped_total{sink="journal"}`,
-//! and the first event it takes again is followed by one saying how many were lost. Every
+//! The datagram is queued to a writer thread of its own ([`Sink`]), which sends it and waits
+//! while the journal's socket queue is full: a journal busy for a moment (a start-up burst,
+//! a queue of only `net.unix.max_dgram_qlen` datagrams) loses nothing, and the loop never
+//! waits. A journal that stops reading fills that queue; further events are dropped,
+//! counted in `fleet_sidecar_log_lines_dropped_total{sink="journal"}`, and once it reads
+//! again one event says how many were lost. (Sent without waiting, as before, an error
+//! logged at start-up next to systemd's own burst of lines was lost.) Every
 //! value has its control characters escaped (outside text cannot make a field span lines),
 //! and is cut at [`MAX_VALUE`] bytes. (tracing-journald, used before, sends with a blocking
 //! socket and drops its errors unseen, so neither could be had through it.)
@@ -16,8 +20,7 @@ use std::ffi::OsStr;
 use std::fmt;
 use std::os::fd::AsFd;
 use std::os::unix::fs::MetadataExt;
-use std::os::unix::net::UnixDatagram;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::path::Path;
 
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -27,7 +30,7 @@ use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::Layer;
 
 use super::escape::escape;
-use crate::dropped::{self, count_dropped};
+use super::sink::Sink;
 
 /// Whether systemd connected stderr to the journal: `JOURNAL_STREAM` (`<device>:<inode>`,
 /// set by systemd for a unit with `StandardError=journal`, the default) names the file
@@ -64,32 +67,24 @@ const JOURNALD_PATH: &str = "/run/systemd/journal/socket";
 /// Longest value sent in one field, in bytes (escaped); a longer one is cut, marked `…`.
 pub(crate) const MAX_VALUE: usize = 16 * 1024;
 
-/// The journal layer.
+/// The journal layer: formats each event as one datagram and queues it to the journal's
+/// [`Sink`], whose writer thread sends it.
 pub(crate) struct Journal {
-    socket: UnixDatagram,
-    /// Events not sent because the socket was full or failed, in all.
-    dropped: AtomicU64,
-    /// Of those, how many were already said.
-    reported: AtomicU64,
+    sink: Sink,
 }
 
-/// The journal layer, its socket checked with an empty datagram (which journald ignores).
+/// The journal layer on journald's socket, and its sink (to flush at exit).
 ///
-/// Errors: the journal socket cannot be reached (no journald).
-pub(crate) fn layer() -> std::io::Result<Journal> {
-    let socket = UnixDatagram::unbound()?;
-    socket.set_nonblocking(true)?;
-    match socket.send_to(&[], JOURNALD_PATH) {
-        Ok(_) => {}
-        // There, but not reading just now: it counts as reachable.
-        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
-        Err(e) => return Err(e),
-    }
-    Ok(Journal {
-        socket,
-        dropped: AtomicU64::new(0),
-        reported: AtomicU64::new(0),
-    })
+/// Errors: the journal socket cannot be reached (no journald), or the writer thread
+/// could not be started.
+pub(crate) fn layer() -> std::io::Result<(Journal, Sink)> {
+    layer_at(Path::new(JOURNALD_PATH))
+}
+
+/// [`layer`] on the socket at `path`.
+fn layer_at(path: &Path) -> std::io::Result<(Journal, Sink)> {
+    let sink = Sink::journal(path)?;
+    Ok((Journal { sink: sink.clone() }, sink))
 }
 
 /// A span's fields, kept as journal lines (`NAME=value\n`).
@@ -151,13 +146,6 @@ fn priority(level: &Level) -> &'static str {
     }
 }
 
-impl Journal {
-    /// Sends one datagram without waiting; `false` when it was not taken.
-    fn send(&self, payload: &[u8]) -> bool {
-        self.socket.send_to(payload, JOURNALD_PATH).is_ok()
-    }
-}
-
 impl<S> Layer<S> for Journal
 where
     S: Subscriber + for<'a> LookupSpan<'a>,
@@ -197,33 +185,7 @@ where
             put(&mut buf, "CODE_LINE", &line.to_string());
         }
         event.record(&mut Fields(&mut buf));
-        if !self.send(&buf) {
-            self.dropped.fetch_add(1, Ordering::Relaxed);
-            count_dropped(dropped::JOURNAL, 1);
-            return;
-        }
-        let lost = self.dropped.load(Ordering::Relaxed);
-        let said = self.reported.load(Ordering::Relaxed);
-        if lost > said {
-            self.reported.store(lost, Ordering::Relaxed);
-            let mut note = Vec::with_capacity(160);
-            put(&mut note, "PRIORITY", priority(&Level::WARN));
-            put(&mut note, "SYSLOG_IDENTIFIER", IDENTIFIER);
-            put(&mut note, "SINK", "journal");
-            put(&mut note, "DROPPED", &(lost - said).to_string());
-            put(
-                &mut note,
-                "MESSAGE",
-                &format!(
-                    "{} log lines were dropped while the journal was not reading; it reads again",
-                    lost - said
-                ),
-            );
-            // Not taken: said with the next event taken.
-            if !self.send(&note) {
-                self.reported.store(said, Ordering::Relaxed);
-            }
-        }
+        self.sink.push(buf);
     }
 }
 
@@ -245,6 +207,44 @@ mod tests {
             assert!(!names(Some(OsStr::new(value)), &file), "{value:?}");
         }
         assert!(!names(None, &file));
+    }
+
+    /// A journal that does not read for a moment (busy with systemd's own burst of lines at
+    /// start-up) loses none of a burst longer than its socket's queue
+    /// (`net.unix.max_dgram_qlen`: 10 by the kernel's default, 512 under systemd's sysctl),
+    /// and gets it in order.
+    #[test]
+    fn a_burst_longer_than_the_socket_queue_is_not_lost_while_the_journal_is_busy() {
+        use std::os::unix::net::UnixDatagram;
+        use tracing_subscriber::layer::SubscriberExt;
+
+        const BURST: usize = 1000;
+        const _: () = assert!(BURST > 512 && BURST < super::super::sink::QUEUE_LINES);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.socket");
+        let journald = UnixDatagram::bind(&path).unwrap();
+        let (layer, _sink) = layer_at(&path).unwrap();
+        tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), || {
+            for n in 0..BURST {
+                tracing::error!(n, "line of the burst");
+            }
+        });
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        journald
+            .set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut buf = vec![0u8; 65536];
+        let mut got = Vec::new();
+        while got.len() < BURST {
+            let len = journald
+                .recv(&mut buf)
+                .unwrap_or_else(|e| panic!("{} of {BURST} lines came, then: {e}", got.len()));
+            let text = String::from_utf8_lossy(&buf[..len]).into_owned();
+            if let Some(n) = text.lines().find_map(|l| l.strip_prefix("N=")) {
+                got.push(n.parse::<usize>().unwrap());
+            }
+        }
+        assert_eq!(got, (0..BURST).collect::<Vec<_>>());
     }
 
     #[test]

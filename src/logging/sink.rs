@@ -1,7 +1,10 @@
 //! A log sink that never makes the loop wait: each line is queued (at most
 //! [`QUEUE_LINES`]) to a writer thread of its own, which writes it to stderr or the log
-//! file. A sink that stops reading (a pipe nobody drains, a full disk that blocks) fills
-//! its queue; further lines are dropped and counted
+//! file, or sends it as one datagram to journald's native socket. The writer waits for its
+//! sink as long as it takes, so a short stall (a journal busy with a burst of systemd's
+//! own lines at start-up, a socket queue of only `net.unix.max_dgram_qlen` datagrams) loses
+//! nothing. A sink that stops reading (a pipe nobody drains, a full disk that blocks, a
+//! journal that hangs) fills its queue; further lines are dropped and counted
 //! (`fleet_sidecar_log_lines_dropped_total{sink}`), and once the queue has drained again
 //! the writer thread says, once, how many were lost. The log file is reopened by the
 //! writer thread too, in order with the lines: what was logged before a SIGHUP lands in
@@ -9,6 +12,7 @@
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
@@ -34,7 +38,15 @@ enum Msg {
 /// Where a writer thread writes.
 enum Target {
     Stderr,
-    File { path: PathBuf, file: File },
+    File {
+        path: PathBuf,
+        file: File,
+    },
+    /// journald's native socket at `path`: one datagram per line, sent blocking.
+    Journal {
+        socket: UnixDatagram,
+        path: PathBuf,
+    },
 }
 
 fn open_append(path: &Path) -> io::Result<File> {
@@ -47,6 +59,7 @@ impl Target {
         let _ = match self {
             Target::Stderr => io::stderr().write_all(line),
             Target::File { file, .. } => file.write_all(line),
+            Target::Journal { socket, path } => socket.send_to(line, path).map(drop),
         };
     }
 
@@ -96,6 +109,28 @@ impl Sink {
         Self::start(target, dropped::LOG_FILE, escape)
     }
 
+    /// A sink sending each line as one datagram to the journal socket at `path`, which is
+    /// checked first with an empty datagram (journald ignores it).
+    ///
+    /// Errors: the socket cannot be reached (no journald there), or the writer thread
+    /// could not be started.
+    pub(crate) fn journal(path: &Path) -> io::Result<Self> {
+        let socket = UnixDatagram::unbound()?;
+        socket.set_nonblocking(true)?;
+        match socket.send_to(&[], path) {
+            Ok(_) => {}
+            // There, but not reading just now: it counts as reachable.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        socket.set_nonblocking(false)?;
+        let target = Target::Journal {
+            socket,
+            path: path.to_owned(),
+        };
+        Self::start(target, dropped::JOURNAL, false)
+    }
+
     fn start(target: Target, kind: &'static str, escape: bool) -> io::Result<Self> {
         let (tx, rx) = mpsc::sync_channel(QUEUE_LINES);
         let dropped = Arc::new(AtomicU64::new(0));
@@ -112,7 +147,7 @@ impl Sink {
     }
 
     /// Queues `line`, or drops and counts it when the queue is full. Never waits.
-    fn push(&self, line: Vec<u8>) {
+    pub(crate) fn push(&self, line: Vec<u8>) {
         match self.tx.try_send(Msg::Line(line)) {
             Ok(()) | Err(TrySendError::Disconnected(_)) => {}
             Err(TrySendError::Full(_)) => {
@@ -167,7 +202,7 @@ fn write_lines(rx: Receiver<Msg>, mut target: Target, kind: &'static str, droppe
                         dropped = lost - reported,
                         "{} log lines were dropped while {} was not being read; it reads again",
                         lost - reported,
-                        kind
+                        noun(kind)
                     );
                     reported = lost;
                 }
@@ -184,6 +219,15 @@ fn write_lines(rx: Receiver<Msg>, mut target: Target, kind: &'static str, droppe
                 let _ = ack.send(());
             }
         }
+    }
+}
+
+/// The sink `kind` in a sentence.
+fn noun(kind: &str) -> &str {
+    match kind {
+        dropped::LOG_FILE => "the log file",
+        dropped::JOURNAL => "the journal",
+        other => other,
     }
 }
 
