@@ -15,8 +15,13 @@
 //! `sd_notify(3)` documents for `AF_UNIX`. Does nothing when it is unset (not started by
 //! systemd). A socket that cannot be reached, or a form not understood, is warned about
 //! once (and its recovery logged once). A message is sent without waiting: one the socket
-//! does not take (a manager not reading) is dropped and counted in
-//! `fleet_sidecar_log_lines_dropped_total{sink="notify"}`.
+//! does not take (a manager not reading, or busy for a moment: its queue holds only
+//! `net.unix.max_dgram_qlen` datagrams) is dropped and counted in
+//! `fleet_sidecar_log_lines_dropped_total{sink="notify"}`. `STATUS=` and `WATCHDOG=1` are
+//! superseded by the next ones; `READY=1` and `STOPPING=1` change what systemd does (a
+//! lost `READY=1` gets the unit killed at `TimeoutStartSec`), so one not taken is owed and
+//! sent again with the next message, which comes within a second (the status of the next
+//! poll or the next watchdog ping).
 
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
@@ -123,6 +128,10 @@ pub(crate) fn watchdog_interval(
 struct Notifier {
     socket: NotifySocket,
     failing: AtomicBool,
+    /// `READY=1` was not taken: sent again with the next message.
+    ready_owed: AtomicBool,
+    /// `STOPPING=1` was not taken: sent again with the next message.
+    stopping_owed: AtomicBool,
 }
 
 impl Notifier {
@@ -142,13 +151,42 @@ impl Notifier {
         sock.send(payload).map(drop)
     }
 
+    fn new(socket: NotifySocket) -> Self {
+        Notifier {
+            socket,
+            failing: AtomicBool::new(false),
+            ready_owed: AtomicBool::new(false),
+            stopping_owed: AtomicBool::new(false),
+        }
+    }
+
+    /// Sends `messages` in one datagram, after the owed `READY=1` and `STOPPING=1`.
     fn send(&self, messages: &[Message]) {
+        let ready =
+            self.ready_owed.swap(false, Ordering::Relaxed) || messages.contains(&Message::Ready);
+        let stopping = self.stopping_owed.swap(false, Ordering::Relaxed)
+            || messages.contains(&Message::Stopping);
         let mut payload = String::new();
-        for m in messages {
+        let owed = ready
+            .then_some(Message::Ready)
+            .into_iter()
+            .chain(
+                messages
+                    .iter()
+                    .filter(|m| !matches!(m, Message::Ready | Message::Stopping))
+                    .cloned(),
+            )
+            .chain(stopping.then_some(Message::Stopping));
+        for m in owed {
             payload.push_str(&m.line());
             payload.push('\n');
         }
-        match self.try_send(payload.as_bytes()) {
+        let sent = self.try_send(payload.as_bytes());
+        if sent.is_err() {
+            self.ready_owed.fetch_or(ready, Ordering::Relaxed);
+            self.stopping_owed.fetch_or(stopping, Ordering::Relaxed);
+        }
+        match sent {
             Ok(()) => {
                 if self.failing.swap(false, Ordering::Relaxed) {
                     info!("systemd notify socket reachable again");
@@ -183,10 +221,7 @@ pub(crate) fn install(telemetry: &Arc<Telemetry>) -> bool {
             return false;
         }
     };
-    let notifier = Arc::new(Notifier {
-        socket,
-        failing: AtomicBool::new(false),
-    });
+    let notifier = Arc::new(Notifier::new(socket));
     let n = Arc::clone(&notifier);
     telemetry.add_observer(Box::new(move |before, after| {
         let msgs = messages(before, after, unix_now());
@@ -245,6 +280,44 @@ mod tests {
         ] {
             assert_eq!(watchdog_interval(usec, pid, me), None, "{usec:?} {pid:?}");
         }
+    }
+
+    /// `READY=1` and `STOPPING=1` that a full socket queue did not take (a manager busy
+    /// for a moment) are sent again with the next message; a `STATUS=` is not.
+    #[test]
+    fn ready_and_stopping_not_taken_are_sent_again_with_the_next_message() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("notify");
+        let manager = UnixDatagram::bind(&path).unwrap();
+        manager.set_nonblocking(true).unwrap();
+        let filler = UnixDatagram::unbound().unwrap();
+        filler.set_nonblocking(true).unwrap();
+        let mut filled = 0;
+        while filler.send_to(b"X=1", &path).is_ok() {
+            filled += 1;
+            assert!(filled < 100_000, "the queue never filled");
+        }
+        let n = Notifier::new(NotifySocket::Path(path.clone()));
+        n.send(&[Message::Status("one".into()), Message::Ready]);
+        n.send(&[Message::Status("two".into()), Message::Stopping]);
+        let mut buf = [0u8; 4096];
+        let mut got = Vec::new();
+        while let Ok(len) = manager.recv(&mut buf) {
+            got.push(String::from_utf8_lossy(&buf[..len]).into_owned());
+        }
+        assert_eq!(got.len(), filled, "nothing taken while the queue was full");
+        assert!(got.iter().all(|d| d == "X=1"));
+        n.send(&[Message::Status("three".into())]);
+        let len = manager
+            .recv(&mut buf)
+            .expect("taken once the queue drained");
+        assert_eq!(
+            String::from_utf8_lossy(&buf[..len]),
+            "READY=1\nSTATUS=three\nSTOPPING=1\n"
+        );
+        n.send(&[Message::Watchdog]);
+        let len = manager.recv(&mut buf).unwrap();
+        assert_eq!(String::from_utf8_lossy(&buf[..len]), "WATCHDOG=1\n");
     }
 
     #[test]
