@@ -565,7 +565,10 @@ impl MerodClient {
             reason,
         };
         self.bounded(op, path, self.deadlines.check, async {
-            let mut held = BTreeSet::new();
+            // Gathered in a list, the set built once at the end from it sorted: inserted one
+            // by one in merod's (ascending) order, a B-tree's nodes stay half full (about
+            // 620 KB at 10,000 namespaces instead of 330 KB).
+            let mut held = Vec::new();
             for page in 0usize.. {
                 let mut url = self.url(path);
                 url.query_pairs_mut()
@@ -602,13 +605,15 @@ impl MerodClient {
                     let id = entry.namespace_id.parse().map_err(|e| {
                         answer_err(format!("namespaceId {:?}: {e}", entry.namespace_id))
                     })?;
-                    held.insert(id);
+                    held.push(id);
                 }
                 if count < LIST_PAGE {
                     break;
                 }
             }
-            Ok(held)
+            held.sort_unstable();
+            held.dedup();
+            Ok(held.into_iter().collect())
         })
         .await
     }

@@ -515,21 +515,51 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
 /// (admitted or joining), assigned nor retained by the latest successful poll. Nothing the
 /// sidecar did or will do explains them (a join by hand, the Bash sidecar's, a state file
 /// lost with a RAM `/var`). Pure; `leave_orphans` decides what is done with them (the
-/// default: nothing but reporting them).
+/// default: nothing but reporting them). Linear in the sizes of the five sets when `held`
+/// comes in ascending order (a walk along each set: the daemon runs this every poll, over
+/// 10,000 namespaces); any other order costs a lookup per id.
 pub fn orphans<'a>(
     held: impl IntoIterator<Item = &'a GroupId>,
     state: &State,
     desired: &Desired,
 ) -> BTreeSet<GroupId> {
+    let mut sets = [
+        Walk::new(&state.admitted),
+        Walk::new(&state.joining),
+        Walk::new(&desired.assigned),
+        Walk::new(&desired.retain),
+    ];
     held.into_iter()
-        .filter(|id| {
-            !state.admitted.contains(id)
-                && !state.joining.contains(id)
-                && !desired.assigned.contains(id)
-                && !desired.retain.contains(id)
-        })
+        .filter(|id| !sets.iter_mut().any(|s| s.contains(id)))
         .copied()
         .collect()
+}
+
+/// Membership in a set of ids asked in ascending order, by walking it once; an id below
+/// the one asked before starts a new walk from it.
+struct Walk<'a> {
+    set: &'a BTreeSet<GroupId>,
+    at: std::iter::Peekable<std::collections::btree_set::Range<'a, GroupId>>,
+    last: Option<GroupId>,
+}
+
+impl<'a> Walk<'a> {
+    fn new(set: &'a BTreeSet<GroupId>) -> Self {
+        Self {
+            set,
+            at: set.range(..).peekable(),
+            last: None,
+        }
+    }
+
+    fn contains(&mut self, id: &GroupId) -> bool {
+        if self.last.is_some_and(|last| *id < last) {
+            self.at = self.set.range(id..).peekable();
+        }
+        self.last = Some(*id);
+        while self.at.next_if(|x| *x < id).is_some() {}
+        self.at.peek() == Some(&id)
+    }
 }
 
 /// What an executed action established, to fold into the state.

@@ -76,14 +76,16 @@ pub struct Absence {
 #[serde(deny_unknown_fields)]
 pub struct State {
     /// Namespaces merod admitted (`admitted: true`, verified) and has not been seen to leave.
+    #[serde(deserialize_with = "compact_set")]
     pub admitted: BTreeSet<GroupId>,
     /// Admitted namespaces whose admission MDMA acknowledged (`/api/fleet/confirm` 2xx).
+    #[serde(deserialize_with = "compact_set")]
     pub confirmed: BTreeSet<GroupId>,
     /// Namespaces a fleet-join was sent for (recorded before it is sent) whose admission is
     /// not recorded: merod may hold them (a crash, or a join that timed out here but went
     /// through there), so a withdrawn one is left like an admitted one. An admission moves
     /// the id to `admitted`; a leave (merod holding nothing counts) drops it.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "compact_set")]
     pub joining: BTreeSet<GroupId>,
     /// The observed clock, in milliseconds: monotonic time between successful polls,
     /// summed over every run of the daemon (downtime excluded; see the module docs).
@@ -97,6 +99,17 @@ pub struct State {
     /// `max_leaves_per_minute` and `max_leaves_per_hour` budgets).
     #[serde(default)]
     pub recent_leaves_ms: Vec<u64>,
+}
+
+/// A set of ids read as a list, then built at once (sorted, duplicates dropped, as a set
+/// read element by element would): built one insert at a time in the file's ascending
+/// order, a B-tree's nodes stay half full, and every clone of the state (one per write)
+/// copies that shape (620 KB per 10,000 ids instead of 330 KB).
+fn compact_set<'de, D>(deserializer: D) -> Result<BTreeSet<GroupId>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    Vec::<GroupId>::deserialize(deserializer).map(BTreeSet::from_iter)
 }
 
 impl State {

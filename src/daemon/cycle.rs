@@ -17,6 +17,7 @@ use crate::reconcile::{
 };
 use crate::telemetry::{unix_now, Phase, Telemetry};
 
+use super::held::Holdings;
 use super::record::AfterWrite;
 use super::tasks::{Calls, Counted, Event, JoinEnd, Next};
 use super::{
@@ -41,7 +42,7 @@ pub(super) struct Planner {
     /// merod's latest list of the namespaces it holds (the `held_namespaces` refresh's
     /// latest good read, kept up to date with the admissions and leaves seen since);
     /// `None` until a read worked: no orphan is found.
-    pub(super) held: Option<BTreeSet<GroupId>>,
+    pub(super) held: Option<Holdings>,
     /// When the loop last changed `held` itself (an admission or a leave): a read that
     /// started before it may predate that change, so it does not replace `held` (the
     /// outcome asked for a newer read).
@@ -213,7 +214,7 @@ impl Sidecar {
         let Some(held) = &self.planner.held else {
             return;
         };
-        let found = reconcile::orphans(held, self.record.state(), &self.planner.desired);
+        let found = reconcile::orphans(held.iter(), self.record.state(), &self.planner.desired);
         if self.planner.leave_orphans && !found.is_empty() && !self.planner.dry_run {
             warn!(
                 orphans = found.len(),
@@ -385,7 +386,7 @@ impl Sidecar {
             .held_changed
             .is_none_or(|changed| checks.read_started >= changed)
         {
-            self.planner.held = Some(checks.read.iter().copied().collect());
+            self.planner.held = Some(Holdings::new(checks.read));
         }
         let calls = self.calls();
         for id in checks.drift {

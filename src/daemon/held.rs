@@ -89,6 +89,62 @@ pub(crate) fn missing(recorded: &BTreeSet<GroupId>, read: &[GroupId]) -> BTreeSe
         .collect()
 }
 
+/// merod's holdings as the loop knows them between two reads: the latest read, shared with
+/// the refresh (not copied: 320 KB at 10,000 namespaces), and the admissions and leaves the
+/// loop saw since.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Holdings {
+    /// The read (sorted, unique).
+    read: Arc<[GroupId]>,
+    /// Admitted since, not in `read`.
+    added: BTreeSet<GroupId>,
+    /// Left since, in `read`.
+    removed: BTreeSet<GroupId>,
+}
+
+impl Holdings {
+    /// What `read` (sorted, unique: a [`HeldRead`]'s ids) lists.
+    pub(crate) fn new(read: Arc<[GroupId]>) -> Self {
+        Self {
+            read,
+            added: BTreeSet::new(),
+            removed: BTreeSet::new(),
+        }
+    }
+
+    /// merod admitted `id`: it holds it.
+    pub(crate) fn insert(&mut self, id: GroupId) {
+        self.removed.remove(&id);
+        if self.read.binary_search(&id).is_err() {
+            self.added.insert(id);
+        }
+    }
+
+    /// `id` was left: merod no longer holds it.
+    pub(crate) fn remove(&mut self, id: &GroupId) {
+        self.added.remove(id);
+        if self.read.binary_search(id).is_ok() {
+            self.removed.insert(*id);
+        }
+    }
+
+    /// Every namespace held, ascending.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = &GroupId> + '_ {
+        let mut read = self
+            .read
+            .iter()
+            .filter(|id| !self.removed.contains(id))
+            .peekable();
+        let mut added = self.added.iter().peekable();
+        // `added` and `read` are disjoint: a merge of two ascending lists.
+        std::iter::from_fn(move || match (read.peek(), added.peek()) {
+            (Some(r), Some(a)) if a < r => added.next(),
+            (Some(_), _) => read.next(),
+            (None, _) => added.next(),
+        })
+    }
+}
+
 /// A reader of the refresh's latest outcome, for the loop and for any other consumer (it
 /// is cheap to clone; reading copies only `Arc`s).
 #[derive(Clone, Debug)]
@@ -285,6 +341,31 @@ mod tests {
         assert_eq!(poll_field(&read(513, t0), t0), None);
         // ...but the whole read stays available to other consumers.
         assert_eq!(read(513, t0).fresh(t0).unwrap().ids.len(), 513);
+    }
+
+    proptest::proptest! {
+        /// Holdings, after any admissions and leaves on top of a read, list what a set
+        /// given the same changes holds, in ascending order.
+        #[test]
+        fn holdings_follow_admissions_and_leaves_in_order(
+            read in proptest::collection::btree_set(0u16..64, 0..40),
+            changes in proptest::collection::vec((proptest::bool::ANY, 0u16..64), 0..60),
+        ) {
+            let mut model: BTreeSet<GroupId> = read.iter().map(|n| id(*n)).collect();
+            let mut h = Holdings::new(model.iter().copied().collect());
+            for (admit, n) in changes {
+                if admit {
+                    model.insert(id(n));
+                    h.insert(id(n));
+                } else {
+                    model.remove(&id(n));
+                    h.remove(&id(n));
+                }
+            }
+            let got: Vec<GroupId> = h.iter().copied().collect();
+            let want: Vec<GroupId> = model.into_iter().collect();
+            proptest::prop_assert_eq!(got, want);
+        }
     }
 
     #[test]

@@ -1383,3 +1383,46 @@ fn an_orphan_taken_as_admitted_is_left_like_any_withdrawn_namespace() {
         LeaveWait::MassDropHold { .. }
     ));
 }
+
+proptest! {
+    /// The walk along the sets finds what a lookup per id finds, whatever order merod's
+    /// list comes in (ascending, as the daemon passes it; descending; shuffled; repeated).
+    #[test]
+    fn orphans_are_the_same_in_any_order_of_the_held_list(
+        held in prop::collection::vec(0u8..48, 0..48),
+        admitted in prop::collection::btree_set(0u8..48, 0..24),
+        joining in prop::collection::btree_set(0u8..48, 0..8),
+        assigned in prop::collection::btree_set(0u8..48, 0..24),
+        retain in prop::collection::btree_set(0u8..48, 0..8),
+        order in 0u8..3,
+    ) {
+        let as_ids = |s: &BTreeSet<u8>| s.iter().map(|n| id(*n)).collect::<BTreeSet<_>>();
+        let s = State {
+            admitted: as_ids(&admitted),
+            joining: as_ids(&joining),
+            ..State::default()
+        };
+        let d = Desired {
+            assigned: as_ids(&assigned),
+            retain: as_ids(&retain),
+            ..Desired::default()
+        };
+        let mut list: Vec<GroupId> = held.iter().map(|n| id(*n)).collect();
+        match order {
+            0 => list.sort(),
+            1 => list.sort_by(|a, b| b.cmp(a)),
+            _ => {}
+        }
+        let want: BTreeSet<GroupId> = list
+            .iter()
+            .filter(|x| {
+                !s.admitted.contains(x)
+                    && !s.joining.contains(x)
+                    && !d.assigned.contains(x)
+                    && !d.retain.contains(x)
+            })
+            .copied()
+            .collect();
+        prop_assert_eq!(orphans(&list, &s, &d), want);
+    }
+}
