@@ -16,6 +16,8 @@ mkdir -p "$dir"
 for rev in "$@"; do
   [ -x "$dir/$rev/fleet-sidecar" ] && continue
   [ -d "$dir/clone" ] || git clone -q "$repo" "$dir/clone"
+  # A clone made by an earlier run lacks the commits made since.
+  git -C "$dir/clone" fetch -q "$repo" '+refs/heads/*:refs/remotes/origin/*'
   git -C "$dir/clone" checkout -q --detach "$rev"
   (cd "$dir/clone" && cargo build --release --locked --quiet --features emulator --bin fleet-sidecar --bin fleet-emulators)
   mkdir -p "$dir/$rev"
