@@ -54,13 +54,15 @@ fn open_append(path: &Path) -> io::Result<File> {
 }
 
 impl Target {
-    fn write(&mut self, line: &[u8]) {
-        // A write that fails (a full disk, a closed stderr) loses that line only.
-        let _ = match self {
+    /// Writes `line`; `false` when the write failed (a full disk, a closed stderr, a
+    /// journal socket gone with journald's restart): that line only is lost.
+    fn write(&mut self, line: &[u8]) -> bool {
+        match self {
             Target::Stderr => io::stderr().write_all(line),
             Target::File { file, .. } => file.write_all(line),
             Target::Journal { socket, path } => socket.send_to(line, path).map(drop),
-        };
+        }
+        .is_ok()
     }
 
     fn reopen(&mut self) {
@@ -213,7 +215,12 @@ fn write_lines(rx: Receiver<Msg>, mut target: Target, kind: &'static str, droppe
             }
         };
         match msg {
-            Msg::Line(line) => target.write(&line),
+            // Counted, but not said: the notice would go to the sink that fails.
+            Msg::Line(line) => {
+                if !target.write(&line) {
+                    count_dropped(kind, 1);
+                }
+            }
             Msg::Reopen => target.reopen(),
             Msg::Flush(ack) => {
                 let _ = ack.send(());
@@ -271,5 +278,33 @@ impl<'a> MakeWriter<'a> for Sink {
             sink: self,
             buf: Vec::new(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A line the journal socket refuses (journald gone) is counted as dropped, as it was
+    /// when lines were sent from the loop.
+    #[test]
+    fn a_line_the_sink_refuses_is_counted_as_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.socket");
+        let journald = UnixDatagram::bind(&path).unwrap();
+        let sink = Sink::journal(&path).unwrap();
+        drop(journald);
+        std::fs::remove_file(&path).unwrap();
+        let count = || {
+            dropped::dropped_lines()
+                .get_or_create(&dropped::SinkLabel {
+                    sink: dropped::JOURNAL,
+                })
+                .get()
+        };
+        let before = count();
+        sink.push(b"MESSAGE=lost\n".to_vec());
+        sink.flush(Duration::from_secs(5));
+        assert!(count() > before);
     }
 }
