@@ -39,7 +39,6 @@ pub use startup::{wait_for_merod, Readiness};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -271,6 +270,5 @@ fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
         orphans: &planner.orphans,
         mass_drop: planner.guard.mass_drop,
         mass_drop_hold: planner.policy.mass_drop_hold,
-        now: Instant::now(),
     });
 }

@@ -20,8 +20,12 @@
 //!   Reappearing in `assignments` or `retain` resets both; failed polls reset nothing.
 //! * Mass-withdrawal guard: when one poll withdraws at least `mass_drop_min` namespaces and
 //!   more than half of those held, or everything held whatever the count, every leave is
-//!   held until the withdrawal has persisted for `mass_drop_hold` (the grace runs
-//!   meanwhile); then leaves go ahead.
+//!   held until the withdrawal has persisted for `mass_drop_hold` of observed time (the
+//!   grace runs meanwhile); then leaves go ahead.
+//! * Observed time is only the time between two successful polls with no failed poll
+//!   between them: a failed poll ends the observation ([`Guard::poll_failed`]), so an
+//!   outage neither advances nor resets the grace or the hold, and the first successful
+//!   poll after it adds nothing, as after a restart.
 //! * Rate limits: at most `max_leaves_per_minute` and `max_leaves_per_hour` leaves started
 //!   in any window of the observed clock, counted from the persisted
 //!   [`State::recent_leaves_ms`] (a restart does not reset them); the oldest absence first.
@@ -128,10 +132,11 @@ pub enum MassDrop {
     /// No mass withdrawal in the latest successful poll.
     #[default]
     Idle,
-    /// A mass withdrawal seen first at `since`; every leave is held.
+    /// A mass withdrawal persisting over successful polls; every leave is held.
     Holding {
-        /// The first successful poll that showed it.
-        since: Instant,
+        /// How long it has been observed so far: the observed time (see [`Guard`]) from the
+        /// first successful poll that showed it; an outage adds nothing.
+        observed: Duration,
     },
     /// The withdrawal persisted past the hold; leaves go (rate-limited) while it lasts.
     Released,
@@ -142,10 +147,22 @@ pub enum MassDrop {
 pub struct Guard {
     /// The mass-withdrawal phase.
     pub mass_drop: MassDrop,
-    /// The monotonic time of the previous successful poll of this run: the observed clock
-    /// advances by the time from it to the next one. `None` after a start, so the time the
-    /// daemon was down (or starting) is never counted as observed absence.
+    /// The monotonic time of the previous successful poll of this run, when no poll has
+    /// failed since: the observed clock advances by the time from it to the next one.
+    /// `None` after a start and after a failed poll ([`Guard::poll_failed`]), so neither
+    /// the time the daemon was down (or starting) nor an outage of MDMA is ever counted as
+    /// observed absence or as a held mass withdrawal.
     pub last_ok_poll: Option<Instant>,
+}
+
+impl Guard {
+    /// A poll failed: the observation ends here. The next successful poll starts a new one
+    /// and adds no time to the observed clock or to a mass-withdrawal hold, so an outage
+    /// can neither complete a wait that guards a leave nor reset one (the absences, their
+    /// poll counts and the hold's observed time are kept).
+    pub fn poll_failed(&mut self) {
+        self.last_ok_poll = None;
+    }
 }
 
 /// Which leave rate limit holds a leave.
@@ -184,7 +201,8 @@ pub enum LeaveWait {
     BackingOff,
     /// A leave rate limit is reached; goes in a later cycle (the oldest absence first).
     RateLimited(RateLimit),
-    /// A join or leave of it is still running.
+    /// A join or leave of it is still running, or planned and waiting for the state write
+    /// that records it to end.
     InFlight,
 }
 
@@ -217,7 +235,9 @@ impl fmt::Display for LeaveWait {
             LeaveWait::RateLimited(RateLimit::PerHour) => {
                 f.write_str("waiting for the leave rate limit (max_leaves_per_hour)")
             }
-            LeaveWait::InFlight => f.write_str("a join or leave of it is running"),
+            LeaveWait::InFlight => {
+                f.write_str("a join or leave of it is running (or starts once it is recorded)")
+            }
         }
     }
 }
@@ -409,17 +429,22 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
             if policy.mass_drop_hold.is_zero() {
                 MassDrop::Released
             } else {
-                MassDrop::Holding { since: now }
+                MassDrop::Holding {
+                    observed: Duration::ZERO,
+                }
             }
         }
-        (true, MassDrop::Holding { since }) => {
-            if now.saturating_duration_since(since) >= policy.mass_drop_hold {
+        (true, MassDrop::Holding { observed }) => {
+            // Only the observed time since the previous successful poll (none across a
+            // failed one): an outage does not count toward the hold.
+            let observed = observed.saturating_add(elapsed);
+            if observed >= policy.mass_drop_hold {
                 mass_drop_event = Some(MassDropEvent::Released {
                     withdrawn: withdrawn.len(),
                 });
                 MassDrop::Released
             } else {
-                MassDrop::Holding { since }
+                MassDrop::Holding { observed }
             }
         }
         (true, MassDrop::Released) => MassDrop::Released,
@@ -460,11 +485,9 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
             Some(wait)
         } else if let Some(wait) = policy.stability_wait(absence.polls) {
             Some(wait)
-        } else if let MassDrop::Holding { since } = next_guard.mass_drop {
+        } else if let MassDrop::Holding { observed } = next_guard.mass_drop {
             Some(LeaveWait::MassDropHold {
-                remaining: policy
-                    .mass_drop_hold
-                    .saturating_sub(now.saturating_duration_since(since)),
+                remaining: policy.mass_drop_hold.saturating_sub(observed),
             })
         } else if leave_backoff.contains(id) {
             Some(LeaveWait::BackingOff)

@@ -87,8 +87,9 @@ pub struct State {
     /// the id to `admitted`; a leave (merod holding nothing counts) drops it.
     #[serde(default, deserialize_with = "compact_set")]
     pub joining: BTreeSet<GroupId>,
-    /// The observed clock, in milliseconds: monotonic time between successful polls,
-    /// summed over every run of the daemon (downtime excluded; see the module docs).
+    /// The observed clock, in milliseconds: monotonic time between successful polls with
+    /// no failed poll between them, summed over every run of the daemon (downtime and MDMA
+    /// outages excluded; see the module docs).
     #[serde(default)]
     pub observed_ms: u64,
     /// For admitted or joining namespaces missing from the latest successful polls: how

@@ -166,6 +166,9 @@ impl Sidecar {
         let now = unix_now();
         match polled {
             Err(e) => {
+                // Whatever the outage lasts, it is not observed time: no wait that guards a
+                // leave (the grace, a mass-withdrawal hold) advances over it.
+                self.planner.guard.poll_failed();
                 let failures = self.cadence.fail(&e);
                 Telemetry::count(&telemetry.polls, e.metric_label());
                 telemetry.update(|st| {
@@ -281,6 +284,14 @@ impl Sidecar {
             }
         }
         self.planner.waiting = plan.waiting;
+        if !self.planner.dry_run {
+            // A leave planned now starts only once the write recording it ends; until
+            // then the status shows it as under way (as later plans do, which count it in
+            // flight), never as neither pending nor leaving.
+            for id in &plan.leaves {
+                self.planner.waiting.insert(*id, LeaveWait::InFlight);
+            }
+        }
         let outcome = CycleOutcome::Planned {
             joins: plan.joins.len(),
             leaves: plan.leaves.len(),

@@ -380,6 +380,90 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
     );
 }
 
+/// An outage is not observed time: a hold of 30 s that saw 4 s of successful polls, then
+/// 40 s of failed ones, is still held when MDMA answers again with the same withdrawal,
+/// and so is every grace; the hold ends only after 30 s over successful polls in all.
+#[test]
+fn an_outage_neither_advances_nor_resets_the_mass_withdrawal_hold_or_the_grace() {
+    let policy = LeavePolicy {
+        leave_grace: Duration::from_secs(20),
+        mass_drop_hold: Duration::from_secs(30),
+        ..no_stability()
+    };
+    let t0 = Instant::now();
+    let d = desired(&[], &[]);
+    let step = |s: &State, guard: &Guard, now: Instant| {
+        plan(PlanInput {
+            policy: &policy,
+            desired: &d,
+            state: s,
+            in_flight: &none(),
+            join_backoff: &none(),
+            leave_backoff: &none(),
+            guard,
+            now,
+        })
+    };
+    let mut p = step(&state(&[1, 2, 3], &[1, 2, 3]), &Guard::default(), t0);
+    assert!(matches!(
+        p.mass_drop_event,
+        Some(MassDropEvent::HoldStarted { .. })
+    ));
+    // 4 s of successful polls, a second apart.
+    for s in 1..=4 {
+        p = step(
+            &p.state.clone(),
+            &p.guard.clone(),
+            t0 + Duration::from_secs(s),
+        );
+    }
+    assert_eq!(
+        p.guard.mass_drop,
+        MassDrop::Holding {
+            observed: Duration::from_secs(4)
+        }
+    );
+    // 40 s of failed polls, then the same empty answer.
+    let mut guard = p.guard.clone();
+    guard.poll_failed();
+    let back = t0 + Duration::from_secs(44);
+    let p = step(&p.state.clone(), &guard, back);
+    assert!(p.leaves.is_empty(), "left after the outage: {:?}", p.leaves);
+    assert_eq!(p.mass_drop_event, None, "neither released nor cleared");
+    assert_eq!(
+        p.guard.mass_drop,
+        MassDrop::Holding {
+            observed: Duration::from_secs(4)
+        },
+        "the outage neither advanced nor reset the hold"
+    );
+    assert_eq!(
+        p.state.absence_observed(&id(1)),
+        Some(Duration::from_secs(4)),
+        "nor the grace"
+    );
+    // 26 s more over successful polls end the hold (the grace ended at 20 s).
+    let mut p = p;
+    for s in 1..=25 {
+        p = step(
+            &p.state.clone(),
+            &p.guard.clone(),
+            back + Duration::from_secs(s),
+        );
+        assert!(p.leaves.is_empty(), "left {s} s after the outage");
+    }
+    let p = step(
+        &p.state.clone(),
+        &p.guard.clone(),
+        back + Duration::from_secs(26),
+    );
+    assert_eq!(
+        p.mass_drop_event,
+        Some(MassDropEvent::Released { withdrawn: 3 })
+    );
+    assert_eq!(p.leaves, vec![id(1), id(2), id(3)]);
+}
+
 /// Joining namespaces still assigned (joins failing for a while) must not dilute the guard:
 /// withdrawing 3 of 4 admitted ones is a mass withdrawal however many joins are under way;
 /// withdrawn joining ones count on both sides.
@@ -461,7 +545,12 @@ fn a_reverted_mass_withdrawal_clears_the_hold() {
         now: t2,
     });
     assert!(p.leaves.is_empty());
-    assert_eq!(p.guard.mass_drop, MassDrop::Holding { since: t2 });
+    assert_eq!(
+        p.guard.mass_drop,
+        MassDrop::Holding {
+            observed: Duration::ZERO
+        }
+    );
 }
 
 #[test]
@@ -1303,7 +1392,7 @@ fn leave_waits_say_why_in_words_and_the_stability_rule_has_one_home() {
     );
     assert_eq!(
         LeaveWait::InFlight.to_string(),
-        "a join or leave of it is running"
+        "a join or leave of it is running (or starts once it is recorded)"
     );
 }
 

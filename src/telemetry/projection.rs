@@ -7,8 +7,6 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use super::{SetLabel, Telemetry};
 use crate::ids::GroupId;
 use crate::reconcile::{Desired, LeaveWait, MassDrop};
@@ -32,8 +30,6 @@ pub(crate) struct Projection<'a> {
     pub mass_drop: MassDrop,
     /// `leave_policy.mass_drop_hold`: how long a mass withdrawal is held.
     pub mass_drop_hold: Duration,
-    /// Now, for the time a hold has left.
-    pub now: Instant,
 }
 
 impl Telemetry {
@@ -81,7 +77,7 @@ impl Telemetry {
             match p.mass_drop {
                 MassDrop::Idle if st.mass_drop == "idle" => {}
                 MassDrop::Released if st.mass_drop == "released" => {}
-                other => st.mass_drop = mass_drop_line(other, p.mass_drop_hold, p.now),
+                other => st.mass_drop = mass_drop_line(other, p.mass_drop_hold),
             }
         });
     }
@@ -100,14 +96,13 @@ pub(crate) fn pending_line(state: &State, id: &GroupId, wait: &LeaveWait) -> Str
 
 /// The live status's `mass_drop` line: `idle`, `released`, or
 /// `holding every leave (N s of H s left)` (whole seconds).
-pub(crate) fn mass_drop_line(guard: MassDrop, hold: Duration, now: Instant) -> String {
+pub(crate) fn mass_drop_line(guard: MassDrop, hold: Duration) -> String {
     match guard {
         MassDrop::Idle => "idle".to_owned(),
         MassDrop::Released => "released".to_owned(),
-        MassDrop::Holding { since } => format!(
+        MassDrop::Holding { observed } => format!(
             "holding every leave ({:.0} s of {} s left)",
-            hold.saturating_sub(now.saturating_duration_since(since))
-                .as_secs_f64(),
+            hold.saturating_sub(observed).as_secs_f64(),
             hold.as_secs()
         ),
     }
@@ -139,7 +134,6 @@ mod tests {
         let joining = BTreeSet::from([gid(2)]);
         let none = BTreeSet::new();
         let waiting = BTreeMap::new();
-        let now = Instant::now();
         let p = Projection {
             desired: &desired,
             state: &state,
@@ -149,7 +143,6 @@ mod tests {
             orphans: &none,
             mass_drop: MassDrop::Idle,
             mass_drop_hold: Duration::from_secs(600),
-            now,
         };
         t.publish(&p);
         let st = t.snapshot();
@@ -218,7 +211,6 @@ mod tests {
             orphans: &none,
             mass_drop: MassDrop::Idle,
             mass_drop_hold: Duration::from_secs(600),
-            now: Instant::now(),
         });
         let st = t.snapshot();
         assert_eq!(
@@ -237,18 +229,18 @@ mod tests {
     #[test]
     fn the_mass_withdrawal_line_counts_down_the_hold() {
         let hold = Duration::from_secs(600);
-        let since = Instant::now();
         let line = mass_drop_line(
-            MassDrop::Holding { since },
+            MassDrop::Holding {
+                observed: Duration::from_secs(100),
+            },
             hold,
-            since + Duration::from_secs(100),
         );
         assert_eq!(line, "holding every leave (500 s of 600 s left)");
         assert_eq!(
-            mass_drop_line(MassDrop::Holding { since }, hold, since + hold * 2),
+            mass_drop_line(MassDrop::Holding { observed: hold * 2 }, hold),
             "holding every leave (0 s of 600 s left)"
         );
-        assert_eq!(mass_drop_line(MassDrop::Idle, hold, since), "idle");
-        assert_eq!(mass_drop_line(MassDrop::Released, hold, since), "released");
+        assert_eq!(mass_drop_line(MassDrop::Idle, hold), "idle");
+        assert_eq!(mass_drop_line(MassDrop::Released, hold), "released");
     }
 }

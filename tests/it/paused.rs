@@ -126,6 +126,47 @@ async fn a_mass_drop_waits_the_full_hold_then_leaves_rate_limited() {
     assert_eq!(node.state().admitted, [keep].into());
 }
 
+/// MDMA withdraws everything (the hold starts), is down for 40 s, then withdraws the same
+/// again: the outage is not observed time, so the 30 s hold still needs about 26 s of
+/// successful polls after MDMA is back (4 s were observed before the outage).
+#[tokio::test(start_paused = true)]
+async fn an_mdma_outage_does_not_complete_the_mass_withdrawal_hold() {
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    let all = ids(3);
+    node.seed(&all, &all);
+    fake.with(|w| w.held = all.clone());
+    let running = fake.run(node.config(
+        "mass_drop_hold = \"30s\"\nleave_grace = \"0s\"\nleave_after_polls = 1\nmax_leaves_per_hour = 1000",
+    ));
+    until_polls(&fake, 1).await;
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    fake.with(|w| w.mdma_down = true);
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    fake.with(|w| w.mdma_down = false);
+    let back = fake.with(|w| w.polls.len());
+    let back_at = Instant::now();
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    running.stop().await;
+    fake.with(|w| {
+        assert_eq!(
+            w.leaves.len(),
+            3,
+            "the withdrawal persisted: every one left"
+        );
+        // The first answer after the outage, and when the leaves came after it.
+        let first_good = w.polls[back].0;
+        assert!(first_good - back_at <= Duration::from_secs(10));
+        for (id, at) in &w.leaves {
+            assert!(
+                *at - first_good >= Duration::from_secs(25),
+                "{id} left {:?} after MDMA came back: the outage counted toward the hold",
+                *at - first_good
+            );
+        }
+    });
+}
+
 #[tokio::test(start_paused = true)]
 async fn absence_counts_survive_a_restart() {
     let node = NodeDir::new();
