@@ -24,6 +24,7 @@ use crate::merod::{MerodError, Node, NodeAccount, TeeRole, CHECK_TIMEOUT, MEMBER
 use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
+use super::held::HELD_READ_TIMEOUT;
 use super::join_status::JoinOutcome;
 use super::MDMA_DEADLINE;
 
@@ -37,6 +38,10 @@ pub(super) enum CheckFailed {
     /// No answer within [`CHECK_TIMEOUT`].
     #[error("membership check gave no answer within {0:?}")]
     NoAnswer(Duration),
+    /// The membership read said "not held", and merod's list of the namespaces it holds,
+    /// read to cross-check that, failed or gave no answer within [`HELD_READ_TIMEOUT`].
+    #[error("merod's own membership read said it does not hold it, but its namespace list could not be read to confirm that: {0}")]
+    ListUnread(String),
 }
 
 impl CheckFailed {
@@ -45,6 +50,7 @@ impl CheckFailed {
         match self {
             CheckFailed::Error(e) => e.is_timeout(),
             CheckFailed::NoAnswer(_) => true,
+            CheckFailed::ListUnread(_) => false,
         }
     }
 }
@@ -464,6 +470,38 @@ async fn check_held(
     }
 }
 
+/// Whether merod may still hold `id`, for a decision that forgets it: `false` only when its
+/// membership read says "not held" in merod's own words *and* a full read of its namespace
+/// list, started after that answer, does not list it either. merod's membership answer can
+/// lag an admission by tens of seconds (404 `No namespace identity found` while its list
+/// already has it); forgetting a namespace merod holds would leave its keys on the node for
+/// good, so one read alone never does.
+///
+/// Errors: [`CheckFailed`], why it could not tell (a failed list read included).
+async fn held_or_listed(
+    telemetry: &Telemetry,
+    merod: &dyn Node,
+    id: GroupId,
+) -> Result<bool, CheckFailed> {
+    if check_held(telemetry, merod, id).await? {
+        return Ok(true);
+    }
+    match timed(
+        telemetry,
+        "namespaces_list",
+        HELD_READ_TIMEOUT,
+        merod.list_namespaces(),
+    )
+    .await
+    {
+        Some(Ok(listed)) => Ok(listed.contains(&id)),
+        Some(Err(e)) => Err(CheckFailed::ListUnread(e.to_string())),
+        None => Err(CheckFailed::ListUnread(format!(
+            "no answer within {HELD_READ_TIMEOUT:?}"
+        ))),
+    }
+}
+
 /// One join: fleet-join (with the assignment's `admitter_addrs`) → `admitted: true` → merod
 /// lists it → the loop records it → the role is read → confirm with it.
 async fn join_task(
@@ -566,9 +604,12 @@ struct JoinArgs {
     admitter_addrs: Vec<String>,
 }
 
-/// Leaves `id` and checks merod no longer lists it. `maybe_held`: only a fleet-join was
-/// recorded, not its admission; merod is asked first, and the leave is sent only if it does
-/// hold the namespace (nothing irreversible for a join that never went through).
+/// Leaves `id` and checks merod no longer holds it. `maybe_held`: only a fleet-join was
+/// recorded, not its admission; merod is asked first, and the leave is sent unless it does
+/// not hold the namespace (nothing irreversible for a join that never went through).
+/// Before and after the leave, "not held" is [`held_or_listed`]: the membership read and
+/// the list agree. Whatever the leave call answered (a 500, a typed 403, 409 or 503
+/// refusal, no answer), only that decides whether the namespace is gone.
 async fn leave_task(
     id: GroupId,
     merod: &Arc<dyn Node>,
@@ -577,7 +618,7 @@ async fn leave_task(
     maybe_held: bool,
 ) -> LeaveEnd {
     if maybe_held {
-        match check_held(telemetry, merod.as_ref(), id).await {
+        match held_or_listed(telemetry, merod.as_ref(), id).await {
             Ok(false) => return LeaveEnd::NeverHeld,
             Ok(true) => {}
             Err(why) => return LeaveEnd::StillHeld(StillHeld::NotChecked(why)),
@@ -588,7 +629,7 @@ async fn leave_task(
         Some(Err(e)) => LeaveCall::Failed(e),
         None => LeaveCall::NoAnswer(leave_timeout),
     };
-    match check_held(telemetry, merod.as_ref(), id).await {
+    match held_or_listed(telemetry, merod.as_ref(), id).await {
         Ok(false) => LeaveEnd::Left,
         Ok(true) => LeaveEnd::StillHeld(StillHeld::Listed(leave)),
         Err(check) => LeaveEnd::StillHeld(StillHeld::Unchecked { leave, check }),

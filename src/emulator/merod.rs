@@ -30,6 +30,9 @@
 //!   ([`MerodEmulator::set_older_core`]): 400 naming the field;
 //! - [`MerodEmulator::set_foreign_404`] makes `GET /namespaces/{id}` answer a 404 that is not
 //!   merod's word on a namespace (as a proxy or a renamed route would);
+//! - [`MerodEmulator::set_membership_lag`] makes it answer merod's own 404 `No namespace
+//!   identity found` for a namespace it holds and lists (a membership answer lagging an
+//!   admission);
 //! - a known route with another method: 405, an unknown route: 404, both with an empty body
 //!   and no content type, as merod answers them.
 //!
@@ -375,6 +378,9 @@ struct Inner {
     extra_members: usize,
     /// Namespaces for which `GET /namespaces/{id}` answers a 404 that is not merod's own.
     foreign_404: BTreeSet<String>,
+    /// Namespaces for which `GET /namespaces/{id}` answers merod's own "not held" 404
+    /// whether held or not.
+    membership_lag: BTreeSet<String>,
 }
 
 /// The account id of the recorded `identity-after-join` answer.
@@ -432,6 +438,7 @@ impl MerodEmulator {
                 roles: HashMap::new(),
                 extra_members: 0,
                 foreign_404: BTreeSet::new(),
+                membership_lag: BTreeSet::new(),
             }),
             fixtures: Fixtures::load(),
         });
@@ -573,16 +580,17 @@ impl MerodEmulator {
         lock(&self.shared.inner).extra_members = n;
     }
 
+    /// While on, `GET /namespaces/{id}` of `group_id` answers merod's own 404 `No namespace
+    /// identity found` even while the namespace is held and listed: merod's membership
+    /// answer lagging an admission, as seen for tens of seconds after a fleet-join.
+    pub fn set_membership_lag(&self, group_id: &str, on: bool) {
+        mark(&mut lock(&self.shared.inner).membership_lag, group_id, on);
+    }
+
     /// While on, `GET /namespaces/{id}` of `group_id` answers 404 `{"error":"Not found"}` (a
     /// proxy's or a renamed route's 404, not merod's word on the namespace).
     pub fn set_foreign_404(&self, group_id: &str, on: bool) {
-        let id = group_id.to_ascii_lowercase();
-        let mut inner = lock(&self.shared.inner);
-        if on {
-            inner.foreign_404.insert(id);
-        } else {
-            inner.foreign_404.remove(&id);
-        }
+        mark(&mut lock(&self.shared.inner).foreign_404, group_id, on);
     }
 
     /// The node's account (the recorded `identity-after-join` answer's `accountId`).
@@ -1031,6 +1039,16 @@ async fn leave_namespace(shared: &Arc<Shared>, raw: &str) -> Answer {
     }
 }
 
+/// Puts `group_id` (lowercased) in `set` when `on`, else takes it out.
+fn mark(set: &mut BTreeSet<String>, group_id: &str, on: bool) {
+    let id = group_id.to_ascii_lowercase();
+    if on {
+        set.insert(id);
+    } else {
+        set.remove(&id);
+    }
+}
+
 fn get_namespace(shared: &Shared, raw: &str) -> Answer {
     let fixtures = &shared.fixtures;
     let Ok(id) = parse_id(raw) else {
@@ -1038,7 +1056,11 @@ fn get_namespace(shared: &Shared, raw: &str) -> Answer {
     };
     let (held, foreign) = {
         let inner = lock(&shared.inner);
-        (inner.held.contains(&id), inner.foreign_404.contains(&id))
+        let lags = inner.membership_lag.contains(&id);
+        (
+            inner.held.contains(&id) && !lags,
+            inner.foreign_404.contains(&id),
+        )
     };
     if foreign {
         // A proxy's 404 with words of its own (merod's unknown route answers an empty one).

@@ -85,6 +85,9 @@ pub struct World {
     pub held: BTreeSet<GroupId>,
     /// Held namespaces its list leaves out (a list that lags what merod holds).
     pub list_hides: BTreeSet<GroupId>,
+    /// Namespaces whose membership read answers merod's own "not held" 404 whether held or
+    /// not (a membership answer that lags an admission).
+    pub membership_lags: BTreeSet<GroupId>,
     /// Every poll: when, and the MRTD (hex) it carried.
     pub polls: Vec<(Instant, Option<String>)>,
     /// The `held_namespaces` each poll carried (`None`: left out).
@@ -295,7 +298,7 @@ impl Node for Fake {
     }
 
     async fn holds_namespace(&self, g: GroupId) -> Result<bool, MerodError> {
-        Ok(self.with(|w| w.held.contains(&g)))
+        Ok(self.with(|w| w.held.contains(&g) && !w.membership_lags.contains(&g)))
     }
 
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {

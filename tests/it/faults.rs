@@ -327,3 +327,38 @@ async fn a_join_whose_outcome_was_never_recorded_is_left_when_withdrawn() {
         assert_eq!(state.confirmed, [d].into(), "{state:?}");
     }
 }
+
+/// merod admits a namespace but its membership answer lags (merod's own 404 while its list
+/// has it), and MDMA withdraws it meanwhile: the namespace is still left, not dropped from
+/// the state without a leave while merod holds it (its keys would never be purged).
+#[tokio::test(start_paused = true)]
+async fn a_withdrawn_join_whose_membership_answer_lags_is_left_not_forgotten() {
+    let node = NodeDir::new();
+    let (b, c) = (gid(B), gid(C));
+    save_state(&node.state_file(), &[b].into(), &[b].into());
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.held.insert(b);
+        w.assignments.extend([b, c]);
+        w.membership_lags.insert(c);
+    });
+    let running = fake.run(node.config(REFERENCE));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(fake.with(|w| w.held.contains(&c)), "merod admitted it");
+    let on_disk = || StateStore::new(node.state_file()).load().unwrap().unwrap();
+    assert_eq!(
+        on_disk().joining,
+        [c].into(),
+        "not admitted by the loop yet"
+    );
+    fake.with(|w| w.assignments.remove(&c));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let left: Vec<GroupId> = fake.with(|w| w.leaves.iter().map(|(g, _)| *g).collect());
+    assert_eq!(left, vec![c], "merod holds it: a leave is sent");
+    assert!(fake.with(|w| !w.held.contains(&c) && w.violations.is_empty()));
+    assert_eq!(counter(&running, "leaves", "not_held"), 0);
+    running.stop().await;
+    let state = on_disk();
+    assert!(state.joining.is_empty(), "{state:?}");
+    assert_eq!(state.admitted, [b].into(), "{state:?}");
+}
