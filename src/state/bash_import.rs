@@ -20,6 +20,20 @@
 //! cannot be read, is empty, is not JSON, names a key twice, has a key or a value of the wrong
 //! kind, or an id that is not 64 hex digits, is an error naming the file, like a corrupt state
 //! file: guessing would either forget a namespace merod holds or restart its leave timer.
+//!
+//! The stamps are wall-clock readings, and the wall clock at import can be wrong (an RTC
+//! days ahead, NTP not synced yet at first boot), so no stamp may bring a leave closer
+//! than the daemon can vouch for:
+//!
+//! * every stamp is read against the earlier of the wall clock now and the time
+//!   `fleet-leave-pending.json` was last written (its mtime, [`BashFiles::leave_pending_written`]):
+//!   the stamps and the mtime were both taken from the clock of the Bash sidecar's days, so
+//!   a clock that is wrong only now cannot make an absence longer or a leave older; an
+//!   unreadable mtime makes every stamp read as of now (no absence observed, every recent
+//!   leave counted);
+//! * an imported absence counts at most [`IMPORTED_ABSENCE_MAX`] (one hour) toward
+//!   `leave_grace`: that bounds what a clock wrong in the Bash sidecar's days, or a file
+//!   copied without its times, can take off the grace; the rest must be observed here.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -36,6 +50,10 @@ pub const LEAVE_PENDING_FILE: &str = "fleet-leave-pending.json";
 /// How far back the Bash sidecar counts leaves against its budget (one hour); older stamps
 /// are dropped on import, as that sidecar drops them on load.
 pub const RECENT_LEAVES_WINDOW: Duration = Duration::from_secs(3600);
+/// The most an absence observed by the Bash sidecar counts toward `leave_grace` here (one
+/// hour): the rest of the grace must be observed by this daemon, so a wrong wall clock
+/// brings no leave more than this much closer.
+pub const IMPORTED_ABSENCE_MAX: Duration = Duration::from_secs(3600);
 
 /// `fleet-leave-pending.json` as written: epochs in Unix seconds.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
@@ -64,6 +82,9 @@ pub struct BashFiles {
     pub admitted: Option<BTreeSet<GroupId>>,
     /// `fleet-leave-pending.json`, parsed.
     pub leave_pending: Option<LeavePending>,
+    /// When `fleet-leave-pending.json` was last written (its mtime, Unix seconds, on the
+    /// clock of that time); `None` when it is missing or its mtime could not be read.
+    pub leave_pending_written: Option<u64>,
 }
 
 /// The Bash sidecar's state as this sidecar keeps it: what the state is built from.
@@ -73,11 +94,13 @@ pub struct BashImport {
     /// when that file is missing, as the Bash sidecar seeds it).
     pub admitted: BTreeSet<GroupId>,
     /// For each admitted id with a timer: how long it has already been observed absent
-    /// (now − `absent_since`; zero for a stamp in the future, so a clock fault never
-    /// shortens the wait). Timers of ids not admitted are dropped, as the Bash sidecar does.
+    /// (`min(now, written)` − `absent_since`, at most [`IMPORTED_ABSENCE_MAX`]; zero for a
+    /// stamp in the future, so a clock fault never shortens the wait). Timers of ids not
+    /// admitted are dropped, as the Bash sidecar does.
     pub absence_observed: BTreeMap<GroupId, Duration>,
-    /// For each leave of the last hour: how long ago it returned, most recent first (zero
-    /// for a stamp in the future: it still counts against the budget).
+    /// For each leave of the last hour: how long ago it returned (`min(now, written)` −
+    /// the stamp), most recent first (zero for a stamp in the future: it still counts
+    /// against the budget).
     pub recent_leaves_ago: Vec<Duration>,
 }
 
@@ -173,6 +196,13 @@ fn strict<T: serde::de::DeserializeOwned>(
     serde_json::from_slice(bytes).map_err(|e| corrupt(format!("expected {expected}: {e}")))
 }
 
+/// One side file as read: where, its bytes, and its mtime (Unix seconds, `None` if unreadable).
+struct SideFile {
+    path: PathBuf,
+    bytes: Vec<u8>,
+    written: Option<u64>,
+}
+
 /// Reads the Bash sidecar's files in the directory of `state_file` (I/O only; the decision
 /// is [`map_import`]). A missing file is `None`.
 ///
@@ -182,45 +212,77 @@ pub fn read_beside(state_file: &Path) -> Result<BashFiles, ImportError> {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),
     };
-    let read = |name: &str| -> Result<Option<(PathBuf, Vec<u8>)>, ImportError> {
+    // The bytes and the mtime of one open file (a missing file is `None`; an mtime that
+    // cannot be read is `None` in its place, so nothing is vouched for by it).
+    let read = |name: &str| -> Result<Option<SideFile>, ImportError> {
         let path = dir.join(name);
-        match std::fs::read(&path) {
-            Ok(bytes) => Ok(Some((path, bytes))),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(ImportError::Read { path, source }),
+        let mut file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(ImportError::Read { path, source }),
+        };
+        let mut bytes = Vec::new();
+        if let Err(source) = std::io::Read::read_to_end(&mut file, &mut bytes) {
+            return Err(ImportError::Read { path, source });
         }
+        let written = file
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_secs());
+        Ok(Some(SideFile {
+            path,
+            bytes,
+            written,
+        }))
     };
     let admitted = read(ADMITTED_FILE)?
-        .map(|(path, bytes)| parse_admitted(&bytes, &path))
+        .map(|f| parse_admitted(&f.bytes, &f.path))
         .transpose()?;
-    let leave_pending = read(LEAVE_PENDING_FILE)?
-        .map(|(path, bytes)| parse_leave_pending(&bytes, &path))
-        .transpose()?;
+    let (leave_pending, leave_pending_written) = match read(LEAVE_PENDING_FILE)? {
+        Some(f) => (Some(parse_leave_pending(&f.bytes, &f.path)?), f.written),
+        None => (None, None),
+    };
     Ok(BashFiles {
+        leave_pending_written,
         admitted,
         leave_pending,
     })
 }
 
 /// Maps the Bash sidecar's state (its confirmed set and the files beside it) into what this
-/// sidecar keeps, at wall-clock time `now_unix` (Unix seconds). Pure.
+/// sidecar keeps, at wall-clock time `now_unix` (Unix seconds). Every stamp is read against
+/// `min(now_unix, files.leave_pending_written)` (as of now when that is unknown), and an
+/// absence counts at most [`IMPORTED_ABSENCE_MAX`] (module docs: why). Pure.
 pub fn map_import(confirmed: &BTreeSet<GroupId>, files: &BashFiles, now_unix: u64) -> BashImport {
     let mut admitted = confirmed.clone();
     if let Some(listed) = &files.admitted {
         admitted.extend(listed.iter().copied());
     }
     let pending = files.leave_pending.clone().unwrap_or_default();
+    // How long before the vouched-for "now" a stamp was taken; nothing when the file's
+    // write time is unknown (no stamp can be dated then).
+    let ago = |stamp: u64| match files.leave_pending_written {
+        Some(written) => now_unix.min(written).saturating_sub(stamp),
+        None => 0,
+    };
     let absence_observed = pending
         .absent_since
         .iter()
         .filter(|(id, _)| admitted.contains(id))
-        .map(|(&id, &since)| (id, Duration::from_secs(now_unix.saturating_sub(since))))
+        .map(|(&id, &since)| {
+            (
+                id,
+                Duration::from_secs(ago(since)).min(IMPORTED_ABSENCE_MAX),
+            )
+        })
         .collect();
     let window = RECENT_LEAVES_WINDOW.as_secs();
     let mut recent_leaves_ago: Vec<Duration> = pending
         .recent_leaves
         .iter()
-        .map(|&at| now_unix.saturating_sub(at))
+        .map(|&at| ago(at))
         .filter(|&ago| ago < window)
         .map(Duration::from_secs)
         .collect();
@@ -320,7 +382,14 @@ mod tests {
                     assert!(err.contains("corrupt"), "{err}");
                     continue;
                 }
-                let files = got.unwrap_or_else(|e| panic!("{a:?} {p:?}: {e}"));
+                let mut files = got.unwrap_or_else(|e| panic!("{a:?} {p:?}: {e}"));
+                assert_eq!(
+                    files.leave_pending_written.is_some(),
+                    files.leave_pending.is_some(),
+                    "{a:?} {p:?}: the write time read with the file"
+                );
+                // Dated as if written at NOW (the stamps are relative to it).
+                files.leave_pending_written = files.leave_pending_written.map(|_| NOW);
                 let import = map_import(&confirmed, &files, NOW);
                 let want_admitted: BTreeSet<GroupId> = match a {
                     Content::Sound => [id(1), id(2)].into(),
@@ -331,7 +400,7 @@ mod tests {
                 assert_eq!(
                     import.absence_observed,
                     if timer {
-                        [(id(2), Duration::from_secs(30 * HOUR))].into()
+                        [(id(2), IMPORTED_ABSENCE_MAX)].into()
                     } else {
                         BTreeMap::new()
                     },
@@ -356,7 +425,7 @@ mod tests {
             admitted: Some([id(1), id(2), id(3), id(4)].into()),
             leave_pending: Some(LeavePending {
                 absent_since: [
-                    (id(1), NOW - 30 * HOUR), // old: past a 24 h grace
+                    (id(1), NOW - 30 * HOUR), // old: counts one hour
                     (id(2), NOW - 60),        // new: a minute ago
                     (id(3), NOW),             // this very second
                     (id(4), NOW + 10 * HOUR), // clock was ahead: nothing observed
@@ -367,21 +436,22 @@ mod tests {
                 suspicious: true,
                 deferred: [id(1)].into(),
             }),
+            leave_pending_written: Some(NOW),
         };
         let import = map_import(&BTreeSet::new(), &files, NOW);
         assert_eq!(
             import.absence_observed,
             [
-                (id(1), Duration::from_secs(30 * HOUR)),
+                // 30 h under the Bash sidecar count one hour here.
+                (id(1), IMPORTED_ABSENCE_MAX),
                 (id(2), Duration::from_secs(60)),
                 (id(3), Duration::ZERO),
                 (id(4), Duration::ZERO),
             ]
             .into()
         );
-        assert!(import.absence_observed[&id(1)] > Duration::from_secs(24 * HOUR));
         let json = serde_json::to_value(&import).unwrap();
-        assert_eq!(json["absence_observed_secs"][id(1).to_string()], 30 * HOUR);
+        assert_eq!(json["absence_observed_secs"][id(1).to_string()], HOUR);
         assert_eq!(
             json["recent_leaves_ago_secs"],
             serde_json::json!([0, 5, HOUR - 1])
@@ -407,8 +477,63 @@ mod tests {
                 recent_leaves: vec![NOW],
                 ..LeavePending::default()
             }),
+            leave_pending_written: Some(NOW),
         };
         let import = map_import(&BTreeSet::new(), &files, 0);
+        assert_eq!(import.absence_observed, [(id(1), Duration::ZERO)].into());
+        assert_eq!(import.recent_leaves_ago, vec![Duration::ZERO]);
+    }
+
+    /// The first start after a switch, with the wall clock two days ahead (a wrong RTC, NTP
+    /// not synced yet): the stamps are read against the file's last write, so the absence
+    /// is the minute the Bash sidecar saw, not two days, and a leave of five seconds before
+    /// that write still counts against the hour's budget.
+    #[test]
+    fn a_wall_clock_ahead_of_the_files_last_write_adds_nothing() {
+        let files = BashFiles {
+            admitted: Some([id(1)].into()),
+            leave_pending: Some(LeavePending {
+                absent_since: [(id(1), NOW - 60)].into(),
+                recent_leaves: vec![NOW - 5],
+                ..LeavePending::default()
+            }),
+            leave_pending_written: Some(NOW),
+        };
+        for now in [NOW, NOW + 10, NOW + 2 * 24 * HOUR, u64::MAX] {
+            let import = map_import(&BTreeSet::new(), &files, now);
+            assert_eq!(
+                import.absence_observed,
+                [(id(1), Duration::from_secs(60))].into(),
+                "now {now}"
+            );
+            assert_eq!(
+                import.recent_leaves_ago,
+                vec![Duration::from_secs(5)],
+                "now {now}"
+            );
+        }
+        // A wall clock behind the write dates the stamps by itself (only shorter).
+        let import = map_import(&BTreeSet::new(), &files, NOW - 30);
+        assert_eq!(
+            import.absence_observed,
+            [(id(1), Duration::from_secs(30))].into()
+        );
+    }
+
+    /// A file whose write time cannot be read vouches for no absence, and every leave in
+    /// it counts as just returned.
+    #[test]
+    fn an_unknown_write_time_dates_every_stamp_as_now() {
+        let files = BashFiles {
+            admitted: Some([id(1)].into()),
+            leave_pending: Some(LeavePending {
+                absent_since: [(id(1), NOW - 30 * HOUR)].into(),
+                recent_leaves: vec![NOW - 50 * HOUR],
+                ..LeavePending::default()
+            }),
+            leave_pending_written: None,
+        };
+        let import = map_import(&BTreeSet::new(), &files, NOW);
         assert_eq!(import.absence_observed, [(id(1), Duration::ZERO)].into());
         assert_eq!(import.recent_leaves_ago, vec![Duration::ZERO]);
     }
