@@ -570,3 +570,68 @@ async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_
     );
     assert!(load(&sb).admitted.contains(&gid(A)));
 }
+
+/// A leave planned in a cycle starts only once the state write recording it ends (3 s here,
+/// with every fsync taking 1.5 s). Meanwhile the status shows it under way (a pending leave
+/// in flight, or leaving), never as nothing: a watcher of `/status` (an operator, a test)
+/// sampling in that gap saw a withdrawn namespace that was neither pending nor leaving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leave_waiting_for_its_state_write_shows_in_the_status() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let shim_dir = tempfile::tempdir().unwrap();
+    let Some(shim) = slow_fsync_shim(shim_dir.path()) else {
+        println!("SKIPPED: no gcc to build the slow-fsync shim");
+        return;
+    };
+    let state_dir = sb.state_file().parent().unwrap().to_owned();
+    std::fs::create_dir_all(&state_dir).unwrap();
+    let state_dir = state_dir.canonicalize().unwrap();
+    for id in [A, B] {
+        sb.merod.hold(id);
+    }
+    seed(&sb, &[A, B], &[A, B]);
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    let port = free_port();
+    let cfg = sb
+        .write_config(&format!(
+            "status_listen = \"127.0.0.1:{port}\"\n{REFERENCE}"
+        ))
+        .unwrap();
+    let _child = spawn_with_stderr(
+        &cfg,
+        std::process::Stdio::null(),
+        &[
+            ("LD_PRELOAD", shim.to_str().unwrap()),
+            ("SLOW_FSYNC_DIR", state_dir.to_str().unwrap()),
+            ("SLOW_FSYNC_MS", "1500"),
+        ],
+    );
+    eventually("two polls", LIMIT, || sb.mdma.polls().len() >= 2).await;
+    sb.mdma.set_reply(PollReply::assign([B]));
+    // Every sample from the first poll that withdrew A until merod saw the leave.
+    let mut samples = 0;
+    let sampling = async {
+        while sb.merod.leaves(A) == 0 {
+            let (_, body) = get(&format!("http://127.0.0.1:{port}/status"))
+                .await
+                .expect("/status answers");
+            let live: serde_json::Value = serde_json::from_str(&body).unwrap();
+            let has = |key: &str| {
+                live[key]
+                    .as_array()
+                    .is_some_and(|l| l.iter().any(|v| v == A))
+            };
+            // The daemon has taken in a poll that withdrew A, and A is not left yet.
+            if !has("desired") && has("admitted") && sb.merod.leaves(A) == 0 {
+                samples += 1;
+                assert!(
+                    live["pending_leaves"].get(A).is_some() || has("leaving"),
+                    "withdrawn, not left yet, and shown as neither pending nor leaving: {live}"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::time::timeout(LIMIT, sampling).await.expect("A left");
+    assert!(samples >= 10, "sampled the 3 s write {samples} times");
+}
