@@ -508,24 +508,27 @@ fn slow_fsync_shim(dir: &std::path::Path) -> Option<std::path::PathBuf> {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_it() {
-    let sb = Sandbox::start(None).await.unwrap();
+/// The daemon on `sb`'s node with `extra` config and `/status` on a free port, every fsync
+/// under the state directory taking 1.5 s (so each state write, two fsyncs, takes 3 s):
+/// the daemon, the port and the shim's directory (kept while it runs). `None` (test
+/// skipped) without gcc.
+fn spawn_with_slow_fsync(
+    sb: &Sandbox,
+    extra: &str,
+) -> Option<(DaemonProcess, u16, tempfile::TempDir)> {
     let shim_dir = tempfile::tempdir().unwrap();
     let Some(shim) = slow_fsync_shim(shim_dir.path()) else {
         println!("SKIPPED: no gcc to build the slow-fsync shim");
-        return;
+        return None;
     };
-    // Every write of the state file: two fsyncs (temp file, directory) of 1.5 s each.
     let state_dir = sb.state_file().parent().unwrap().to_owned();
     std::fs::create_dir_all(&state_dir).unwrap();
     let state_dir = state_dir.canonicalize().unwrap();
-    sb.mdma.set_reply(PollReply::assign([A]));
     let port = free_port();
     let cfg = sb
-        .write_config(&format!("status_listen = \"127.0.0.1:{port}\""))
+        .write_config(&format!("status_listen = \"127.0.0.1:{port}\"\n{extra}"))
         .unwrap();
-    let _child = spawn_with_stderr(
+    let child = spawn_with_stderr(
         &cfg,
         std::process::Stdio::null(),
         &[
@@ -534,6 +537,17 @@ async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_
             ("SLOW_FSYNC_MS", "1500"),
         ],
     );
+    Some((child, port, shim_dir))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_it() {
+    let sb = Sandbox::start(None).await.unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    // Every write of the state file: two fsyncs (temp file, directory) of 1.5 s each.
+    let Some((_child, port, _shim)) = spawn_with_slow_fsync(&sb, "") else {
+        return;
+    };
     eventually("two polls", LIMIT, || sb.mdma.polls().len() >= 2).await;
     let first = sb.mdma.polls().len() - 1;
     // The join is recorded (a 3 s write), sent, admitted, recorded (3 s), confirmed,
@@ -578,34 +592,14 @@ async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_leave_waiting_for_its_state_write_shows_in_the_status() {
     let sb = Sandbox::start(None).await.unwrap();
-    let shim_dir = tempfile::tempdir().unwrap();
-    let Some(shim) = slow_fsync_shim(shim_dir.path()) else {
-        println!("SKIPPED: no gcc to build the slow-fsync shim");
-        return;
-    };
-    let state_dir = sb.state_file().parent().unwrap().to_owned();
-    std::fs::create_dir_all(&state_dir).unwrap();
-    let state_dir = state_dir.canonicalize().unwrap();
     for id in [A, B] {
         sb.merod.hold(id);
     }
     seed(&sb, &[A, B], &[A, B]);
     sb.mdma.set_reply(PollReply::assign([A, B]));
-    let port = free_port();
-    let cfg = sb
-        .write_config(&format!(
-            "status_listen = \"127.0.0.1:{port}\"\n{REFERENCE}"
-        ))
-        .unwrap();
-    let _child = spawn_with_stderr(
-        &cfg,
-        std::process::Stdio::null(),
-        &[
-            ("LD_PRELOAD", shim.to_str().unwrap()),
-            ("SLOW_FSYNC_DIR", state_dir.to_str().unwrap()),
-            ("SLOW_FSYNC_MS", "1500"),
-        ],
-    );
+    let Some((_child, port, _shim)) = spawn_with_slow_fsync(&sb, REFERENCE) else {
+        return;
+    };
     eventually("two polls", LIMIT, || sb.mdma.polls().len() >= 2).await;
     sb.mdma.set_reply(PollReply::assign([B]));
     // Every sample from the first poll that withdrew A until merod saw the leave.
