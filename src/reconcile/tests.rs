@@ -392,18 +392,7 @@ fn an_outage_neither_advances_nor_resets_the_mass_withdrawal_hold_or_the_grace()
     };
     let t0 = Instant::now();
     let d = desired(&[], &[]);
-    let step = |s: &State, guard: &Guard, now: Instant| {
-        plan(PlanInput {
-            policy: &policy,
-            desired: &d,
-            state: s,
-            in_flight: &none(),
-            join_backoff: &none(),
-            leave_backoff: &none(),
-            guard,
-            now,
-        })
-    };
+    let step = |s: &State, guard: &Guard, now: Instant| poll(&policy, &d, s, guard, now);
     let mut p = step(&state(&[1, 2, 3], &[1, 2, 3]), &Guard::default(), t0);
     assert!(matches!(
         p.mass_drop_event,
