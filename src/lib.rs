@@ -194,6 +194,7 @@ mod config;
 pub mod daemon;
 #[cfg(feature = "daemon")]
 mod dropped;
+mod durable;
 #[cfg(feature = "testing")]
 pub mod emulator;
 #[cfg(feature = "fuzzing")]

@@ -23,7 +23,6 @@
 //! leave the process only in the `X-Fleet-Token` header, the `register` body and the token
 //! file.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,6 +36,7 @@ use tracing::{debug, info, warn};
 use url::Url;
 
 use crate::config::{read_token_file, Config, RegistrationConfig, TokenFileProblem};
+use crate::durable::{self, parent_dir};
 use crate::ids::PeerId;
 use crate::mdma::{
     EnrolmentToken, FleetToken, MdmaClient, PollVerdict, RegisterError, RegisterRequest,
@@ -328,14 +328,8 @@ impl AttemptError {
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum StoreError {
     /// Creating the directory, the temp file, writing, syncing or renaming failed.
-    #[error("cannot write {path}: {source}")]
-    Io {
-        /// The file (or directory) being written.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Write(#[from] durable::WriteError),
     /// The writer stopped (it runs on the blocking pool).
     #[error("the write of {path} stopped: {source}")]
     Stopped {
@@ -347,43 +341,15 @@ pub(crate) enum StoreError {
     },
 }
 
-/// Writes `bytes` to `path` atomically, mode 0600: a temp file in the same directory
-/// (created 0700 with its parents if missing), fsync, rename, fsync of the directory.
-/// Blocking: run it on the blocking pool.
+/// The token and its record are secrets: readable by the service's user only.
+const PRIVATE_MODE: u32 = 0o600;
+
+/// Writes `bytes` to `path` with [`durable::write_atomically`], mode 0600 (its directory
+/// created 0700 if missing). Blocking: run it on the blocking pool.
 ///
-/// Errors: [`StoreError::Io`] naming the path.
+/// Errors: [`StoreError::Write`] naming the path and step.
 pub(crate) fn write_private(path: &Path, bytes: &[u8]) -> Result<(), StoreError> {
-    use std::os::unix::fs::DirBuilderExt;
-    let io = |p: &Path| {
-        let p = p.to_owned();
-        move |source| StoreError::Io { path: p, source }
-    };
-    let dir = match path.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
-    if !dir.exists() {
-        std::fs::DirBuilder::new()
-            .recursive(true)
-            .mode(0o700)
-            .create(dir)
-            .map_err(io(dir))?;
-    }
-    // tempfile creates the file with mode 0600.
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".fleet-token-")
-        .tempfile_in(dir)
-        .map_err(io(dir))?;
-    tmp.write_all(bytes).map_err(io(path))?;
-    tmp.as_file().sync_all().map_err(io(path))?;
-    tmp.persist(path).map_err(|e| StoreError::Io {
-        path: path.to_owned(),
-        source: e.error,
-    })?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io(dir))?;
-    Ok(())
+    Ok(durable::write_atomically(path, bytes, PRIVATE_MODE)?)
 }
 
 /// [`write_private`] on the blocking pool, so a slow disk delays only this job.
@@ -545,13 +511,29 @@ impl TokenJob {
             }
             Source::Registration(reg) => {
                 let file = reg.cfg.token_file.clone();
-                let stored = tokio::task::spawn_blocking(move || load_stored(&file))
-                    .await
-                    .unwrap_or(Stored {
-                        token: None,
-                        record: None,
-                        problem: Some("the token file reader stopped".to_owned()),
-                    });
+                let stored = tokio::task::spawn_blocking(move || {
+                    // Before any write: a crash during an earlier token write may have left
+                    // a temp copy of the token beside it (a dry run writes nothing, so it
+                    // removes nothing either).
+                    let removed = if dry_run {
+                        0
+                    } else {
+                        durable::remove_stale_temp_files(parent_dir(&file))
+                    };
+                    if removed > 0 {
+                        info!(
+                            removed,
+                            "removed temp files an interrupted token write left behind"
+                        );
+                    }
+                    load_stored(&file)
+                })
+                .await
+                .unwrap_or(Stored {
+                    token: None,
+                    record: None,
+                    problem: Some("the token file reader stopped".to_owned()),
+                });
                 if let Some(problem) = &stored.problem {
                     warn!("stored fleet token unusable ({problem}): registering again");
                 }

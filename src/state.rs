@@ -42,6 +42,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::durable::{self, parent_dir};
 use crate::ids::GroupId;
 
 pub mod bash_import;
@@ -886,23 +887,12 @@ impl StateStore {
     }
 
     /// Removes temp files a write interrupted by a crash or `SIGKILL` left beside the state
-    /// file (`.fleet-confirmed.*.tmp`, `.fleet-confirmed.*.probe`); the state file itself is
-    /// never touched (writes are atomic renames). Run at start, before any write. Returns
-    /// how many were removed; a directory that cannot be listed counts as none.
+    /// file (every temp file this crate's durable writes create, and the
+    /// `.fleet-confirmed.*.tmp` / `.probe` of older releases); the state file itself is never
+    /// touched (writes are atomic renames). Run at start, before any write. Returns how many
+    /// were removed; a directory that cannot be listed counts as none.
     pub fn remove_stale_temp_files(&self) -> usize {
-        let Ok(entries) = std::fs::read_dir(parent_dir(&self.path)) else {
-            return 0;
-        };
-        entries
-            .filter_map(Result::ok)
-            .filter(|e| {
-                let name = e.file_name();
-                let name = name.to_string_lossy();
-                name.starts_with(".fleet-confirmed.")
-                    && (name.ends_with(".tmp") || name.ends_with(".probe"))
-            })
-            .filter(|e| std::fs::remove_file(e.path()).is_ok())
-            .count()
+        durable::remove_stale_temp_files(parent_dir(&self.path))
     }
 
     /// Checks that the state can be written: the directory exists (it is created if
@@ -912,21 +902,7 @@ impl StateStore {
     ///
     /// Errors: [`StateError::Write`] naming the failed step.
     pub fn check_writable(&self) -> Result<(), StateError> {
-        let err = |step: &'static str| {
-            move |source: std::io::Error| StateError::Write {
-                path: self.path.clone(),
-                step,
-                source,
-            }
-        };
-        let dir = parent_dir(&self.path);
-        std::fs::create_dir_all(dir).map_err(err("create directory"))?;
-        tempfile::Builder::new()
-            .prefix(".fleet-confirmed.")
-            .suffix(".probe")
-            .tempfile_in(dir)
-            .map(drop)
-            .map_err(err("create a file in the directory"))
+        Ok(durable::check_writable(&self.path, STATE_MODE)?)
     }
 
     /// Forgets what was last written, so the next [`StateStore::save`] writes even an
@@ -1032,48 +1008,26 @@ pub(crate) struct WriteOutcome {
     pub(crate) probed: Option<Result<(), StateError>>,
 }
 
-/// Writes `bytes` to `path` atomically (temp file in the same directory, fsync, rename,
-/// fsync of the directory); the temp file is one `remove_stale_temp_files` removes.
+/// The state holds no secret: readable (0644) for `fleet-sidecar status` and operators, as
+/// the Bash sidecar's file was.
+pub(crate) const STATE_MODE: u32 = 0o644;
+
+/// Writes a state document (or a file beside it) to `path` with [`durable::write_atomically`],
+/// readable by all ([`STATE_MODE`]).
 ///
 /// Errors: [`StateError::Write`] naming the failed step; the old file is then intact.
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
-    let err = |step: &'static str| {
-        move |source: std::io::Error| StateError::Write {
-            path: path.to_owned(),
-            step,
-            source,
+    Ok(durable::write_atomically(path, bytes, STATE_MODE)?)
+}
+
+impl From<durable::WriteError> for StateError {
+    fn from(e: durable::WriteError) -> Self {
+        StateError::Write {
+            path: e.path,
+            step: e.step,
+            source: e.source,
         }
-    };
-    let dir = parent_dir(path);
-    std::fs::create_dir_all(dir).map_err(err("create directory"))?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".fleet-confirmed.")
-        .suffix(".tmp")
-        .tempfile_in(dir)
-        .map_err(err("create temp file"))?;
-    tmp.write_all(bytes).map_err(err("write temp file"))?;
-    set_readable(tmp.as_file()).map_err(err("chmod temp file"))?;
-    tmp.as_file().sync_all().map_err(err("fsync temp file"))?;
-    tmp.persist(path).map_err(|e| err("rename")(e.error))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(err("fsync directory"))?;
-    Ok(())
-}
-
-/// The directory a state file lives in (`.` for a bare file name).
-pub(crate) fn parent_dir(path: &Path) -> &Path {
-    match path.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p,
-        _ => Path::new("."),
     }
-}
-
-/// The state holds no secret: make it readable (0644) for `fleet-sidecar status` and
-/// operators, as the Bash sidecar's file was.
-fn set_readable(file: &std::fs::File) -> std::io::Result<()> {
-    use std::os::unix::fs::PermissionsExt;
-    file.set_permissions(std::fs::Permissions::from_mode(0o644))
 }
 
 #[cfg(test)]

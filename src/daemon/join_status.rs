@@ -18,10 +18,11 @@ use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::durable::parent_dir;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ControlPlane, JoinState, JoinStatus, MDMA_TIMEOUT};
 use crate::merod::{Admission, Refusal};
-use crate::state::{parent_dir, write_atomically};
+use crate::state::write_atomically;
 use crate::telemetry::{JoinReport, Telemetry};
 
 /// The file, beside the state file, that keeps the attempts per namespace.

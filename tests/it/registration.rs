@@ -367,6 +367,32 @@ async fn a_registration_without_a_token_polls_without_one() {
     assert!(!token_file(&sb).exists());
 }
 
+/// A crash during a token write leaves its temp file, a copy of the token, beside the token
+/// file: the next start removes it (this release's name and the one older releases used)
+/// before anything is written there, and keeps every other file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_write_cut_by_a_crash_leaves_no_copy_of_the_token_after_the_next_start() {
+    let (sb, md) = fleet().await;
+    let dir = token_file(&sb).parent().unwrap().to_owned();
+    std::fs::create_dir_all(&dir).unwrap();
+    for name in [".fleet-tmp.Ab12Cd", ".fleet-token-Xy34Zw", "keep.txt"] {
+        std::fs::write(dir.join(name), ISSUED_TOKEN).unwrap();
+        std::fs::set_permissions(dir.join(name), std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    d.stop().await;
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        ["fleet-registration.json", "fleet-token", "keep.txt"]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stored_token_is_reused_after_a_restart_without_a_new_registration() {
     let (sb, md) = fleet().await;
