@@ -266,6 +266,36 @@ impl MerodError {
         matches!(self, MerodError::Timeout { .. })
     }
 
+    /// Whether the call never reached merod's admin API, or lost its connection before an
+    /// answer: the connection was refused, reset or aborted. (A timeout, an HTTP status or a
+    /// wrong answer all came from something listening there.)
+    pub fn is_unreachable(&self) -> bool {
+        let MerodError::Call { source, .. } = self else {
+            return false;
+        };
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(source.as_ref());
+        while let Some(e) = next {
+            if e.downcast_ref::<reqwest::Error>()
+                .is_some_and(reqwest::Error::is_connect)
+            {
+                return true;
+            }
+            if e.downcast_ref::<std::io::Error>().is_some_and(|io| {
+                matches!(
+                    io.kind(),
+                    std::io::ErrorKind::ConnectionRefused
+                        | std::io::ErrorKind::ConnectionReset
+                        | std::io::ErrorKind::ConnectionAborted
+                        | std::io::ErrorKind::NotConnected
+                )
+            }) {
+                return true;
+            }
+            next = e.source();
+        }
+        false
+    }
+
     /// The failure's one classification, stable for a program to match (the `kind` of its
     /// `Serialize` form, `{"kind": …, "message": …}`): `call` (refused, reset, or a non-2xx
     /// answer as calimero-client reports it), `timeout`, `status` (a non-2xx, with or

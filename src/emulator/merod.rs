@@ -403,6 +403,8 @@ struct Shared {
 pub struct MerodEmulator {
     shared: Arc<Shared>,
     server: Arc<ServerHandle>,
+    /// The further addresses of [`MerodEmulator::listen_also`].
+    extra: Arc<Mutex<Vec<ServerHandle>>>,
 }
 
 impl std::fmt::Debug for MerodEmulator {
@@ -444,7 +446,11 @@ impl MerodEmulator {
         });
         let handler_state = shared.clone();
         let server = Arc::new(serve(move |request| handle(handler_state.clone(), request)).await?);
-        Ok(MerodEmulator { shared, server })
+        Ok(MerodEmulator {
+            shared,
+            server,
+            extra: Arc::default(),
+        })
     }
 
     /// `http://127.0.0.1:PORT/` (the admin routes are under `/admin-api`).
@@ -602,9 +608,36 @@ impl MerodEmulator {
             .to_owned()
     }
 
-    /// Stops accepting connections (also happens when the last clone is dropped).
+    /// Stops accepting connections at every address (also happens when the last clone is
+    /// dropped).
     pub fn shutdown(&self) {
         self.server.shutdown();
+        lock(&self.extra).iter().for_each(ServerHandle::shutdown);
+    }
+
+    /// Answers at one more loopback address too (`127.0.0.1:<new port>`, same state), as a
+    /// merod with several `[server].listen` addresses does; returns it.
+    ///
+    /// Errors: the bind's.
+    pub async fn listen_also(&self) -> Result<std::net::SocketAddr, std::io::Error> {
+        let handler_state = self.shared.clone();
+        let server = serve(move |request| handle(handler_state.clone(), request)).await?;
+        let addr = server.addr();
+        lock(&self.extra).push(server);
+        Ok(addr)
+    }
+
+    /// Stops accepting connections at `addr` only (the first address or one of
+    /// [`MerodEmulator::listen_also`]); idle connections there close, so the next call to it
+    /// is refused: merod moving to its other addresses.
+    pub fn stop_listening_at(&self, addr: std::net::SocketAddr) {
+        if self.server.addr() == addr {
+            self.server.shutdown();
+        }
+        lock(&self.extra)
+            .iter()
+            .filter(|s| s.addr() == addr)
+            .for_each(ServerHandle::shutdown);
     }
 }
 

@@ -1,6 +1,8 @@
 //! merod reached at the first of its `[server].listen` addresses that answers: each is
 //! probed in order (an IPv6-first `listen` on a host where `::1` is not served, a first
-//! address merod does not bind, …), and the calls go to the one that answered.
+//! address merod does not bind, …), and the calls go to the one that answered. When a call
+//! to it cannot reach merod (connection refused or reset), the addresses are probed again, so
+//! a merod that moved to another of its addresses is followed without a restart.
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -14,7 +16,10 @@ use crate::ids::GroupId;
 
 /// merod behind several admin URLs, in the order of `[server].listen`: [`Node::probe`]
 /// tries each in order and the first that answers takes every later call (until a probe
-/// finds another). A single URL behaves as its [`MerodClient`].
+/// finds another). A call that cannot reach the chosen address ([`MerodError::is_unreachable`])
+/// fails as it did, and the addresses are probed again before it returns, so the next call
+/// (its retry, after its back-off) goes to the one merod answers on now. A single URL
+/// behaves as its [`MerodClient`].
 #[derive(Debug)]
 pub(crate) struct ListenCandidates {
     /// `[server].listen[0]`'s client, then the later ones.
@@ -40,6 +45,24 @@ impl ListenCandidates {
     pub(crate) fn current(&self) -> &MerodClient {
         let i = self.chosen.load(Ordering::Relaxed);
         self.clients.get(i).unwrap_or(&self.clients[0])
+    }
+}
+
+impl ListenCandidates {
+    /// A call's outcome, returned unchanged; when it could not reach the chosen address
+    /// and there are others, they are probed again first (within [`PROBE_TIMEOUT`]) so the
+    /// next call goes where merod answers now. The call itself is not repeated: whether a
+    /// reset one reached merod is unknown, and its own retry (with its back-off) decides.
+    async fn follow<T>(&self, outcome: Result<T, MerodError>) -> Result<T, MerodError> {
+        if let Err(e) = &outcome {
+            if self.clients.len() > 1 && e.is_unreachable() {
+                info!("merod's admin API did not take a call at {} ({e}): probing its [server].listen addresses again", self.current().admin_url());
+                if let Err(probe) = self.probe().await {
+                    info!("no [server].listen address of merod answers yet: {probe}");
+                }
+            }
+        }
+        outcome
     }
 }
 
@@ -92,23 +115,28 @@ impl Node for ListenCandidates {
         group_id: GroupId,
         admitter_addrs: &[String],
     ) -> Result<Admission, MerodError> {
-        self.current().fleet_join(group_id, admitter_addrs).await
+        let r = self.current().fleet_join(group_id, admitter_addrs).await;
+        self.follow(r).await
     }
 
     async fn leave_namespace(&self, group_id: GroupId) -> Result<(), MerodError> {
-        self.current().leave_namespace(group_id).await
+        let r = self.current().leave_namespace(group_id).await;
+        self.follow(r).await
     }
 
     async fn holds_namespace(&self, group_id: GroupId) -> Result<bool, MerodError> {
-        self.current().holds_namespace(group_id).await
+        let r = self.current().holds_namespace(group_id).await;
+        self.follow(r).await
     }
 
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
-        self.current().list_namespaces().await
+        let r = self.current().list_namespaces().await;
+        self.follow(r).await
     }
 
     async fn identity(&self) -> Result<NodeAccount, MerodError> {
-        self.current().identity().await
+        let r = self.current().identity().await;
+        self.follow(r).await
     }
 
     async fn tee_role(
@@ -116,7 +144,8 @@ impl Node for ListenCandidates {
         group_id: GroupId,
         account: &str,
     ) -> Result<Option<TeeRole>, MerodError> {
-        self.current().tee_role(group_id, account).await
+        let r = self.current().tee_role(group_id, account).await;
+        self.follow(r).await
     }
 }
 

@@ -325,3 +325,44 @@ async fn merod_answers_naming_a_key_twice_fail_closed() {
         .unwrap();
     assert_eq!(got.reasons, vec!["no verifier answered".to_owned()]);
 }
+
+/// merod moves to another of its `[server].listen` addresses while the daemon runs (it stops
+/// answering on the first, which the start-up probe chose): the first call refused there
+/// makes the daemon probe the addresses again, so the next join goes to the second one,
+/// without a restart. (Before, every later call went to the first address and failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merod_that_moves_to_its_second_listen_address_is_followed_without_a_restart() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let first = sb.merod.addr();
+    let second = sb.merod.listen_also().await.unwrap();
+    let toml = sb.dir().join("calimero/default/config.toml");
+    let text = std::fs::read_to_string(&toml).unwrap().replace(
+        &format!("listen = [\"/ip4/127.0.0.1/tcp/{}\"]", first.port()),
+        &format!(
+            "listen = [\"/ip4/127.0.0.1/tcp/{}\", \"/ip4/127.0.0.1/tcp/{}\"]",
+            first.port(),
+            second.port()
+        ),
+    );
+    assert!(text.contains(&format!("tcp/{}", second.port())), "{text}");
+    std::fs::write(&toml, text).unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let cfg = sb.write_config("").unwrap();
+    let _daemon = spawn_daemon(&cfg, false, &[]);
+    eventually(
+        "A joined at the first address",
+        Duration::from_secs(20),
+        || sb.merod.held().contains(A),
+    )
+    .await;
+
+    sb.merod.stop_listening_at(first);
+    sb.mdma.set_reply(PollReply::assign([A, B]));
+    eventually(
+        "B joined at the second address",
+        Duration::from_secs(30),
+        || sb.merod.held().contains(B),
+    )
+    .await;
+    assert!(sb.merod.held().contains(A), "nothing was left meanwhile");
+}
