@@ -5,7 +5,7 @@
 //! strong types (`Url`, `Duration`, paths) that the daemon runs on. Loading touches only the
 //! config file itself: nothing here reads merod's files, sysfs, or the network.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -14,6 +14,7 @@ use url::Url;
 
 use crate::mdma::{FleetToken, MdmaClient, MdmaClientError};
 use crate::mrtd::TdxConfig;
+use crate::net::is_loopback;
 use crate::reconcile::LeavePolicy;
 
 /// Where the daemon looks for its config file unless `--config` says otherwise.
@@ -1087,16 +1088,6 @@ fn placeholder_domain(url: &Url) -> Option<&'static str> {
     ["example", "invalid", "test"]
         .into_iter()
         .find(|reserved| tld.eq_ignore_ascii_case(reserved))
-}
-
-/// Whether the URL's host is `localhost` or a loopback address (127.0.0.0/8, ::1).
-pub(crate) fn is_loopback(url: &Url) -> bool {
-    match url.host() {
-        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
-        Some(url::Host::Ipv4(ip)) => IpAddr::V4(ip).is_loopback(),
-        Some(url::Host::Ipv6(ip)) => IpAddr::V6(ip).is_loopback(),
-        None => false,
-    }
 }
 
 #[cfg(test)]

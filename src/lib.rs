@@ -207,6 +207,7 @@ mod logging;
 mod mdma;
 mod merod;
 mod mrtd;
+mod net;
 #[cfg(feature = "daemon")]
 mod notify;
 pub mod reconcile;

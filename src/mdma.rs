@@ -25,6 +25,7 @@ use url::Url;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::{Refusal, TeeRole};
 use crate::mrtd::Mrtd;
+use crate::net::{is_loopback, read_capped, BodyError};
 
 mod answer;
 
@@ -862,16 +863,18 @@ impl MdmaClient {
         let url = self.api_url(path)?;
         let resp = self.send(&url, body).await?;
         let status = resp.status().as_u16();
-        let body = read_capped(resp).await.map_err(|e| match e {
-            BodyError::TooLarge => CallError::Malformed {
-                url: url.clone(),
-                status,
-                source: MalformedAnswer::TooLarge {
-                    limit: MAX_POLL_BODY,
+        let body = read_capped(resp, MAX_POLL_BODY)
+            .await
+            .map_err(|e| match e {
+                BodyError::TooLarge { .. } => CallError::Malformed {
+                    url: url.clone(),
+                    status,
+                    source: MalformedAnswer::TooLarge {
+                        limit: MAX_POLL_BODY,
+                    },
                 },
-            },
-            BodyError::Transport(e) => RequestError::from_reqwest(&url, self.timeout, e).into(),
-        })?;
+                BodyError::Transport(e) => RequestError::from_reqwest(&url, self.timeout, e).into(),
+            })?;
         Ok(MdmaAnswer { url, status, body })
     }
 
@@ -1094,7 +1097,7 @@ impl MdmaClient {
             }
         };
         let call = async {
-            let mut resp = req.send().await.map_err(fail)?;
+            let resp = req.send().await.map_err(fail)?;
             let status = resp.status().as_u16();
             match status {
                 200..=299 => {}
@@ -1110,18 +1113,16 @@ impl MdmaClient {
                     })
                 }
             }
-            let mut bytes = Vec::new();
-            while let Some(chunk) = resp.chunk().await.map_err(fail)? {
-                if bytes.len() + chunk.len() > MAX_REGISTRATION_BODY {
-                    return Err(RegisterError::Answer {
+            read_capped(resp, MAX_REGISTRATION_BODY)
+                .await
+                .map_err(|e| match e {
+                    BodyError::TooLarge { limit } => RegisterError::Answer {
                         method,
                         url: url.clone(),
-                        reason: format!("larger than {MAX_REGISTRATION_BODY} bytes"),
-                    });
-                }
-                bytes.extend_from_slice(&chunk);
-            }
-            Ok(bytes)
+                        reason: format!("larger than {limit} bytes"),
+                    },
+                    BodyError::Transport(e) => fail(e),
+                })
         };
         // reqwest's own timeout covers the whole request; this one also bounds a body that
         // trickles in.
@@ -1134,32 +1135,6 @@ impl MdmaClient {
             }),
         }
     }
-}
-
-/// Why an answer's body could not be read.
-enum BodyError {
-    /// Announced or found larger than [`MAX_POLL_BODY`]; refused unread.
-    TooLarge,
-    /// The connection failed while reading.
-    Transport(reqwest::Error),
-}
-
-/// Reads a body whole under [`MAX_POLL_BODY`]: one announced or found larger is refused
-/// without reading it whole. Room for the announced length (≤ the cap) is taken at once: no
-/// doubling and copying as the chunks arrive (a 1 MB poll answer at 10,000 namespaces).
-async fn read_capped(mut resp: reqwest::Response) -> Result<Vec<u8>, BodyError> {
-    let announced = resp.content_length();
-    if announced.is_some_and(|n| n > MAX_POLL_BODY as u64) {
-        return Err(BodyError::TooLarge);
-    }
-    let mut bytes = Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
-    while let Some(chunk) = resp.chunk().await.map_err(BodyError::Transport)? {
-        if bytes.len() + chunk.len() > MAX_POLL_BODY {
-            return Err(BodyError::TooLarge);
-        }
-        bytes.extend_from_slice(&chunk);
-    }
-    Ok(bytes)
 }
 
 /// How the HTTP clients of an [`MdmaClient`] are built.
@@ -1196,19 +1171,6 @@ impl ClientSettings {
             builder = builder.no_proxy();
         }
         builder.build()
-    }
-}
-
-/// Whether `url`'s host is loopback: `localhost` (and `*.localhost`), 127.0.0.0/8, `::1`.
-pub(crate) fn is_loopback(url: &Url) -> bool {
-    match url.host() {
-        Some(url::Host::Domain(d)) => {
-            let d = d.trim_end_matches('.').to_ascii_lowercase();
-            d == "localhost" || d.ends_with(".localhost")
-        }
-        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
-        None => false,
     }
 }
 
@@ -1292,15 +1254,17 @@ impl ControlPlane for MdmaClient {
         if resp.status().as_u16() != 200 {
             return Err(self.refused(url, resp).await.into());
         }
-        let bytes = read_capped(resp).await.map_err(|e| match e {
-            BodyError::TooLarge => PollError::Malformed {
-                url: url.clone(),
-                source: MalformedAnswer::TooLarge {
-                    limit: MAX_POLL_BODY,
+        let bytes = read_capped(resp, MAX_POLL_BODY)
+            .await
+            .map_err(|e| match e {
+                BodyError::TooLarge { .. } => PollError::Malformed {
+                    url: url.clone(),
+                    source: MalformedAnswer::TooLarge {
+                        limit: MAX_POLL_BODY,
+                    },
                 },
-            },
-            BodyError::Transport(e) => fail(e),
-        })?;
+                BodyError::Transport(e) => fail(e),
+            })?;
         parse_should_join(&bytes).map_err(|source| PollError::Malformed {
             url: url.clone(),
             source,

@@ -30,6 +30,7 @@ use serde_json::Value;
 use url::Url;
 
 use crate::ids::GroupId;
+use crate::net::{read_capped, BodyError};
 use crate::strict_json::StrictValue;
 
 #[cfg(feature = "daemon")]
@@ -786,19 +787,18 @@ impl MerodClient {
                 Some(body) => self.connection.client.post(url.clone()).json(&body),
                 None => self.connection.client.get(url.clone()),
             };
-            let mut resp = req.send().await.map_err(call_err)?;
+            let resp = req.send().await.map_err(call_err)?;
             let status = resp.status().as_u16();
-            let mut bytes = Vec::new();
-            while let Some(chunk) = resp.chunk().await.map_err(call_err)? {
-                if bytes.len() + chunk.len() > MAX_ATTEST_BODY {
-                    return Err(MerodError::Answer {
+            let bytes = read_capped(resp, MAX_ATTEST_BODY)
+                .await
+                .map_err(|e| match e {
+                    BodyError::TooLarge { limit } => MerodError::Answer {
                         op,
                         url: url.to_string(),
-                        reason: format!("larger than {MAX_ATTEST_BODY} bytes"),
-                    });
-                }
-                bytes.extend_from_slice(&chunk);
-            }
+                        reason: format!("larger than {limit} bytes"),
+                    },
+                    BodyError::Transport(e) => call_err(e),
+                })?;
             Ok((status, bytes))
         })
         .await

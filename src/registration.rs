@@ -42,6 +42,7 @@ use crate::mdma::{
     EnrolmentToken, FleetToken, MdmaClient, PollVerdict, RegisterError, RegisterRequest,
 };
 use crate::merod::{ListenCandidates, MerodError, NodeAccount};
+use crate::net::{read_capped, BodyError};
 use crate::telemetry::Telemetry;
 
 /// Polls refused (401/403) for this long in a row make a held token count as rejected: the
@@ -882,7 +883,7 @@ impl Registrar {
             reason,
         };
         let read = async {
-            let mut resp = self
+            let resp = self
                 .metadata
                 .get(url.clone())
                 .header("Metadata-Flavor", "Google")
@@ -894,17 +895,12 @@ impl Registrar {
                 404 => return Ok(String::new()),
                 status => return Err(fail(format!("HTTP {status}"))),
             }
-            let mut bytes = Vec::new();
-            while let Some(chunk) = resp
-                .chunk()
+            let bytes = read_capped(resp, MAX_ATTRIBUTE)
                 .await
-                .map_err(|e| fail(e.without_url().to_string()))?
-            {
-                if bytes.len() + chunk.len() > MAX_ATTRIBUTE {
-                    return Err(fail(format!("larger than {MAX_ATTRIBUTE} bytes")));
-                }
-                bytes.extend_from_slice(&chunk);
-            }
+                .map_err(|e| match e {
+                    BodyError::TooLarge { limit } => fail(format!("larger than {limit} bytes")),
+                    BodyError::Transport(e) => fail(e.without_url().to_string()),
+                })?;
             let text = String::from_utf8(bytes).map_err(|_| fail("not UTF-8".to_owned()))?;
             Ok(text.replace(['\r', '\n'], "").trim().to_owned())
         };

@@ -208,10 +208,7 @@ struct SideFile {
 ///
 /// Errors: [`ImportError`] naming the first file that is there but unreadable or corrupt.
 pub fn read_beside(state_file: &Path) -> Result<BashFiles, ImportError> {
-    let dir = match state_file.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = crate::durable::parent_dir(state_file);
     // The bytes and the mtime of one open file (a missing file is `None`; an mtime that
     // cannot be read is `None` in its place, so nothing is vouched for by it).
     let read = |name: &str| -> Result<Option<SideFile>, ImportError> {

@@ -186,10 +186,7 @@ fn resolve_existing(dir: &Path) -> Result<PathBuf, std::io::Error> {
 ///
 /// Errors: [`VolatileCheckError`] when the mount table or the directory cannot be read.
 pub fn check_state_dir(state_file: &Path) -> Result<Option<RamFilesystem>, VolatileCheckError> {
-    let dir = match state_file.parent() {
-        Some(d) if !d.as_os_str().is_empty() => d,
-        _ => Path::new("."),
-    };
+    let dir = crate::durable::parent_dir(state_file);
     let resolved = resolve_existing(dir).map_err(|source| VolatileCheckError::Resolve {
         path: dir.to_owned(),
         source,
