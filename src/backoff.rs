@@ -2,7 +2,8 @@
 //! `admitted: false`, an admission merod does not list, an admission or confirm that could
 //! not be recorded) and every failed leave (an error, a timeout, merod still listing it)
 //! waits before the next attempt, the wait doubling from [`RETRY_MIN`] to [`RETRY_MAX`] and
-//! jittered so a fleet does not retry in lockstep.
+//! jittered so a fleet does not retry in lockstep ([`RETRY`]). [`Backoff`] is the one
+//! back-off every retry of the crate uses.
 //!
 //! The state of a namespace survives across failures (its wait having ended does not forget
 //! it), and is dropped only when the action succeeds or the namespace stops being a
@@ -15,21 +16,69 @@ use tokio::time::Instant;
 
 use crate::ids::GroupId;
 
+/// How a [`Backoff`]'s wait spreads around its base, so a fleet that failed together does
+/// not retry in lockstep.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Jitter {
+    /// The base exactly: for a peer on this machine (merod), which no fleet shares.
+    None,
+    /// Between half the base and the base, never below `first`: the mean stays under the
+    /// doubling curve (joins, leaves, state writes, the poll).
+    Down,
+    /// Between the base and one and a half times it, never above `cap`: never sooner than
+    /// `first`, for an interval an operator set as the shortest wait (registration).
+    Up,
+}
+
+/// One exponential back-off: after the `n`-th failure in a row (1-based) the base wait is
+/// `min(cap, first · 2^(n-1))`, spread by [`Jitter`]. Every retry in the crate (joins,
+/// leaves, state writes, the poll cadence, the readiness probe of merod, registration) is one
+/// of these; what differs between them is these three parameters.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Backoff {
+    first: Duration,
+    cap: Duration,
+    jitter: Jitter,
+}
+
+impl Backoff {
+    /// Waits doubling from `first` up to `cap` (a `cap` below `first` is `first`).
+    pub(crate) const fn new(first: Duration, cap: Duration, jitter: Jitter) -> Self {
+        Self { first, cap, jitter }
+    }
+
+    /// The unjittered wait after the `failures`-th failure in a row (1-based; 0 counts as 1):
+    /// `min(cap, first · 2^(failures-1))`, saturating.
+    pub(crate) fn base(&self, failures: u32) -> Duration {
+        let factor = 2u32.saturating_pow(failures.saturating_sub(1));
+        self.first
+            .saturating_mul(factor)
+            .min(self.cap.max(self.first))
+    }
+
+    /// The wait after the `failures`-th failure in a row, for `jitter` in `[0, 1)` (clamped;
+    /// ignored by [`Jitter::None`]): always within `[first, max(cap, first)]`.
+    pub(crate) fn wait(&self, failures: u32, jitter: f64) -> Duration {
+        let base = self.base(failures);
+        let jitter = jitter.clamp(0.0, 1.0);
+        match self.jitter {
+            Jitter::None => base,
+            Jitter::Down => base.mul_f64((1.0 + jitter) / 2.0).max(self.first),
+            Jitter::Up => base
+                .mul_f64(1.0 + jitter / 2.0)
+                .min(self.cap.max(self.first)),
+        }
+    }
+}
+
 /// First wait before retrying a failed join or leave of a namespace, or a failed state
 /// write (doubles, up to [`RETRY_MAX`]).
 pub(crate) const RETRY_MIN: Duration = Duration::from_secs(2);
 /// Longest wait before retrying a failing join, leave or state write.
 pub(crate) const RETRY_MAX: Duration = Duration::from_secs(60);
-
-/// The wait after the `failures`-th failure in a row (1-based), for `jitter` in `[0, 1)`:
-/// `base = min(RETRY_MAX, RETRY_MIN · 2^(failures-1))`, wait
-/// `base · (1 + jitter) / 2`, never below [`RETRY_MIN`].
-pub(crate) fn retry_delay(failures: u32, jitter: f64) -> Duration {
-    let factor = 2u32.saturating_pow(failures.saturating_sub(1));
-    let base = RETRY_MIN.saturating_mul(factor).min(RETRY_MAX);
-    base.mul_f64((1.0 + jitter.clamp(0.0, 1.0)) / 2.0)
-        .max(RETRY_MIN)
-}
+/// The back-off of a failing join, leave or state write: [`RETRY_MIN`] doubling to
+/// [`RETRY_MAX`], each wait between half its base and its base (never below [`RETRY_MIN`]).
+pub(crate) const RETRY: Backoff = Backoff::new(RETRY_MIN, RETRY_MAX, Jitter::Down);
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -51,7 +100,7 @@ impl Retries {
             .entries
             .get(&id)
             .map_or(1, |e| e.failures.saturating_add(1));
-        let wait = retry_delay(failures, jitter);
+        let wait = RETRY.wait(failures, jitter);
         self.entries.insert(
             id,
             Entry {
@@ -97,15 +146,45 @@ mod tests {
             (6, 60.0),
             (60, 60.0),
         ] {
-            let lo = retry_delay(failures, 0.0).as_secs_f64();
-            let hi = retry_delay(failures, 0.999_999).as_secs_f64();
+            let lo = RETRY.wait(failures, 0.0).as_secs_f64();
+            let hi = RETRY.wait(failures, 0.999_999).as_secs_f64();
             assert!(
                 (lo - (base / 2.0_f64).max(2.0)).abs() < 1e-6,
                 "{failures}: {lo}"
             );
             assert!((hi - base).abs() < 1e-3, "{failures}: {hi}");
         }
-        assert_eq!(retry_delay(u32::MAX, 7.0), RETRY_MAX);
+        assert_eq!(RETRY.wait(u32::MAX, 7.0), RETRY_MAX);
+    }
+
+    #[test]
+    fn every_jitter_stays_within_first_and_cap() {
+        let s = Duration::from_secs(1);
+        let none = Backoff::new(s, 5 * s, Jitter::None);
+        let waits: Vec<u64> = (0..=6).map(|n| none.wait(n, 0.9).as_secs()).collect();
+        assert_eq!(waits, [1, 1, 2, 4, 5, 5, 5]);
+        let up = Backoff::new(10 * s, 600 * s, Jitter::Up);
+        assert_eq!(up.wait(1, 0.0), 10 * s);
+        assert_eq!(up.wait(1, 0.999).as_millis(), 14_995);
+        assert_eq!(up.wait(7, 0.999), 600 * s);
+        // A cap below first is first.
+        let inverted = Backoff::new(5 * s, s, Jitter::Down);
+        for n in [0, 1, 2, u32::MAX] {
+            for j in [-1.0, 0.0, 0.5, 7.0] {
+                assert_eq!(inverted.wait(n, j), 5 * s, "{n} {j}");
+            }
+        }
+        for b in [none, up, RETRY] {
+            for n in [0, 1, 3, 9, u32::MAX] {
+                for j in [-1.0, 0.0, 0.5, 0.999, 7.0] {
+                    let w = b.wait(n, j);
+                    assert!(
+                        w >= b.first && w <= b.cap.max(b.first),
+                        "{b:?} {n} {j}: {w:?}"
+                    );
+                }
+            }
+        }
     }
 
     #[tokio::test(start_paused = true)]

@@ -35,6 +35,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use url::Url;
 
+use crate::backoff::{Backoff, Jitter};
 use crate::config::{read_token_file, Config, RegistrationConfig, TokenFileProblem};
 use crate::durable::{self, parent_dir};
 use crate::ids::PeerId;
@@ -256,11 +257,7 @@ impl Machine {
 /// accepted: `first · 2^(attempt-1)`, stretched by up to half (`jitter` in `[0, 1)`),
 /// capped at [`RETRY_CAP`]; never below `first` (or the cap).
 pub(crate) fn retry_wait(first: Duration, attempt: u32, jitter: f64) -> Duration {
-    let base = first
-        .saturating_mul(2u32.saturating_pow(attempt.saturating_sub(1)))
-        .min(RETRY_CAP);
-    base.mul_f64(1.0 + jitter.clamp(0.0, 1.0) / 2.0)
-        .min(RETRY_CAP)
+    Backoff::new(first, RETRY_CAP, Jitter::Up).wait(attempt, jitter)
 }
 
 /// Why one registration attempt failed. Never holds a token.

@@ -133,7 +133,7 @@ fn the_scan_sees_plain_and_grouped_imports() {
         ["notify", "telemetry"]
     );
     assert_eq!(
-        named_modules("let x = crate::backoff::retry_delay(1, 0.0);"),
+        named_modules("let x = crate::backoff::RETRY.wait(1, 0.0);"),
         ["backoff"]
     );
     // The modules it found in this crate include the daemon and what it stands on.

@@ -6,6 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
+use crate::backoff::{Backoff, Jitter};
 use crate::mdma::PollError;
 
 /// A poll failing the same way is logged again after this many repeats.
@@ -87,12 +88,11 @@ fn next_poll_delay(
     if failures == 0 {
         return interval;
     }
-    let factor = 2u32.saturating_pow(u32::try_from(failures).unwrap_or(u32::MAX));
-    let base = interval
-        .saturating_mul(factor)
-        .min(max_backoff.max(interval));
-    base.mul_f64((1.0 + jitter.clamp(0.0, 1.0)) / 2.0)
-        .max(interval)
+    // The first failure already doubles: base `interval · 2^failures`.
+    let n = u32::try_from(failures)
+        .unwrap_or(u32::MAX)
+        .saturating_add(1);
+    Backoff::new(interval, max_backoff, Jitter::Down).wait(n, jitter)
 }
 
 /// Counts failed polls so a failure repeated every second is logged once, then every

@@ -433,7 +433,7 @@ impl Record {
             key,
             text: text.clone(),
             failures,
-            retry_at: Instant::now() + backoff::retry_delay(failures, fastrand::f64()),
+            retry_at: Instant::now() + backoff::RETRY.wait(failures, fastrand::f64()),
         });
         self.telemetry
             .update(|st| st.state_write_error = Some(text));

@@ -8,6 +8,7 @@ use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::backoff::{Backoff, Jitter};
 use crate::config::Config;
 use crate::identity::read_peer_id;
 use crate::ids::PeerId;
@@ -60,13 +61,14 @@ pub enum Readiness {
     GaveUp(String),
 }
 
-/// The wait after the `failures`-th failed readiness probe in a row (1-based):
-/// [`PROBE_INTERVAL`] doubling to [`PROBE_INTERVAL_MAX`]. Not jittered: merod is on this
-/// machine, no fleet shares it.
+/// The readiness probe's back-off: [`PROBE_INTERVAL`] doubling to [`PROBE_INTERVAL_MAX`]
+/// after each failed probe. Not jittered: merod is on this machine, no fleet shares it.
+pub(super) const PROBE_BACKOFF: Backoff =
+    Backoff::new(PROBE_INTERVAL, PROBE_INTERVAL_MAX, Jitter::None);
+
+/// The wait after the `failures`-th failed readiness probe in a row (1-based).
 pub(super) fn probe_delay(failures: u32) -> Duration {
-    PROBE_INTERVAL
-        .saturating_mul(2u32.saturating_pow(failures.saturating_sub(1)))
-        .min(PROBE_INTERVAL_MAX)
+    PROBE_BACKOFF.wait(failures, 0.0)
 }
 
 /// Probes merod until it answers (or `limit`, if any, passes), backing off from 1 s to 5 s
