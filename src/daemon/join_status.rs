@@ -10,7 +10,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -20,7 +19,7 @@ use tracing::{debug, info, warn};
 
 use crate::durable::parent_dir;
 use crate::ids::{GroupId, PeerId};
-use crate::mdma::{ControlPlane, JoinState, JoinStatus, MDMA_TIMEOUT};
+use crate::mdma::{ControlPlane, JoinState, JoinStatus};
 use crate::merod::{Admission, Refusal};
 use crate::state::write_atomically;
 use crate::telemetry::{JoinReport, Telemetry};
@@ -235,7 +234,7 @@ impl Job {
     /// Sends one report; whether MDMA acknowledged it.
     async fn report(&mut self, report: &JoinStatus) -> bool {
         let t = &self.deps.telemetry;
-        let limit = MDMA_TIMEOUT + Duration::from_secs(1);
+        let limit = super::MDMA_DEADLINE;
         let started = Instant::now();
         let result = timeout(limit, self.deps.mdma.join_status(report)).await;
         t.observe("join_status", started.elapsed());

@@ -20,13 +20,13 @@ use crate::backoff::{Retries, RETRY_MAX};
 use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane};
-use crate::merod::{MerodError, Node, NodeAccount, TeeRole, CHECK_TIMEOUT, MEMBERS_TIMEOUT};
+use crate::merod::{MerodError, Node, NodeAccount, TeeRole, CHECK_TIMEOUT};
 use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
 use super::held::HELD_READ_TIMEOUT;
 use super::join_status::JoinOutcome;
-use super::MDMA_DEADLINE;
+use super::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
 
 /// Why merod could not tell whether it holds a namespace
 /// (`GET /admin-api/namespaces/{id}`).
@@ -377,31 +377,34 @@ async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
     let t = &calls.telemetry;
     let account = match calls.account.get() {
         Some(a) => a,
-        None => {
-            let limit = CHECK_TIMEOUT + Duration::from_secs(1);
-            match timed(t, "identity", limit, calls.merod.identity()).await {
-                Some(Ok(NodeAccount::Account(a))) => {
-                    calls.account.set(a.clone());
-                    a
-                }
-                Some(Ok(NodeAccount::NotMinted)) => {
-                    Telemetry::count(&t.role_reads, "ok");
-                    return None;
-                }
-                Some(Err(e)) => {
-                    Telemetry::count(&t.role_reads, failed_label(&e));
-                    warn!(namespace_id = %id, "cannot read the node's account ({e}); confirming with tee_role null");
-                    return None;
-                }
-                None => {
-                    Telemetry::count(&t.role_reads, "timeout");
-                    return None;
-                }
+        None => match timed(t, "identity", IDENTITY_DEADLINE, calls.merod.identity()).await {
+            Some(Ok(NodeAccount::Account(a))) => {
+                calls.account.set(a.clone());
+                a
             }
-        }
+            Some(Ok(NodeAccount::NotMinted)) => {
+                Telemetry::count(&t.role_reads, "ok");
+                return None;
+            }
+            Some(Err(e)) => {
+                Telemetry::count(&t.role_reads, failed_label(&e));
+                warn!(namespace_id = %id, "cannot read the node's account ({e}); confirming with tee_role null");
+                return None;
+            }
+            None => {
+                Telemetry::count(&t.role_reads, "timeout");
+                return None;
+            }
+        },
     };
-    let limit = MEMBERS_TIMEOUT + Duration::from_secs(1);
-    match timed(t, "members", limit, calls.merod.tee_role(id, &account)).await {
+    match timed(
+        t,
+        "members",
+        MEMBERS_DEADLINE,
+        calls.merod.tee_role(id, &account),
+    )
+    .await
+    {
         Some(Ok(role)) => {
             Telemetry::count(&t.role_reads, "ok");
             role
