@@ -6,15 +6,15 @@
 use std::sync::Arc;
 
 use tokio::sync::watch;
-use tokio::time::{timeout, Instant};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::merod::{Node, PROBE_TIMEOUT};
+use crate::merod::Node;
 use crate::telemetry::Telemetry;
 
 use super::held::HeldView;
-use super::startup::probe_delay;
+use super::startup::{Probed, ReadinessProbe};
 
 /// Whether merod has answered a readiness probe since start-up.
 #[derive(Clone, Debug)]
@@ -33,7 +33,7 @@ impl MerodUp {
     }
 }
 
-/// Starts probing merod (`GET /admin-api/peers`, each bounded by [`PROBE_TIMEOUT`],
+/// Starts probing merod (`GET /admin-api/peers`, each bounded by [`crate::merod::PROBE_TIMEOUT`],
 /// backing off from 1 s to 5 s) until it answers; then asks `held` for a read and ends.
 /// Each change of what the probe sees is logged once and shown in the live status (start-up
 /// sets `merod_not_answering` before this starts, with the phase, so no `READY=1` slips out).
@@ -45,23 +45,20 @@ pub(crate) fn spawn(
 ) -> MerodUp {
     let (tx, rx) = watch::channel(false);
     tokio::spawn(async move {
-        let mut failures = 0u32;
-        let mut last: Option<String> = None;
+        let mut probe = ReadinessProbe::default();
         loop {
-            let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
-                Ok(Ok(())) => break,
-                Ok(Err(e)) => e.to_string(),
-                Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
-            };
-            if last.as_deref() != Some(reason.as_str()) {
-                info!("merod not answering ({reason}): polling MDMA meanwhile; joins and leaves wait for merod");
-                telemetry.update(|st| st.merod_not_answering = Some(reason.clone()));
+            match probe.probe(merod.as_ref()).await {
+                Probed::Ready => break,
+                Probed::Failed { reason, changed } => {
+                    if changed {
+                        info!("merod not answering ({reason}): polling MDMA meanwhile; joins and leaves wait for merod");
+                        telemetry.update(|st| st.merod_not_answering = Some(reason));
+                    }
+                }
             }
-            last = Some(reason);
-            failures = failures.saturating_add(1);
             tokio::select! {
                 () = shutdown.cancelled() => return,
-                () = tokio::time::sleep_until(Instant::now() + probe_delay(failures)) => {}
+                () = tokio::time::sleep_until(probe.next_probe(Instant::now())) => {}
             }
         }
         info!("merod admin API answers: joins and leaves may start");

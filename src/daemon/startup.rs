@@ -71,9 +71,53 @@ pub(super) fn probe_delay(failures: u32) -> Duration {
     PROBE_BACKOFF.wait(failures, 0.0)
 }
 
+/// The one readiness probe of merod, for start-up's wait and the later watch alike
+/// (`merod_watch`): each probe bounded by [`PROBE_TIMEOUT`], the next one due after
+/// [`PROBE_BACKOFF`], and what the last one saw kept so each change is told once.
+#[derive(Debug, Default)]
+pub(super) struct ReadinessProbe {
+    /// Failed probes in a row.
+    failures: u32,
+    /// What the last failed probe saw.
+    last: Option<String>,
+}
+
+/// What one [`ReadinessProbe::probe`] saw.
+pub(super) enum Probed {
+    /// merod answered.
+    Ready,
+    /// It did not; `changed` when the reason differs from the last probe's (to be told).
+    Failed { reason: String, changed: bool },
+}
+
+impl ReadinessProbe {
+    /// Probes merod once (`GET /admin-api/peers` at each listen address, within
+    /// [`PROBE_TIMEOUT`] in all).
+    pub(super) async fn probe(&mut self, merod: &dyn Node) -> Probed {
+        let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
+            Ok(Ok(())) => {
+                self.failures = 0;
+                self.last = None;
+                return Probed::Ready;
+            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
+        };
+        self.failures = self.failures.saturating_add(1);
+        let changed = self.last.as_deref() != Some(reason.as_str());
+        self.last = Some(reason.clone());
+        Probed::Failed { reason, changed }
+    }
+
+    /// When the next probe is due, after a failed one at `now`.
+    pub(super) fn next_probe(&self, now: Instant) -> Instant {
+        now + probe_delay(self.failures)
+    }
+}
+
 /// Probes merod until it answers (or `limit`, if any, passes), backing off from 1 s to 5 s
-/// between probes (`probe_delay`); logs one line per change of what it sees. While it waits
-/// it reports a heartbeat every second (`ALIVE_TURN`), probe or not, so the systemd
+/// between probes ([`ReadinessProbe`]); logs one line per change of what it sees. While it
+/// waits it reports a heartbeat every second (`ALIVE_TURN`), probe or not, so the systemd
 /// watchdog sees it alive.
 pub async fn wait_for_merod(
     merod: &dyn Node,
@@ -81,35 +125,33 @@ pub async fn wait_for_merod(
     shutdown: &CancellationToken,
     limit: Option<Duration>,
 ) -> Readiness {
-    let mut last: Option<String> = None;
     let deadline = limit.map(|l| Instant::now() + l);
-    let mut failures = 0u32;
+    let mut probe = ReadinessProbe::default();
     loop {
-        let reason = match timeout(PROBE_TIMEOUT, merod.probe()).await {
-            Ok(Ok(())) => {
+        let reason = match probe.probe(merod).await {
+            Probed::Ready => {
                 info!("merod admin API answers");
                 return Readiness::Ready;
             }
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => format!("no answer within {PROBE_TIMEOUT:?}"),
+            Probed::Failed { reason, changed } => {
+                if changed {
+                    info!("waiting for merod: {reason}");
+                }
+                reason
+            }
         };
-        if last.as_deref() != Some(reason.as_str()) {
-            info!("waiting for merod: {reason}");
-        }
         telemetry.update(|st| {
             st.phase = Phase::WaitingForMerod;
             st.waiting_for = Some(reason.clone());
         });
-        last = Some(reason);
-        failures = failures.saturating_add(1);
-        let next_probe = Instant::now() + probe_delay(failures);
+        let next_probe = probe.next_probe(Instant::now());
         // A heartbeat now and every second until the next probe.
         loop {
             telemetry.mark_alive();
             telemetry.update(|st| st.heartbeats += 1);
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
-                return Readiness::GaveUp(last.unwrap_or_default());
+                return Readiness::GaveUp(reason);
             }
             if now >= next_probe {
                 break;
