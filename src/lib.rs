@@ -210,6 +210,7 @@ mod mrtd;
 mod net;
 #[cfg(feature = "daemon")]
 mod notify;
+mod outcome;
 pub mod reconcile;
 #[cfg(feature = "daemon")]
 mod registration;

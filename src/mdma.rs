@@ -147,6 +147,12 @@ impl RequestError {
     }
 }
 
+impl crate::outcome::Timed for RequestError {
+    fn is_timeout(&self) -> bool {
+        RequestError::is_timeout(self)
+    }
+}
+
 /// Why a poll failed. Every variant means: skip the whole cycle.
 #[derive(Debug, thiserror::Error)]
 pub enum PollError {

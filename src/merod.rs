@@ -313,6 +313,12 @@ impl MerodError {
 
 serialize_kind_and_message!(MerodError);
 
+impl crate::outcome::Timed for MerodError {
+    fn is_timeout(&self) -> bool {
+        MerodError::is_timeout(self)
+    }
+}
+
 /// The node as the daemon sees it; [`MerodClient`] is the real one, tests supply their own.
 #[async_trait]
 pub trait Node: Send + Sync + 'static {

@@ -9,7 +9,7 @@ use std::path::Path;
 
 /// The floors, bottom first.
 const FLOORS: &[&[&str]] = &[
-    &["dropped", "durable", "ids", "net", "strict_json"],
+    &["dropped", "durable", "ids", "net", "outcome", "strict_json"],
     &["backoff", "merod", "mrtd", "state"],
     &["mdma"],
     &["reconcile"],

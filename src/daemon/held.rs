@@ -20,6 +20,7 @@ use tracing::{info, warn};
 use crate::ids::GroupId;
 use crate::mdma::MAX_HELD_REPORTED;
 use crate::merod::{Node, CHECK_TIMEOUT};
+use crate::outcome::CallOutcome;
 use crate::telemetry::{unix_now, HeldStatus, Telemetry};
 
 /// How often merod's namespaces are read (from the start of one read to the next).
@@ -237,18 +238,12 @@ impl Refresh {
     ) -> HeldLatest {
         let result = timeout(HELD_READ_TIMEOUT, merod.list_namespaces()).await;
         telemetry.observe("namespaces_list", started.elapsed());
+        let outcome = CallOutcome::of_bounded(result.as_ref().ok());
+        Telemetry::count(&telemetry.held_reads, outcome.label());
         let failure = match result {
-            Ok(Ok(ids)) => {
-                Telemetry::count(&telemetry.held_reads, "ok");
-                return self.good(ids, telemetry, started);
-            }
-            Ok(Err(e)) => {
-                let metric = if e.is_timeout() { "timeout" } else { "error" };
-                Telemetry::count(&telemetry.held_reads, metric);
-                e.to_string()
-            }
+            Ok(Ok(ids)) => return self.good(ids, telemetry, started),
+            Ok(Err(e)) => e.to_string(),
             Err(_) => {
-                Telemetry::count(&telemetry.held_reads, "timeout");
                 format!("listing merod's namespaces gave no answer within {HELD_READ_TIMEOUT:?}")
             }
         };

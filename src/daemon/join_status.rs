@@ -21,6 +21,7 @@ use crate::durable::parent_dir;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ControlPlane, JoinState, JoinStatus};
 use crate::merod::{Admission, Refusal};
+use crate::outcome::CallOutcome;
 use crate::state::write_atomically;
 use crate::telemetry::{JoinReport, Telemetry};
 
@@ -238,23 +239,17 @@ impl Job {
         let started = Instant::now();
         let result = timeout(limit, self.deps.mdma.join_status(report)).await;
         t.observe("join_status", started.elapsed());
+        let outcome = CallOutcome::of_bounded(result.as_ref().ok());
+        Telemetry::count(&t.join_status_reports, outcome.label());
         let failure = match result {
             Ok(Ok(())) => {
-                Telemetry::count(&t.join_status_reports, "ok");
                 if self.report_failing.take().is_some() {
                     info!("join-status reports accepted by MDMA again");
                 }
                 return true;
             }
-            Ok(Err(e)) => {
-                let m = if e.is_timeout() { "timeout" } else { "error" };
-                Telemetry::count(&t.join_status_reports, m);
-                e.to_string()
-            }
-            Err(_) => {
-                Telemetry::count(&t.join_status_reports, "timeout");
-                format!("join-status gave no answer within {limit:?}")
-            }
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("join-status gave no answer within {limit:?}"),
         };
         if self.report_failing.as_deref() != Some(failure.as_str()) {
             warn!("join-status report not accepted ({failure}); joining goes on, reports are best effort (an MDMA without the route answers 404)");

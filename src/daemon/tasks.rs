@@ -27,6 +27,7 @@ use crate::telemetry::Telemetry;
 use super::held::HELD_READ_TIMEOUT;
 use super::join_status::JoinOutcome;
 use super::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
+use crate::outcome::CallOutcome;
 
 /// Why merod could not tell whether it holds a namespace
 /// (`GET /admin-api/namespaces/{id}`).
@@ -72,7 +73,7 @@ pub(super) enum JoinFailed {
     Unchecked(CheckFailed),
 }
 
-impl JoinFailed {
+impl crate::outcome::Timed for JoinFailed {
     /// Whether it ran out of time rather than being refused.
     fn is_timeout(&self) -> bool {
         match self {
@@ -126,12 +127,10 @@ impl JoinEnd {
     pub(super) fn metric_label(&self) -> Option<(Counted, &'static str)> {
         Some(match self {
             JoinEnd::Confirmed => (Counted::Confirms, "ok"),
-            JoinEnd::ConfirmFailed(e) if e.is_timeout() => (Counted::Confirms, "timeout"),
-            JoinEnd::ConfirmFailed(_) => (Counted::Confirms, "error"),
-            JoinEnd::ConfirmTimedOut(_) => (Counted::Confirms, "timeout"),
+            JoinEnd::ConfirmFailed(e) => (Counted::Confirms, CallOutcome::of_error(e).label()),
+            JoinEnd::ConfirmTimedOut(_) => (Counted::Confirms, CallOutcome::Timeout.label()),
             JoinEnd::NotAdmitted { .. } => (Counted::Joins, "not_admitted"),
-            JoinEnd::Failed(f) if f.is_timeout() => (Counted::Joins, "timeout"),
-            JoinEnd::Failed(_) => (Counted::Joins, "error"),
+            JoinEnd::Failed(f) => (Counted::Joins, CallOutcome::of_error(f).label()),
             JoinEnd::NotHeld => (Counted::Joins, "not_held"),
             JoinEnd::NotPersisted | JoinEnd::NotAssigned | JoinEnd::Withdrawn => return None,
         })
@@ -169,7 +168,7 @@ impl JoinEnd {
                 }
             }
             JoinEnd::Failed(why) => {
-                let outcome = if why.is_timeout() { "timeout" } else { "error" };
+                let outcome = CallOutcome::of_error(why).label();
                 warn!(namespace_id = %id, outcome, error_kind = "join", duration, "join failed: {why}; retrying later");
             }
             JoinEnd::NotHeld => {
@@ -361,15 +360,6 @@ impl AccountCache {
     }
 }
 
-/// The `outcome` label of a merod call that failed: `timeout` apart from `error`.
-fn failed_label(e: &MerodError) -> &'static str {
-    if e.is_timeout() {
-        "timeout"
-    } else {
-        "error"
-    }
-}
-
 /// The node's TEE role in `id`, for the confirm: its account's row of the member list.
 /// `None` (sent as `null`) when merod has no account yet, the row is missing or has
 /// another role, or the read failed or timed out (each read bounded).
@@ -383,16 +373,16 @@ async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
                 a
             }
             Some(Ok(NodeAccount::NotMinted)) => {
-                Telemetry::count(&t.role_reads, "ok");
+                Telemetry::count(&t.role_reads, CallOutcome::Ok.label());
                 return None;
             }
             Some(Err(e)) => {
-                Telemetry::count(&t.role_reads, failed_label(&e));
+                Telemetry::count(&t.role_reads, CallOutcome::of_error(&e).label());
                 warn!(namespace_id = %id, "cannot read the node's account ({e}); confirming with tee_role null");
                 return None;
             }
             None => {
-                Telemetry::count(&t.role_reads, "timeout");
+                Telemetry::count(&t.role_reads, CallOutcome::Timeout.label());
                 return None;
             }
         },
@@ -406,16 +396,16 @@ async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
     .await
     {
         Some(Ok(role)) => {
-            Telemetry::count(&t.role_reads, "ok");
+            Telemetry::count(&t.role_reads, CallOutcome::Ok.label());
             role
         }
         Some(Err(e)) => {
-            Telemetry::count(&t.role_reads, failed_label(&e));
+            Telemetry::count(&t.role_reads, CallOutcome::of_error(&e).label());
             warn!(namespace_id = %id, "cannot read the node's role ({e}); confirming with tee_role null");
             None
         }
         None => {
-            Telemetry::count(&t.role_reads, "timeout");
+            Telemetry::count(&t.role_reads, CallOutcome::Timeout.label());
             None
         }
     }
@@ -822,18 +812,17 @@ impl InFlight {
             if super::roles::needs_confirm(told, role) {
                 let t = &calls.telemetry;
                 let sent = calls.mdma.confirm(&peer_id, id, role);
-                match timed(t, "confirm", MDMA_DEADLINE, sent).await {
-                    Some(Ok(())) => {
-                        Telemetry::count(&t.confirms, "ok");
-                        confirmed = true;
-                    }
+                let result = timed(t, "confirm", MDMA_DEADLINE, sent).await;
+                Telemetry::count(
+                    &t.confirms,
+                    CallOutcome::of_bounded(result.as_ref()).label(),
+                );
+                match result {
+                    Some(Ok(())) => confirmed = true,
                     Some(Err(e)) => {
-                        let label = if e.is_timeout() { "timeout" } else { "error" };
-                        Telemetry::count(&t.confirms, label);
                         warn!(namespace_id = %id, "confirm with the node's role failed ({e}); tried again at its next turn");
                     }
                     None => {
-                        Telemetry::count(&t.confirms, "timeout");
                         warn!(namespace_id = %id, "confirm with the node's role gave no answer within {MDMA_DEADLINE:?}; tried again at its next turn");
                     }
                 }
