@@ -1119,16 +1119,14 @@ impl MdmaClient {
                     })
                 }
             }
+            let too_large = |reason| RegisterError::Answer {
+                method,
+                url: url.clone(),
+                reason,
+            };
             read_capped(resp, MAX_REGISTRATION_BODY)
                 .await
-                .map_err(|e| match e {
-                    BodyError::TooLarge { limit } => RegisterError::Answer {
-                        method,
-                        url: url.clone(),
-                        reason: format!("larger than {limit} bytes"),
-                    },
-                    BodyError::Transport(e) => fail(e),
-                })
+                .map_err(|e| e.into_error(too_large, fail))
         };
         // reqwest's own timeout covers the whole request; this one also bounds a body that
         // trickles in.

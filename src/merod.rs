@@ -30,7 +30,7 @@ use serde_json::Value;
 use url::Url;
 
 use crate::ids::GroupId;
-use crate::net::{read_capped, BodyError};
+use crate::net::read_capped;
 use crate::strict_json::StrictValue;
 
 #[cfg(feature = "daemon")]
@@ -795,16 +795,14 @@ impl MerodClient {
             };
             let resp = req.send().await.map_err(call_err)?;
             let status = resp.status().as_u16();
+            let too_large = |reason| MerodError::Answer {
+                op,
+                url: url.to_string(),
+                reason,
+            };
             let bytes = read_capped(resp, MAX_ATTEST_BODY)
                 .await
-                .map_err(|e| match e {
-                    BodyError::TooLarge { limit } => MerodError::Answer {
-                        op,
-                        url: url.to_string(),
-                        reason: format!("larger than {limit} bytes"),
-                    },
-                    BodyError::Transport(e) => call_err(e),
-                })?;
+                .map_err(|e| e.into_error(too_large, call_err))?;
             Ok((status, bytes))
         })
         .await

@@ -29,6 +29,21 @@ pub(crate) enum BodyError {
     Transport(reqwest::Error),
 }
 
+impl BodyError {
+    /// The caller's own error for it: `too_large` with the reason (`larger than N bytes`),
+    /// or `transport` with the connection's error.
+    pub(crate) fn into_error<E>(
+        self,
+        too_large: impl FnOnce(String) -> E,
+        transport: impl FnOnce(reqwest::Error) -> E,
+    ) -> E {
+        match self {
+            BodyError::TooLarge { limit } => too_large(format!("larger than {limit} bytes")),
+            BodyError::Transport(e) => transport(e),
+        }
+    }
+}
+
 /// Reads `resp`'s body whole, at most `limit` bytes: one announced (`Content-Length`) or
 /// found larger is refused without reading further. Room for the announced length (≤ the
 /// cap) is taken at once, so a large answer is not doubled and copied as its chunks arrive.

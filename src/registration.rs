@@ -43,7 +43,7 @@ use crate::mdma::{
     EnrolmentToken, FleetToken, MdmaClient, PollVerdict, RegisterError, RegisterRequest,
 };
 use crate::merod::{ListenCandidates, MerodError, NodeAccount};
-use crate::net::{read_capped, BodyError};
+use crate::net::read_capped;
 use crate::telemetry::Telemetry;
 
 /// Polls refused (401/403) for this long in a row make a held token count as rejected: the
@@ -894,10 +894,7 @@ impl Registrar {
             }
             let bytes = read_capped(resp, MAX_ATTRIBUTE)
                 .await
-                .map_err(|e| match e {
-                    BodyError::TooLarge { limit } => fail(format!("larger than {limit} bytes")),
-                    BodyError::Transport(e) => fail(e.without_url().to_string()),
-                })?;
+                .map_err(|e| e.into_error(fail, |e| fail(e.without_url().to_string())))?;
             let text = String::from_utf8(bytes).map_err(|_| fail("not UTF-8".to_owned()))?;
             Ok(text.replace(['\r', '\n'], "").trim().to_owned())
         };
