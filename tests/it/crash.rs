@@ -36,14 +36,15 @@ pub(crate) fn env_num(key: &str) -> Option<u64> {
     std::env::var(key).ok().and_then(|v| v.parse().ok())
 }
 
-/// The temp files of interrupted atomic writes (`.fleet-confirmed.*.tmp`) in `dir`.
+/// The temp files of interrupted durable writes (`.fleet-tmp.*`, every one the daemon
+/// creates) in `dir`.
 fn temp_files(dir: &Path) -> BTreeSet<String> {
     std::fs::read_dir(dir)
         .map(|entries| {
             entries
                 .filter_map(|e| e.ok())
                 .map(|e| e.file_name().to_string_lossy().into_owned())
-                .filter(|n| n.starts_with(".fleet-confirmed.") && n.ends_with(".tmp"))
+                .filter(|n| n.starts_with(".fleet-tmp."))
                 .collect()
         })
         .unwrap_or_default()
