@@ -210,6 +210,7 @@ mod mrtd;
 mod net;
 #[cfg(feature = "daemon")]
 mod notify;
+#[cfg(feature = "daemon")]
 mod outcome;
 pub mod reconcile;
 #[cfg(feature = "daemon")]

@@ -147,6 +147,7 @@ impl RequestError {
     }
 }
 
+#[cfg(feature = "daemon")]
 impl crate::outcome::Timed for RequestError {
     fn is_timeout(&self) -> bool {
         RequestError::is_timeout(self)

@@ -313,6 +313,7 @@ impl MerodError {
 
 serialize_kind_and_message!(MerodError);
 
+#[cfg(feature = "daemon")]
 impl crate::outcome::Timed for MerodError {
     fn is_timeout(&self) -> bool {
         MerodError::is_timeout(self)

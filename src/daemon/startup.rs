@@ -116,7 +116,7 @@ impl ReadinessProbe {
 }
 
 /// Probes merod until it answers (or `limit`, if any, passes), backing off from 1 s to 5 s
-/// between probes ([`ReadinessProbe`]); logs one line per change of what it sees. While it
+/// between probes (`ReadinessProbe`); logs one line per change of what it sees. While it
 /// waits it reports a heartbeat every second (`ALIVE_TURN`), probe or not, so the systemd
 /// watchdog sees it alive.
 pub async fn wait_for_merod(
