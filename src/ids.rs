@@ -21,6 +21,12 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct GroupId([u8; 32]);
 
+/// In tests: the id whose 32 bytes are all `n` (`id(1)` prints as `"01" * 32`).
+#[cfg(test)]
+pub(crate) fn test_id(n: u8) -> GroupId {
+    GroupId::from_bytes([n; 32])
+}
+
 /// Why a string is not a [`GroupId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum GroupIdError {

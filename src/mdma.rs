@@ -309,51 +309,55 @@ pub enum MdmaClientError {
     Build(#[source] reqwest::Error),
 }
 
-/// The fleet token, sent only as the `X-Fleet-Token` header. Its `Debug` prints
-/// `[redacted]` and it has no `Display`, so it cannot slip into a log line or an error
-/// message by formatting.
-#[derive(Clone, PartialEq, Eq)]
-pub struct FleetToken(String);
+/// A secret string type: `new` wraps the value, `expose` gives it to the one place that
+/// sends it, `Debug` prints `[redacted]`, and there is no `Display`, so it cannot slip
+/// into a log line or an error message by formatting.
+macro_rules! secret_string {
+    ($(#[$doc:meta])* $name:ident, $(#[$expose:meta])*) => {
+        $(#[$doc])*
+        #[derive(Clone, PartialEq, Eq)]
+        pub struct $name(String);
 
-impl FleetToken {
-    /// Wraps the token value.
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
+        impl $name {
+            /// Wraps the token value.
+            pub fn new(value: impl Into<String>) -> Self {
+                Self(value.into())
+            }
 
+            $(#[$expose])*
+            pub fn expose(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("[redacted]")
+            }
+        }
+    };
+}
+
+secret_string!(
+    /// The fleet token, sent only as the `X-Fleet-Token` header. Its `Debug` prints
+    /// `[redacted]` and it has no `Display`, so it cannot slip into a log line or an error
+    /// message by formatting.
+    FleetToken,
     /// The token itself, for the one place that must send it (the `X-Fleet-Token` header).
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
+);
 
-impl fmt::Debug for FleetToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
-    }
-}
-
-/// The enrolment token a node presents to `register` (from the GCE metadata attribute
-/// `enrolment-token` or a file; may be empty). Like [`FleetToken`], its `Debug` prints
-/// `[redacted]` and it has no `Display`.
-#[derive(Clone, Default, PartialEq, Eq)]
-pub struct EnrolmentToken(String);
-
-impl EnrolmentToken {
-    /// Wraps the token value.
-    pub fn new(value: impl Into<String>) -> Self {
-        Self(value.into())
-    }
-
+secret_string!(
+    /// The enrolment token a node presents to `register` (from the GCE metadata attribute
+    /// `enrolment-token` or a file; may be empty). Like [`FleetToken`], its `Debug` prints
+    /// `[redacted]` and it has no `Display`.
+    EnrolmentToken,
     /// The token itself, for the one place that sends it (the `register` body).
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
+);
 
-impl fmt::Debug for EnrolmentToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("[redacted]")
+/// No enrolment token (an empty one), as a node without the metadata attribute has.
+impl Default for EnrolmentToken {
+    fn default() -> Self {
+        Self::new("")
     }
 }
 

@@ -429,6 +429,18 @@ struct V3 {
     absent_polls: BTreeMap<GroupId, u32>,
 }
 
+impl From<V3> for State {
+    fn from(v3: V3) -> Self {
+        State {
+            admitted: v3.admitted,
+            confirmed: v3.confirmed,
+            joining: v3.joining,
+            absent: absences_from_polls(v3.absent_polls),
+            ..State::default()
+        }
+    }
+}
+
 /// An older document's poll counts as absences observed for 0 s: the grace starts at the
 /// upgrade (the older formats kept no time).
 fn absences_from_polls(absent_polls: BTreeMap<GroupId, u32>) -> BTreeMap<GroupId, Absence> {
@@ -448,11 +460,31 @@ struct V2 {
     absent_polls: BTreeMap<GroupId, u32>,
 }
 
+impl From<V2> for State {
+    fn from(v2: V2) -> Self {
+        State {
+            admitted: v2.admitted,
+            confirmed: v2.confirmed,
+            absent: absences_from_polls(v2.absent_polls),
+            ..State::default()
+        }
+    }
+}
+
 /// Version 1: the confirmed set only (the reference's semantics).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct V1 {
     confirmed: BTreeSet<GroupId>,
+}
+
+impl From<V1> for State {
+    fn from(v1: V1) -> Self {
+        State {
+            confirmed: v1.confirmed,
+            ..State::default()
+        }
+    }
 }
 
 /// Why the state file could not be used. Each names the file.
@@ -671,51 +703,27 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
         .as_u64()
         .ok_or_else(|| corrupt("\"version\" is not a whole number".to_owned()))?;
     let value = serde_json::Value::Object(map);
-    match version {
-        1 => {
-            let v1: V1 = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
-            Ok((
-                StateFormat::V1,
-                State {
-                    confirmed: v1.confirmed,
-                    ..State::default()
-                },
-            ))
-        }
-        2 => {
-            let v2: V2 = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
-            Ok((
-                StateFormat::V2,
-                State {
-                    admitted: v2.admitted,
-                    confirmed: v2.confirmed,
-                    absent: absences_from_polls(v2.absent_polls),
-                    ..State::default()
-                },
-            ))
-        }
-        3 => {
-            let v3: V3 = serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?;
-            Ok((
-                StateFormat::V3,
-                State {
-                    admitted: v3.admitted,
-                    confirmed: v3.confirmed,
-                    joining: v3.joining,
-                    absent: absences_from_polls(v3.absent_polls),
-                    ..State::default()
-                },
-            ))
-        }
-        4 => Ok((
-            StateFormat::V4,
-            serde_json::from_value(value).map_err(|e| corrupt(e.to_string()))?,
-        )),
-        version => Err(StateError::UnsupportedVersion {
-            path: path.to_owned(),
-            version,
-        }),
+    // Each version is read with its own schema, then taken as today's sets.
+    fn read<V: serde::de::DeserializeOwned + Into<State>>(
+        value: serde_json::Value,
+    ) -> Result<State, String> {
+        serde_json::from_value::<V>(value)
+            .map(Into::into)
+            .map_err(|e| e.to_string())
     }
+    let (format, read) = match version {
+        1 => (StateFormat::V1, read::<V1>(value)),
+        2 => (StateFormat::V2, read::<V2>(value)),
+        3 => (StateFormat::V3, read::<V3>(value)),
+        4 => (StateFormat::V4, read::<State>(value)),
+        version => {
+            return Err(StateError::UnsupportedVersion {
+                path: path.to_owned(),
+                version,
+            })
+        }
+    };
+    Ok((format, read.map_err(corrupt)?))
 }
 
 /// A document of the current version, read straight into the sets (no JSON tree; the form
@@ -1049,9 +1057,7 @@ mod tests {
         assert_eq!(serde_json::to_value(&corrupt).unwrap()["kind"], "corrupt");
     }
 
-    fn id(n: u8) -> GroupId {
-        GroupId::from_bytes([n; 32])
-    }
+    use crate::ids::test_id as id;
 
     fn sample() -> State {
         State {
@@ -1089,41 +1095,25 @@ mod tests {
         let ids = |s: &BTreeSet<GroupId>| serde_json::to_string(s).unwrap();
         let (a, c) = (ids(&state.admitted), ids(&state.confirmed));
         // Other forms take the general path, which reads them as before or names the fault.
-        for (doc, loads) in [
-            (format!(r#"{{"version":1,"confirmed":{c}}}"#), true),
-            (c.clone(), true),
+        // (`A` and `C` stand for the admitted and confirmed arrays.)
+        for (template, loads) in [
+            (r#"{"version":1,"confirmed":C}"#, true),
+            ("C", true),
+            (r#"{"version":2,"admitted":A,"confirmed":C}"#, true),
             (
-                format!(r#"{{"version":2,"admitted":{a},"confirmed":{c}}}"#),
-                true,
-            ),
-            (
-                format!(r#"{{"version":2,"admitted":{a},"confirmed":{c},"joining":[]}}"#),
+                r#"{"version":2,"admitted":A,"confirmed":C,"joining":[]}"#,
                 false,
             ),
-            (
-                format!(r#"{{"version":5,"admitted":{a},"confirmed":{c}}}"#),
-                false,
-            ),
-            (
-                format!(r#"{{"version":3,"admitted":{a},"confirmed":{c}}}"#),
-                true,
-            ),
-            (
-                format!(r#"{{"version":3,"admitted":{a},"confirmed":{c},"x":1}}"#),
-                false,
-            ),
-            (
-                format!(r#"{{"version":2.0,"admitted":{a},"confirmed":{c}}}"#),
-                false,
-            ),
-            (
-                format!(r#"{{"version":2,"admitted":{a},"confirmed":{c},"x":1}}"#),
-                false,
-            ),
-            (format!(r#"{{"version":2,"admitted":{a}}}"#), false),
+            (r#"{"version":5,"admitted":A,"confirmed":C}"#, false),
+            (r#"{"version":3,"admitted":A,"confirmed":C}"#, true),
+            (r#"{"version":3,"admitted":A,"confirmed":C,"x":1}"#, false),
+            (r#"{"version":2.0,"admitted":A,"confirmed":C}"#, false),
+            (r#"{"version":2,"admitted":A,"confirmed":C,"x":1}"#, false),
+            (r#"{"version":2,"admitted":A}"#, false),
             // A derived reader would take this array in field order: it is no state file.
-            (format!(r#"[2,{a},{c}]"#), false),
+            ("[2,A,C]", false),
         ] {
+            let doc = template.replace('A', &a).replace('C', &c);
             assert_eq!(parse_current(doc.as_bytes()), None, "{doc}");
             assert_eq!(
                 parse_state(doc.as_bytes(), Path::new("s")).is_ok(),

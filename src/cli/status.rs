@@ -268,6 +268,15 @@ mod tests {
     use crate::state::Absence;
     use std::path::Path;
 
+    /// A config with this state file and the `extra` lines.
+    fn config(state_file: &Path, extra: &str) -> Config {
+        let text = format!(
+            "mdma_url = \"https://m\"\nstate_file = \"{}\"\n{extra}",
+            state_file.display()
+        );
+        Config::from_toml(&text, Path::new("c.toml")).unwrap()
+    }
+
     #[tokio::test]
     async fn pending_leaves_from_the_state_file_say_how_far_along_they_are() {
         let dir = tempfile::tempdir().unwrap();
@@ -306,12 +315,7 @@ mod tests {
             recent_leaves_ms: Vec::new(),
         };
         StateStore::new(&state_file).save(&state).unwrap();
-        let text = format!(
-            "mdma_url = \"https://m\"\nstate_file = \"{}\"\nleave_grace = \"10s\"",
-            state_file.display()
-        );
-        let cfg = Config::from_toml(&text, Path::new("c.toml")).unwrap();
-        let r = report(&cfg).await;
+        let r = report(&config(&state_file, "leave_grace = \"10s\"")).await;
         assert_eq!(
             r.pending_leaves[&a.to_string()],
             "absent 20 s over 1 successful polls (as last written); absent from 1 of the 3 successful polls needed"
@@ -365,12 +369,7 @@ mod tests {
             "{{\"version\": 3, \"admitted\": [], \"confirmed\": [\"{a}\"], \"joining\": [], \"absent_polls\": {{}}}}"
         );
         std::fs::write(&state_file, &doc).unwrap();
-        let text = format!(
-            "mdma_url = \"https://m\"\nstate_file = \"{}\"",
-            state_file.display()
-        );
-        let cfg = Config::from_toml(&text, Path::new("c.toml")).unwrap();
-        let r = report(&cfg).await;
+        let r = report(&config(&state_file, "")).await;
         assert_eq!(
             r.repairs,
             [format!(

@@ -78,9 +78,7 @@ pub(crate) fn needs_confirm(told: Option<Option<TeeRole>>, read: Option<TeeRole>
 mod tests {
     use super::*;
 
-    fn id(n: u8) -> GroupId {
-        GroupId::from_bytes([n; 32])
-    }
+    use crate::ids::test_id as id;
 
     #[test]
     fn rounds_go_round_robin_and_skip_busy_ones() {

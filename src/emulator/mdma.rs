@@ -800,12 +800,7 @@ mod tests {
     const B: &str = "abababababababababababababababababababababababababababababababab";
     const PEER: &str = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN";
 
-    fn client() -> reqwest::Client {
-        reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .build()
-            .unwrap()
-    }
+    use crate::emulator::test_client as client;
 
     fn endpoint(emu: &MdmaEmulator, path: &str) -> Url {
         emu.url().join(path).unwrap()

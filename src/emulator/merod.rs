@@ -1165,12 +1165,7 @@ mod tests {
     const ID: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
     const OTHER: &str = "abababababababababababababababababababababababababababababababab";
 
-    fn client() -> reqwest::Client {
-        reqwest::Client::builder()
-            .timeout(Duration::from_secs(10))
-            .build()
-            .unwrap()
-    }
+    use crate::emulator::test_client as client;
 
     fn endpoint(emu: &MerodEmulator, path: &str) -> Url {
         emu.url().join(path).unwrap()

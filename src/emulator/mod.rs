@@ -208,6 +208,16 @@ pub(crate) fn is_json_content_type(headers: &HeaderMap) -> bool {
     }
 }
 
+/// In the emulators' tests: a client that gives up after 10 s (a hung emulator fails the
+/// test instead of stalling it).
+#[cfg(test)]
+fn test_client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

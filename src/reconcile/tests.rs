@@ -31,9 +31,7 @@ fn plan(input: PlanInput<'_>) -> Planned {
     }
 }
 
-fn id(n: u8) -> GroupId {
-    GroupId::from_bytes([n; 32])
-}
+use crate::ids::test_id as id;
 
 fn ids(ns: &[u8]) -> BTreeSet<GroupId> {
     ns.iter().map(|n| id(*n)).collect()

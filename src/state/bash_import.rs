@@ -332,32 +332,26 @@ mod tests {
         Content::Sound,
     ];
 
-    fn admitted_bytes(c: Content) -> Option<Vec<u8>> {
-        match c {
-            Content::Missing => None,
-            Content::ZeroBytes => Some(Vec::new()),
-            Content::JsonEmpty => Some(b"[]\n".to_vec()),
-            Content::Corrupt => Some(b"[\"11\", ".to_vec()),
-            Content::Sound => Some(format!("[\"{}\",\"{}\"]\n", id(1), id(2)).into_bytes()),
-        }
-    }
-
-    fn pending_bytes(c: Content) -> Option<Vec<u8>> {
-        match c {
-            Content::Missing => None,
-            Content::ZeroBytes => Some(Vec::new()),
-            Content::JsonEmpty => Some(b"{}".to_vec()),
-            Content::Corrupt => Some(b"{\"absent_since\": [1]}".to_vec()),
-            Content::Sound => Some(
-                format!(
-                    r#"{{"absent_since":{{"{}":{}}},"recent_leaves":[{}],"suspicious":false,"deferred":[]}}"#,
-                    id(2),
-                    NOW - 30 * HOUR,
-                    NOW - 60
-                )
-                .into_bytes(),
+    /// What `c` is in the admitted file (`[0]`) and in the leave-pending file (`[1]`);
+    /// `None` for a missing file.
+    fn file_bytes(c: Content) -> Option<[Vec<u8>; 2]> {
+        let sound = [
+            format!("[\"{}\",\"{}\"]\n", id(1), id(2)),
+            format!(
+                r#"{{"absent_since":{{"{}":{}}},"recent_leaves":[{}],"suspicious":false,"deferred":[]}}"#,
+                id(2),
+                NOW - 30 * HOUR,
+                NOW - 60
             ),
-        }
+        ];
+        let [admitted, pending]: [&[u8]; 2] = match c {
+            Content::Missing => return None,
+            Content::ZeroBytes => [b"", b""],
+            Content::JsonEmpty => [b"[]\n", b"{}"],
+            Content::Corrupt => [b"[\"11\", ", b"{\"absent_since\": [1]}"],
+            Content::Sound => [sound[0].as_bytes(), sound[1].as_bytes()],
+        };
+        Some([admitted.to_vec(), pending.to_vec()])
     }
 
     #[test]
@@ -365,7 +359,9 @@ mod tests {
         let confirmed: BTreeSet<GroupId> = [id(1)].into();
         for a in CONTENTS {
             for p in CONTENTS {
-                let dir = dir_with(admitted_bytes(a).as_deref(), pending_bytes(p).as_deref());
+                let admitted = file_bytes(a).map(|[bytes, _]| bytes);
+                let pending = file_bytes(p).map(|[_, bytes]| bytes);
+                let dir = dir_with(admitted.as_deref(), pending.as_deref());
                 let got = read_beside(&dir.path().join("fleet-confirmed.json"));
                 let broken = |c: Content| matches!(c, Content::ZeroBytes | Content::Corrupt);
                 if broken(a) || broken(p) {

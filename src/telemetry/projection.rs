@@ -120,9 +120,7 @@ fn refill(dst: &mut Vec<GroupId>, src: &BTreeSet<GroupId>) {
 mod tests {
     use super::*;
 
-    fn gid(n: u8) -> GroupId {
-        GroupId::from_bytes([n; 32])
-    }
+    use crate::ids::test_id as gid;
 
     #[test]
     fn the_status_lists_follow_the_sets_and_the_gauges_count_them() {
