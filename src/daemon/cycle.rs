@@ -493,13 +493,10 @@ impl Sidecar {
                     }
                 }
             }
-            Event::RoleChecked {
-                id,
-                role,
-                confirmed,
-            } => {
+            Event::RoleChecked { id, confirmed } => {
                 self.work.checking.remove(&id);
-                if confirmed && self.record.state().confirmed.contains(&id) {
+                if let (Some(role), true) = (confirmed, self.record.state().confirmed.contains(&id))
+                {
                     let spelled = role.map_or("null", TeeRole::as_str);
                     // A change is news; the first confirm with the role after a restart
                     // (nothing told yet by this process) is not.

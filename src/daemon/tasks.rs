@@ -14,7 +14,7 @@ use std::time::Duration;
 use tokio::sync::{mpsc, oneshot, watch, Semaphore};
 use tokio::task::{JoinError, JoinSet};
 use tokio::time::{timeout, Instant};
-use tracing::{debug_span, error, info, info_span, warn, Instrument};
+use tracing::{debug, debug_span, error, info, info_span, warn, Instrument};
 
 use crate::backoff::{Retries, RETRY_MAX};
 use crate::config::Config;
@@ -42,7 +42,18 @@ pub(super) enum CheckFailed {
     /// The membership read said "not held", and merod's list of the namespaces it holds,
     /// read to cross-check that, failed or gave no answer within [`HELD_READ_TIMEOUT`].
     #[error("merod's own membership read said it does not hold it, but its namespace list could not be read to confirm that: {0}")]
-    ListUnread(String),
+    ListUnread(ListUnread),
+}
+
+/// Why merod's list of the namespaces it holds could not be read.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum ListUnread {
+    /// merod answered with an error, or the client's own deadline passed.
+    #[error(transparent)]
+    Error(MerodError),
+    /// No answer within the bound.
+    #[error("no answer within {0:?}")]
+    NoAnswer(Duration),
 }
 
 impl CheckFailed {
@@ -101,6 +112,9 @@ pub(super) enum JoinEnd {
     NotHeld,
     /// The admission could not be recorded: not confirmed.
     NotPersisted,
+    /// Admitted and recorded, but the node's role could not be read: not confirmed (an
+    /// unknown role is not sent as none).
+    RoleUnread(RoleUnread),
     /// Admitted and recorded, but the latest poll no longer assigns it: not confirmed.
     NotAssigned,
     /// The latest successful poll no longer assigns the namespace when the join got its
@@ -132,6 +146,8 @@ impl JoinEnd {
             JoinEnd::NotAdmitted { .. } => (Counted::Joins, "not_admitted"),
             JoinEnd::Failed(f) => (Counted::Joins, CallOutcome::of_error(f).label()),
             JoinEnd::NotHeld => (Counted::Joins, "not_held"),
+            // The role read is counted as such (`role_reads`).
+            JoinEnd::RoleUnread(_) => return None,
             JoinEnd::NotPersisted | JoinEnd::NotAssigned | JoinEnd::Withdrawn => return None,
         })
     }
@@ -181,6 +197,9 @@ impl JoinEnd {
                 // Still recorded as joining, so a leave asks merod before dropping it (an
                 // earlier run may have sent a fleet-join).
                 info!(namespace_id = %id, outcome = "withdrawn", duration, "join not sent: the latest poll withdrew the namespace while the join waited for a slot");
+            }
+            JoinEnd::RoleUnread(why) => {
+                warn!(namespace_id = %id, outcome = "role_unread", error_kind = "members", duration, "admitted and recorded, but {why}; not confirmed (an unknown role is not sent as none), retrying in {wait:?}");
             }
             JoinEnd::NotPersisted => {
                 warn!(namespace_id = %id, outcome = "not_persisted", error_kind = "state", duration, "admission could not be persisted; not confirmed, retrying later");
@@ -313,18 +332,18 @@ pub(super) enum Event {
         /// The role reported in the confirm, when one was sent.
         role: Option<Option<TeeRole>>,
     },
-    /// The role of a confirmed namespace was read again (`role`); `confirmed`: it differed
-    /// from the one MDMA was told and a confirm with it was accepted.
+    /// The role of a confirmed namespace was read again; `confirmed`: `Some(role)` when
+    /// it differed from the one MDMA was told and a confirm with it was accepted (`None`:
+    /// nothing changed, an unread role included).
     RoleChecked {
         id: GroupId,
-        role: Option<TeeRole>,
-        confirmed: bool,
+        confirmed: Option<Option<TeeRole>>,
     },
     /// A namespace the held refresh did not find was asked about (`GET
     /// /admin-api/namespaces/{id}`): `Ok(false)` is merod saying it does not hold it.
     DriftChecked {
         id: GroupId,
-        held: Result<bool, String>,
+        held: Result<bool, CheckFailed>,
     },
     LeaveEnded {
         id: GroupId,
@@ -360,10 +379,51 @@ impl AccountCache {
     }
 }
 
+/// Why the node's role in a namespace is unknown: its account or its row of the member
+/// list could not be read. Unknown is not "no role": nothing is confirmed on it.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum RoleUnread {
+    /// `GET /admin-api/identity` failed.
+    #[error("the node's account could not be read: {0}")]
+    Account(MerodError),
+    /// `GET /admin-api/identity` gave no answer within the deadline.
+    #[error("the node's account gave no answer within {0:?}")]
+    AccountNoAnswer(Duration),
+    /// The member list could not be read whole.
+    #[error("the member list could not be read: {0}")]
+    Members(MerodError),
+    /// The member list gave no answer within the deadline.
+    #[error("the member list gave no answer within {0:?}")]
+    MembersNoAnswer(Duration),
+}
+
+impl crate::outcome::Timed for RoleUnread {
+    fn is_timeout(&self) -> bool {
+        match self {
+            RoleUnread::Account(e) | RoleUnread::Members(e) => e.is_timeout(),
+            RoleUnread::AccountNoAnswer(_) | RoleUnread::MembersNoAnswer(_) => true,
+        }
+    }
+}
+
 /// The node's TEE role in `id`, for the confirm: its account's row of the member list.
-/// `None` (sent as `null`) when merod has no account yet, the row is missing or has
-/// another role, or the read failed or timed out (each read bounded).
-async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
+/// `Ok(None)` (sent as `null`) when merod has no account yet, or the row is missing or has
+/// another role. Each read is bounded and counted in `fleet_sidecar_role_reads_total`.
+///
+/// Errors: [`RoleUnread`] when a read failed or timed out: the role is unknown, not none.
+async fn read_role(calls: &Calls, id: GroupId) -> Result<Option<TeeRole>, RoleUnread> {
+    let t = &calls.telemetry;
+    let read = read_role_uncounted(calls, id).await;
+    let label = match &read {
+        Ok(_) => CallOutcome::Ok,
+        Err(e) => CallOutcome::of_error(e),
+    };
+    Telemetry::count(&t.role_reads, label.label());
+    read
+}
+
+/// [`read_role`] without its count.
+async fn read_role_uncounted(calls: &Calls, id: GroupId) -> Result<Option<TeeRole>, RoleUnread> {
     let t = &calls.telemetry;
     let account = match calls.account.get() {
         Some(a) => a,
@@ -372,19 +432,9 @@ async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
                 calls.account.set(a.clone());
                 a
             }
-            Some(Ok(NodeAccount::NotMinted)) => {
-                Telemetry::count(&t.role_reads, CallOutcome::Ok.label());
-                return None;
-            }
-            Some(Err(e)) => {
-                Telemetry::count(&t.role_reads, CallOutcome::of_error(&e).label());
-                warn!(namespace_id = %id, "cannot read the node's account ({e}); confirming with tee_role null");
-                return None;
-            }
-            None => {
-                Telemetry::count(&t.role_reads, CallOutcome::Timeout.label());
-                return None;
-            }
+            Some(Ok(NodeAccount::NotMinted)) => return Ok(None),
+            Some(Err(e)) => return Err(RoleUnread::Account(e)),
+            None => return Err(RoleUnread::AccountNoAnswer(IDENTITY_DEADLINE)),
         },
     };
     match timed(
@@ -395,19 +445,43 @@ async fn read_role(calls: &Calls, id: GroupId) -> Option<TeeRole> {
     )
     .await
     {
-        Some(Ok(role)) => {
-            Telemetry::count(&t.role_reads, CallOutcome::Ok.label());
-            role
-        }
-        Some(Err(e)) => {
-            Telemetry::count(&t.role_reads, CallOutcome::of_error(&e).label());
-            warn!(namespace_id = %id, "cannot read the node's role ({e}); confirming with tee_role null");
-            None
-        }
-        None => {
-            Telemetry::count(&t.role_reads, CallOutcome::Timeout.label());
-            None
-        }
+        Some(Ok(role)) => Ok(role),
+        Some(Err(e)) => Err(RoleUnread::Members(e)),
+        None => Err(RoleUnread::MembersNoAnswer(MEMBERS_DEADLINE)),
+    }
+}
+
+/// How a confirm through [`confirm_if_assigned`] went.
+#[derive(Debug)]
+pub(super) enum Confirm {
+    /// MDMA accepted it.
+    Accepted,
+    /// Not sent: the latest successful poll does not assign the namespace.
+    NotAssigned,
+    /// MDMA refused it, or the client gave up.
+    Failed(ConfirmError),
+    /// No answer within the loop's deadline.
+    NoAnswer(Duration),
+}
+
+/// The one way a confirm reaches MDMA (after a join, after a role check, on any later
+/// path): sent only while the latest successful poll assigns `id`, checked at the moment of
+/// sending, so a slow read before it (the role) cannot carry a confirm past a withdrawal.
+/// Bounded by [`MDMA_DEADLINE`]; every confirm sent is timed as `confirm`.
+async fn confirm_if_assigned(
+    calls: &Calls,
+    peer_id: &PeerId,
+    id: GroupId,
+    role: Option<TeeRole>,
+) -> Confirm {
+    if !calls.latest_poll.borrow().assigned.contains(&id) {
+        return Confirm::NotAssigned;
+    }
+    let sent = calls.mdma.confirm(peer_id, id, role);
+    match timed(&calls.telemetry, "confirm", MDMA_DEADLINE, sent).await {
+        Some(Ok(())) => Confirm::Accepted,
+        Some(Err(e)) => Confirm::Failed(e),
+        None => Confirm::NoAnswer(MDMA_DEADLINE),
     }
 }
 
@@ -488,9 +562,9 @@ async fn held_or_listed(
     .await
     {
         Some(Ok(listed)) => Ok(listed.contains(&id)),
-        Some(Err(e)) => Err(CheckFailed::ListUnread(e.to_string())),
-        None => Err(CheckFailed::ListUnread(format!(
-            "no answer within {HELD_READ_TIMEOUT:?}"
+        Some(Err(e)) => Err(CheckFailed::ListUnread(ListUnread::Error(e))),
+        None => Err(CheckFailed::ListUnread(ListUnread::NoAnswer(
+            HELD_READ_TIMEOUT,
         ))),
     }
 }
@@ -569,24 +643,64 @@ async fn join_task(
         Ok(false) => return run(JoinEnd::NotAssigned),
         Err(_) => return run(JoinEnd::NotPersisted),
     }
-    let role = read_role(calls, id).await;
-    let end = match timed(
-        t,
-        "confirm",
-        MDMA_DEADLINE,
-        calls.mdma.confirm(&peer_id, id, role),
-    )
-    .await
-    {
-        Some(Ok(())) => JoinEnd::Confirmed,
-        Some(Err(e)) => JoinEnd::ConfirmFailed(e),
-        None => JoinEnd::ConfirmTimedOut(MDMA_DEADLINE),
+    let role = match read_role(calls, id).await {
+        Ok(role) => role,
+        Err(why) => return run(JoinEnd::RoleUnread(why)),
+    };
+    let end = match confirm_if_assigned(calls, &peer_id, id, role).await {
+        Confirm::Accepted => JoinEnd::Confirmed,
+        Confirm::NotAssigned => return run(JoinEnd::NotAssigned),
+        Confirm::Failed(e) => JoinEnd::ConfirmFailed(e),
+        Confirm::NoAnswer(limit) => JoinEnd::ConfirmTimedOut(limit),
     };
     JoinRun {
         end,
         attempt: Some(attempt),
         role: Some(role),
     }
+}
+
+/// A role check of the confirmed namespace `id`: its role read again, and confirmed again
+/// through [`confirm_if_assigned`] when it differs from `told` (see `roles`). `Some(role)`:
+/// a confirm with `role` was accepted. A read that failed changes nothing: the role MDMA
+/// was last told stands, and it is read again at its next turn.
+async fn role_check(
+    calls: &Calls,
+    peer_id: &PeerId,
+    id: GroupId,
+    told: Option<Option<TeeRole>>,
+) -> Option<Option<TeeRole>> {
+    let role = match read_role(calls, id).await {
+        Ok(role) => role,
+        Err(why) => {
+            warn!(namespace_id = %id, "cannot read the node's role ({why}); nothing confirmed, the role MDMA was told stands; read again at its next turn");
+            return None;
+        }
+    };
+    if !super::roles::needs_confirm(told, role) {
+        return None;
+    }
+    let t = &calls.telemetry;
+    let outcome = match confirm_if_assigned(calls, peer_id, id, role).await {
+        Confirm::Accepted => {
+            Telemetry::count(&t.confirms, CallOutcome::Ok.label());
+            return Some(role);
+        }
+        Confirm::NotAssigned => {
+            debug!(namespace_id = %id, "role read, but the latest poll no longer assigns the namespace: not confirmed");
+            return None;
+        }
+        Confirm::Failed(e) => {
+            warn!(namespace_id = %id, "confirm with the node's role failed ({e}); tried again at its next turn");
+            CallOutcome::of_error(&e)
+        }
+        Confirm::NoAnswer(limit) => {
+            warn!(namespace_id = %id, "confirm with the node's role gave no answer within {limit:?}; tried again at its next turn");
+            CallOutcome::Timeout
+        }
+    };
+    Telemetry::count(&t.confirms, outcome.label());
+    None
 }
 
 /// What a join is sent with.
@@ -807,31 +921,8 @@ impl InFlight {
         let events = self.events_tx.clone();
         self.checking.insert(id);
         let task = async move {
-            let role = read_role(&calls, id).await;
-            let mut confirmed = false;
-            if super::roles::needs_confirm(told, role) {
-                let t = &calls.telemetry;
-                let sent = calls.mdma.confirm(&peer_id, id, role);
-                let result = timed(t, "confirm", MDMA_DEADLINE, sent).await;
-                Telemetry::count(
-                    &t.confirms,
-                    CallOutcome::of_bounded(result.as_ref()).label(),
-                );
-                match result {
-                    Some(Ok(())) => confirmed = true,
-                    Some(Err(e)) => {
-                        warn!(namespace_id = %id, "confirm with the node's role failed ({e}); tried again at its next turn");
-                    }
-                    None => {
-                        warn!(namespace_id = %id, "confirm with the node's role gave no answer within {MDMA_DEADLINE:?}; tried again at its next turn");
-                    }
-                }
-            }
-            let _ = events.send(Event::RoleChecked {
-                id,
-                role,
-                confirmed,
-            });
+            let confirmed = role_check(&calls, &peer_id, id, told).await;
+            let _ = events.send(Event::RoleChecked { id, confirmed });
         };
         // Debug spans: a quiet background check opens no span at the default level.
         self.spawn(
@@ -848,9 +939,7 @@ impl InFlight {
         let events = self.events_tx.clone();
         self.checking.insert(id);
         let task = async move {
-            let held = check_held(&telemetry, merod.as_ref(), id)
-                .await
-                .map_err(|why| why.to_string());
+            let held = check_held(&telemetry, merod.as_ref(), id).await;
             let _ = events.send(Event::DriftChecked { id, held });
         };
         self.spawn(

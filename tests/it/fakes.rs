@@ -98,6 +98,12 @@ pub struct World {
     pub confirms: Vec<(GroupId, Option<TeeRole>)>,
     /// The node's role in every namespace it holds (`None`: no TEE role).
     pub role: Option<TeeRole>,
+    /// How long each read of the member list (the role read) takes to answer.
+    pub members_delay: std::time::Duration,
+    /// Every read of the member list fails (HTTP 500).
+    pub members_fail: bool,
+    /// Every read of the member list, with when it started.
+    pub role_reads: Vec<(GroupId, Instant)>,
     /// Every fleet-join call, with when it started.
     pub joins: Vec<(GroupId, Instant)>,
     /// Every leave call (failed ones too), with when it started.
@@ -107,6 +113,8 @@ pub struct World {
     pub violations: Vec<String>,
     /// The latest answered poll: Some(desired) if it was good, None if it failed.
     last_poll: Option<Option<ShouldJoin>>,
+    /// The latest successful poll's answer.
+    last_good: Option<ShouldJoin>,
     confirms_answered: usize,
     join_answered: usize,
     leaves_answered: usize,
@@ -194,7 +202,12 @@ impl ControlPlane for Fake {
                 unreachable!()
             }
         };
-        self.with(|w| w.last_poll = Some(result.as_ref().ok().cloned()));
+        self.with(|w| {
+            w.last_poll = Some(result.as_ref().ok().cloned());
+            if let Ok(good) = &result {
+                w.last_good = Some(good.clone());
+            }
+        });
         result
     }
 
@@ -206,6 +219,15 @@ impl ControlPlane for Fake {
     ) -> Result<(), ConfirmError> {
         let ok = self.with(|w| {
             w.confirms.push((g, role));
+            if !w
+                .last_good
+                .as_ref()
+                .is_some_and(|d| d.assignments.contains(&g))
+            {
+                w.violations.push(format!(
+                    "confirmed {g}, which the latest successful poll does not assign"
+                ));
+            }
             w.settled || cycled(&w.confirm_script, &mut w.confirms_answered, true)
         });
         if ok {
@@ -313,6 +335,14 @@ impl Node for Fake {
     }
 
     async fn tee_role(&self, g: GroupId, _: &str) -> Result<Option<TeeRole>, MerodError> {
+        let delay = self.with(|w| {
+            w.role_reads.push((g, Instant::now()));
+            w.members_delay
+        });
+        tokio::time::sleep(delay).await;
+        if self.with(|w| w.members_fail) {
+            return Err(merod_err(MerodOp::Members, "Internal server error"));
+        }
         Ok(self.with(|w| if w.held.contains(&g) { w.role } else { None }))
     }
 }

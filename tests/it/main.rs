@@ -9,6 +9,7 @@ mod check_config;
 mod cli;
 mod clock_step;
 mod common;
+mod confirm_gate;
 mod contract;
 mod crash;
 mod deb;
