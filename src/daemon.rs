@@ -153,7 +153,18 @@ pub enum DaemonError {
     },
     /// `once` ended with changes the state file could not record.
     #[error("the cycle ran but its outcome could not be persisted: {0}")]
-    NotPersisted(String),
+    NotPersisted(#[source] NotPersisted),
+}
+
+/// Why `once`'s outcome is not on disk.
+#[derive(Debug, thiserror::Error)]
+pub enum NotPersisted {
+    /// The state write failed (the latest failure; shared with the loop that keeps it).
+    #[error(transparent)]
+    Failed(Arc<StateError>),
+    /// The state write did not end within the wait allowed at the end (10 s).
+    #[error("the state write did not end within {0:?}")]
+    Unfinished(Duration),
 }
 
 /// How long `once` waits for merod's admin API before giving up.
@@ -247,9 +258,9 @@ pub async fn once(
     let outcome = sidecar.cycle().await;
     let persisted = sidecar.drain(None).await;
     match sidecar.record.write_error() {
-        Some(text) => Err(DaemonError::NotPersisted(text.to_owned())),
-        None if !persisted => Err(DaemonError::NotPersisted(format!(
-            "the state write did not end within {SHUTDOWN_WRITE_WAIT:?}"
+        Some(e) => Err(DaemonError::NotPersisted(NotPersisted::Failed(e))),
+        None if !persisted => Err(DaemonError::NotPersisted(NotPersisted::Unfinished(
+            SHUTDOWN_WRITE_WAIT,
         ))),
         None => Ok(Some(outcome)),
     }

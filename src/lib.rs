@@ -243,7 +243,7 @@ pub use merod::{
 pub use mrtd::{
     parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded,
     read_mrtd_bounded_async, read_saved, Mrtd, MrtdError, MrtdReading, MrtdSource, MrtdUnavailable,
-    SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
+    ReaderFailure, SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
 };
 pub use state::{
     bash_import, inspect_state, volatile, Absence, Repair, State, StateError, StateFile,

@@ -393,7 +393,24 @@ pub enum MrtdError {
     /// [`read_mrtd_bounded`] could not start its reader thread, or the thread stopped without
     /// an answer.
     #[error("the MRTD reader thread {0}")]
-    Reader(String),
+    Reader(#[source] ReaderFailure),
+}
+
+/// How the thread (or blocking task) reading the MRTD failed, before any source answered.
+#[derive(Debug, thiserror::Error)]
+pub enum ReaderFailure {
+    /// The thread could not be started.
+    #[error("could not start: {0}")]
+    Start(#[source] std::io::Error),
+    /// It stopped without an answer.
+    #[error("stopped without an answer")]
+    Stopped,
+    /// The blocking task it ran in panicked.
+    #[error("ran in a blocking task that panicked")]
+    Panicked,
+    /// The blocking task it ran in was cancelled.
+    #[error("ran in a blocking task that was cancelled")]
+    Cancelled,
 }
 
 impl MrtdError {
@@ -633,7 +650,7 @@ pub fn read_mrtd_bounded(
     let mut failures = Vec::new();
     if let Err(e) = spawned {
         if let Some(&first) = cfg.sources.first() {
-            failures.push((first, MrtdError::Reader(format!("could not start: {e}"))));
+            failures.push((first, MrtdError::Reader(ReaderFailure::Start(e))));
         }
         return Err(MrtdUnavailable { failures });
     }
@@ -654,7 +671,7 @@ pub fn read_mrtd_bounded(
                 break;
             }
             Err(mpsc::RecvTimeoutError::Disconnected) => {
-                let stopped = MrtdError::Reader("stopped without an answer".to_owned());
+                let stopped = MrtdError::Reader(ReaderFailure::Stopped);
                 failures.push((source, stopped));
                 break;
             }
@@ -699,20 +716,15 @@ pub async fn read_mrtd_bounded_async(
 /// [`MrtdError::Reader`] for the first source (none when there is no source).
 fn reader_task_failed(cfg: &TdxConfig, e: &tokio::task::JoinError) -> MrtdUnavailable {
     let what = if e.is_panic() {
-        "panicked"
+        ReaderFailure::Panicked
     } else {
-        "was cancelled"
+        ReaderFailure::Cancelled
     };
     MrtdUnavailable {
         failures: cfg
             .sources
             .first()
-            .map(|&first| {
-                (
-                    first,
-                    MrtdError::Reader(format!("ran in a blocking task that {what}")),
-                )
-            })
+            .map(|&first| (first, MrtdError::Reader(what)))
             .into_iter()
             .collect(),
     }
@@ -1872,7 +1884,13 @@ mod tests {
         let panicked = tokio::task::spawn_blocking(|| panic!("reader")).await;
         let e = reader_task_failed(&cfg, &panicked.unwrap_err());
         assert!(
-            matches!(&e.failures[..], [(MrtdSource::Sysfs, MrtdError::Reader(why))] if why.contains("panicked")),
+            matches!(
+                &e.failures[..],
+                [(
+                    MrtdSource::Sysfs,
+                    MrtdError::Reader(ReaderFailure::Panicked)
+                )]
+            ),
             "{e}"
         );
         assert_eq!(e.failures[0].1.kind(), "reader");

@@ -87,8 +87,8 @@ pub(super) struct Written {
 struct WriteFailure {
     /// [`StateError::stable_key`] of the last failure.
     key: String,
-    /// Its message (also in the live status, so `/readyz` is not ready).
-    text: String,
+    /// The failure (its message is also in the live status, so `/readyz` is not ready).
+    error: Arc<StateError>,
     /// Failed attempts in a row.
     failures: u32,
     /// Before this, a cycle does not try to write again (an outcome to record still does).
@@ -120,9 +120,9 @@ impl Record {
         &self.state
     }
 
-    /// The message of the failing state write, while writes fail.
-    pub(super) fn write_error(&self) -> Option<&str> {
-        self.failure.as_ref().map(|f| f.text.as_str())
+    /// The failing state write, while writes fail.
+    pub(super) fn write_error(&self) -> Option<Arc<StateError>> {
+        self.failure.as_ref().map(|f| Arc::clone(&f.error))
     }
 
     /// Whether a write runs.
@@ -341,7 +341,7 @@ impl Record {
                 {
                     ready.extend(self.waiting.pop_front().map(|(_, after)| after));
                 }
-                if let Some(Err(e)) = &outcome.probed {
+                if let Some(Err(e)) = outcome.probed {
                     self.fail(e);
                     // No leave starts, neither of this write nor of a later one.
                     let released = ready
@@ -354,7 +354,7 @@ impl Record {
                 }
             }
             Err(e) => {
-                self.fail(&e);
+                self.fail(e);
                 let joins = self.drop_waiting(|after| matches!(after, AfterWrite::Join(_)));
                 let leaves = self.drop_waiting(|after| matches!(after, AfterWrite::Leave(_)));
                 // Acknowledgements dropped: their joins end as not persisted.
@@ -418,7 +418,7 @@ impl Record {
     /// error, not the message, which names a random temp file), shows it in the live status
     /// (`/readyz` not ready) and sets when the loop tries again: [`RETRY_MIN`] doubling to
     /// [`RETRY_MAX`], jittered.
-    fn fail(&mut self, e: &StateError) {
+    fn fail(&mut self, e: StateError) {
         Telemetry::count(&self.telemetry.state_writes, "error");
         let key = e.stable_key();
         let text = e.to_string();
@@ -431,7 +431,7 @@ impl Record {
         }
         self.failure = Some(WriteFailure {
             key,
-            text: text.clone(),
+            error: Arc::new(e),
             failures,
             retry_at: Instant::now() + backoff::RETRY.wait(failures, fastrand::f64()),
         });
