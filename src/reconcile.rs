@@ -346,9 +346,9 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
         state,
         in_flight,
         join_backoff,
-        leave_backoff,
         guard,
         now,
+        ..
     } = input;
     // The observed clock: monotonic time between successful polls of this run, added to
     // what earlier runs observed. The first poll of a run adds nothing (downtime is not
@@ -369,15 +369,7 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
         .copied()
         .collect();
 
-    // Withdrawn: held (or maybe held: joining) but neither assigned nor retained. Counted
-    // before the prune.
-    let withdrawn: BTreeSet<GroupId> = state
-        .admitted
-        .difference(&desired.assigned)
-        .chain(state.joining.difference(&desired.assigned))
-        .filter(|id| !desired.retain.contains(id))
-        .copied()
-        .collect();
+    let withdrawn = withdrawn(state, desired);
     // Held, for the guard: the admitted, plus the joining ones this poll withdraws. Joining
     // ones still assigned (joins under way or failing) do not count, so they cannot dilute
     // the guard's protection of what merod certainly holds.
@@ -386,130 +378,15 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
             .iter()
             .filter(|id| !state.admitted.contains(id))
             .count();
-    // Absence: one more successful poll; the clock reading of the first one kept.
-    let absent: BTreeMap<GroupId, Absence> = withdrawn
-        .iter()
-        .map(|id| {
-            let absence = match state.absent.get(id) {
-                Some(a) => Absence {
-                    polls: a.polls.saturating_add(1),
-                    since_ms: a.since_ms.min(observed_ms),
-                },
-                None => Absence {
-                    polls: 1,
-                    since_ms: observed_ms,
-                },
-            };
-            (*id, absence)
-        })
-        .collect();
-
-    let mut next_guard = Guard {
-        mass_drop: guard.mass_drop,
+    let absent = absences(state, &withdrawn, observed_ms);
+    let (mass_drop, mass_drop_event) =
+        next_mass_drop(policy, guard.mass_drop, withdrawn.len(), held, elapsed);
+    let next_guard = Guard {
+        mass_drop,
         last_ok_poll: Some(now),
     };
-    // A mass withdrawal: at least `mass_drop_min` and more than half of what is held, or
-    // everything held (however little that is).
-    let mass = !withdrawn.is_empty()
-        && ((withdrawn.len() >= policy.mass_drop_min && withdrawn.len().saturating_mul(2) > held)
-            || withdrawn.len() >= held);
-    let mut mass_drop_event = None;
-    next_guard.mass_drop = match (mass, guard.mass_drop) {
-        (false, MassDrop::Idle) => MassDrop::Idle,
-        (false, MassDrop::Holding { .. }) => {
-            mass_drop_event = Some(MassDropEvent::Cleared);
-            MassDrop::Idle
-        }
-        (false, MassDrop::Released) => MassDrop::Idle,
-        (true, MassDrop::Idle) => {
-            mass_drop_event = Some(MassDropEvent::HoldStarted {
-                withdrawn: withdrawn.len(),
-                held,
-            });
-            if policy.mass_drop_hold.is_zero() {
-                MassDrop::Released
-            } else {
-                MassDrop::Holding {
-                    observed: Duration::ZERO,
-                }
-            }
-        }
-        (true, MassDrop::Holding { observed }) => {
-            // Only the observed time since the previous successful poll (none across a
-            // failed one): an outage does not count toward the hold.
-            let observed = observed.saturating_add(elapsed);
-            if observed >= policy.mass_drop_hold {
-                mass_drop_event = Some(MassDropEvent::Released {
-                    withdrawn: withdrawn.len(),
-                });
-                MassDrop::Released
-            } else {
-                MassDrop::Holding { observed }
-            }
-        }
-        (true, MassDrop::Released) => MassDrop::Released,
-    };
-
-    // Leaves started within the last hour of the observed clock (persisted: a restart, or
-    // a crash loop, does not reset the budgets).
-    let age = |t: u64| Duration::from_millis(observed_ms.saturating_sub(t));
-    let mut recent_leaves_ms: Vec<u64> = state
-        .recent_leaves_ms
-        .iter()
-        .copied()
-        .filter(|t| age(*t) < HOUR)
-        .collect();
-    let allowance = |max: u32, used: usize| {
-        usize::try_from(max)
-            .unwrap_or(usize::MAX)
-            .saturating_sub(used)
-    };
-    let mut minute_budget = allowance(
-        policy.max_leaves_per_minute,
-        recent_leaves_ms
-            .iter()
-            .filter(|t| age(**t) < MINUTE)
-            .count(),
-    );
-    let mut hour_budget = allowance(policy.max_leaves_per_hour, recent_leaves_ms.len());
-
-    // The oldest absence first, so the rate limits let the longest-withdrawn go first.
-    let mut candidates: Vec<(&GroupId, &Absence)> = absent.iter().collect();
-    candidates.sort_by_key(|(id, a)| (a.since_ms, **id));
-    let mut leaves = Vec::new();
-    let mut waiting = BTreeMap::new();
-    for (id, absence) in candidates {
-        let wait = if in_flight.contains(id) {
-            Some(LeaveWait::InFlight)
-        } else if let Some(wait) = policy.grace_wait(age(absence.since_ms)) {
-            Some(wait)
-        } else if let Some(wait) = policy.stability_wait(absence.polls) {
-            Some(wait)
-        } else if let MassDrop::Holding { observed } = next_guard.mass_drop {
-            Some(LeaveWait::MassDropHold {
-                remaining: policy.mass_drop_hold.saturating_sub(observed),
-            })
-        } else if leave_backoff.contains(id) {
-            Some(LeaveWait::BackingOff)
-        } else if minute_budget == 0 {
-            Some(LeaveWait::RateLimited(RateLimit::PerMinute))
-        } else if hour_budget == 0 {
-            Some(LeaveWait::RateLimited(RateLimit::PerHour))
-        } else {
-            None
-        };
-        match wait {
-            Some(w) => {
-                waiting.insert(*id, w);
-            }
-            None => {
-                minute_budget -= 1;
-                hour_budget -= 1;
-                recent_leaves_ms.push(observed_ms);
-                leaves.push(*id);
-            }
-        }
-    }
+    let (leaves, waiting, recent_leaves_ms) =
+        schedule_leaves(&input, &absent, mass_drop, observed_ms);
 
     // Pruned: confirmed but no longer assigned (retained ones included: they stay admitted,
     // and are joined and confirmed again once assigned again). None in an idle cycle.
@@ -531,6 +408,176 @@ pub fn plan(input: PlanInput<'_>) -> Plan {
         },
         guard: next_guard,
         mass_drop_event,
+    }
+}
+
+/// Withdrawn: held (or maybe held: joining) but neither assigned nor retained by this poll.
+/// Counted before the prune.
+fn withdrawn(state: &State, desired: &Desired) -> BTreeSet<GroupId> {
+    state
+        .admitted
+        .difference(&desired.assigned)
+        .chain(state.joining.difference(&desired.assigned))
+        .filter(|id| !desired.retain.contains(id))
+        .copied()
+        .collect()
+}
+
+/// The absence of each `withdrawn` namespace after this poll: one more successful poll, the
+/// observed clock's reading of the first one kept (`observed_ms` for a new absence).
+fn absences(
+    state: &State,
+    withdrawn: &BTreeSet<GroupId>,
+    observed_ms: u64,
+) -> BTreeMap<GroupId, Absence> {
+    withdrawn
+        .iter()
+        .map(|id| {
+            let absence = match state.absent.get(id) {
+                Some(a) => Absence {
+                    polls: a.polls.saturating_add(1),
+                    since_ms: a.since_ms.min(observed_ms),
+                },
+                None => Absence {
+                    polls: 1,
+                    since_ms: observed_ms,
+                },
+            };
+            (*id, absence)
+        })
+        .collect()
+}
+
+/// The mass-withdrawal guard after a poll that withdrew `withdrawn` of `held` namespaces,
+/// `elapsed` observed time after the previous successful poll (zero across a failed one),
+/// and the change worth a loud log line, if any. A mass withdrawal is at least
+/// `mass_drop_min` and more than half of what is held, or everything held (however little
+/// that is).
+fn next_mass_drop(
+    policy: &LeavePolicy,
+    previous: MassDrop,
+    withdrawn: usize,
+    held: usize,
+    elapsed: Duration,
+) -> (MassDrop, Option<MassDropEvent>) {
+    let mass = withdrawn > 0
+        && ((withdrawn >= policy.mass_drop_min && withdrawn.saturating_mul(2) > held)
+            || withdrawn >= held);
+    match (mass, previous) {
+        (false, MassDrop::Idle | MassDrop::Released) => (MassDrop::Idle, None),
+        (false, MassDrop::Holding { .. }) => (MassDrop::Idle, Some(MassDropEvent::Cleared)),
+        (true, MassDrop::Idle) => {
+            let event = Some(MassDropEvent::HoldStarted { withdrawn, held });
+            if policy.mass_drop_hold.is_zero() {
+                (MassDrop::Released, event)
+            } else {
+                let observed = Duration::ZERO;
+                (MassDrop::Holding { observed }, event)
+            }
+        }
+        (true, MassDrop::Holding { observed }) => {
+            // Only the observed time since the previous successful poll (none across a
+            // failed one): an outage does not count toward the hold.
+            let observed = observed.saturating_add(elapsed);
+            if observed >= policy.mass_drop_hold {
+                let event = Some(MassDropEvent::Released { withdrawn });
+                (MassDrop::Released, event)
+            } else {
+                (MassDrop::Holding { observed }, None)
+            }
+        }
+        (true, MassDrop::Released) => (MassDrop::Released, None),
+    }
+}
+
+/// The leaves of this poll among the `absent` candidates, the oldest absence first (ties
+/// in id order, so the rate limits let the longest-withdrawn go first); the rest waiting,
+/// each with the first rule that holds it back; and the leave stamps of the last hour of
+/// the observed clock with this poll's leaves added (persisted: a restart, or a crash loop,
+/// does not reset the budgets).
+fn schedule_leaves(
+    input: &PlanInput<'_>,
+    absent: &BTreeMap<GroupId, Absence>,
+    mass_drop: MassDrop,
+    observed_ms: u64,
+) -> (Vec<GroupId>, BTreeMap<GroupId, LeaveWait>, Vec<u64>) {
+    let policy = input.policy;
+    let age = |t: u64| Duration::from_millis(observed_ms.saturating_sub(t));
+    let mut recent_leaves_ms: Vec<u64> = input
+        .state
+        .recent_leaves_ms
+        .iter()
+        .copied()
+        .filter(|t| age(*t) < HOUR)
+        .collect();
+    let allowance = |max: u32, used: usize| {
+        usize::try_from(max)
+            .unwrap_or(usize::MAX)
+            .saturating_sub(used)
+    };
+    let last_minute = recent_leaves_ms.iter().filter(|t| age(**t) < MINUTE);
+    let mut budget = LeaveBudget {
+        minute: allowance(policy.max_leaves_per_minute, last_minute.count()),
+        hour: allowance(policy.max_leaves_per_hour, recent_leaves_ms.len()),
+    };
+    let mut candidates: Vec<(&GroupId, &Absence)> = absent.iter().collect();
+    candidates.sort_by_key(|(id, a)| (a.since_ms, **id));
+    let mut leaves = Vec::new();
+    let mut waiting = BTreeMap::new();
+    for (id, absence) in candidates {
+        let absent_for = age(absence.since_ms);
+        match leave_wait(input, *id, absence.polls, absent_for, mass_drop, &budget) {
+            Some(w) => {
+                waiting.insert(*id, w);
+            }
+            None => {
+                budget.minute -= 1;
+                budget.hour -= 1;
+                recent_leaves_ms.push(observed_ms);
+                leaves.push(*id);
+            }
+        }
+    }
+    (leaves, waiting, recent_leaves_ms)
+}
+
+/// The leaves still allowed by the rate limits in this poll.
+struct LeaveBudget {
+    /// Under `max_leaves_per_minute`.
+    minute: usize,
+    /// Under `max_leaves_per_hour`.
+    hour: usize,
+}
+
+/// The first rule that holds back the leave of `id`, absent from `polls` successful polls
+/// over `absent_for` of observed time, in the order they are checked; `None`: it is left now.
+fn leave_wait(
+    input: &PlanInput<'_>,
+    id: GroupId,
+    polls: u32,
+    absent_for: Duration,
+    mass_drop: MassDrop,
+    budget: &LeaveBudget,
+) -> Option<LeaveWait> {
+    let policy = input.policy;
+    if input.in_flight.contains(&id) {
+        Some(LeaveWait::InFlight)
+    } else if let Some(wait) = policy.grace_wait(absent_for) {
+        Some(wait)
+    } else if let Some(wait) = policy.stability_wait(polls) {
+        Some(wait)
+    } else if let MassDrop::Holding { observed } = mass_drop {
+        Some(LeaveWait::MassDropHold {
+            remaining: policy.mass_drop_hold.saturating_sub(observed),
+        })
+    } else if input.leave_backoff.contains(&id) {
+        Some(LeaveWait::BackingOff)
+    } else if budget.minute == 0 {
+        Some(LeaveWait::RateLimited(RateLimit::PerMinute))
+    } else if budget.hour == 0 {
+        Some(LeaveWait::RateLimited(RateLimit::PerHour))
+    } else {
+        None
     }
 }
 
