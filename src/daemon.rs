@@ -289,8 +289,8 @@ fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
     deps.telemetry.publish(&Projection {
         desired: &planner.desired,
         state,
-        joining: &work.joining,
-        leaving: &work.leaving,
+        joining: work.joining(),
+        leaving: work.leaving(),
         waiting: &planner.waiting,
         orphans: &planner.orphans,
         mass_drop: planner.guard.mass_drop,

@@ -5,7 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::time::{timeout, Instant};
 use tracing::{debug, debug_span, error, info, warn, Instrument};
 
@@ -18,8 +18,9 @@ use crate::reconcile::{
 use crate::telemetry::{unix_now, Phase, Telemetry};
 
 use super::held::Holdings;
+use super::join_status::JoinOutcome;
 use super::record::AfterWrite;
-use super::tasks::{Calls, Counted, Event, JoinEnd, Next};
+use super::tasks::{Calls, CheckFailed, Counted, Event, JoinEnd, LeaveEnd, Next};
 use super::{
     publish, CycleOutcome, Sidecar, ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT,
 };
@@ -239,15 +240,9 @@ impl Sidecar {
     fn reconcile(&mut self) -> CycleOutcome {
         let now = Instant::now();
         let desired = &self.planner.desired;
-        let work = &mut self.work;
-        work.join_retry
-            .keep_only(|id| desired.assigned.contains(id));
-        work.leave_retry
-            .keep_only(|id| !desired.assigned.contains(id) && !desired.retain.contains(id));
-        let join_backoff = work.join_retry.waiting(now);
-        let leave_backoff = work.leave_retry.waiting(now);
+        let (join_backoff, leave_backoff) = self.work.backoffs(desired, now);
         // The joins and leaves waiting for a write count as in flight: not planned again.
-        let mut in_flight = work.in_flight();
+        let mut in_flight = self.work.in_flight();
         in_flight.extend(self.record.awaiting());
         let policy = &self.planner.policy;
         let plan = reconcile::plan(PlanInput {
@@ -381,9 +376,7 @@ impl Sidecar {
     fn on_held_read(&mut self) {
         let state = self.record.state();
         let work = &self.work;
-        let busy = |id: &GroupId| {
-            work.joining.contains(id) || work.leaving.contains(id) || work.checking.contains(id)
-        };
+        let busy = |id: &GroupId| work.busy(id);
         let Some(checks) =
             self.view
                 .after_read(&state.admitted, &state.confirmed, busy, Instant::now())
@@ -453,123 +446,134 @@ impl Sidecar {
     /// Folds one task event into the state: each end gives its own metric label, back-off
     /// decision and log line.
     pub(super) fn on_event(&mut self, event: Event) {
-        let t = std::sync::Arc::clone(&self.deps.telemetry);
         match event {
-            Event::Admitted { id, ack } => {
-                Telemetry::count(&t.joins, "admitted");
-                info!(namespace_id = %id, "admitted by merod and listed by it");
-                self.planner.held_changed = Some(Instant::now());
-                if let Some(held) = &mut self.planner.held {
-                    held.insert(id);
-                }
-                // Acknowledged once the admission is on disk (`after_write`).
-                let ready = self.record.record_then(
-                    Outcome::Admitted(id),
-                    AfterWrite::Ack { id, ack },
-                    |state| publish(&self.deps, &self.planner, &self.work, state),
-                );
-                self.after_write(ready.into_iter().collect(), true);
-            }
-            Event::DriftChecked { id, held } => {
-                self.work.checking.remove(&id);
-                let recorded = self.record.state().admitted.contains(&id);
-                let busy = self.work.joining.contains(&id) || self.work.leaving.contains(&id);
-                match held {
-                    Ok(false) if recorded && !busy => {
-                        t.held_drift.inc();
-                        let assigned = self.planner.desired.assigned.contains(&id);
-                        let next = if assigned {
-                            "joining it again (MDMA assigns it)"
-                        } else {
-                            "nothing to leave"
-                        };
-                        warn!(namespace_id = %id, outcome = "drift", assigned, "merod no longer holds a namespace the state records as held (a restored snapshot, an operator's leave, a reset): dropped from the state; {next}");
-                        self.work.leave_retry.succeed(id);
-                        self.record(Outcome::Left(id));
-                    }
-                    Ok(_) => {}
-                    Err(why) => {
-                        debug!(namespace_id = %id, "missing from merod's list, but {why}: kept, asked again after the next read");
-                    }
-                }
-            }
-            Event::RoleChecked { id, confirmed } => {
-                self.work.checking.remove(&id);
-                if let (Some(role), true) = (confirmed, self.record.state().confirmed.contains(&id))
-                {
-                    let spelled = role.map_or("null", TeeRole::as_str);
-                    // A change is news; the first confirm with the role after a restart
-                    // (nothing told yet by this process) is not.
-                    if self.view.roles.told(id).is_some() {
-                        info!(namespace_id = %id, tee_role = spelled, "the node's role changed: confirmed again with it");
-                    } else {
-                        debug!(namespace_id = %id, tee_role = spelled, "confirmed again with the node's role (not told by this process yet)");
-                    }
-                    self.view.roles.confirmed_with(id, role);
-                }
-            }
+            Event::Admitted { id, ack } => self.on_admitted(id, ack),
+            Event::DriftChecked { id, held } => self.on_drift_checked(id, held),
+            Event::RoleChecked { id, confirmed } => self.on_role_checked(id, confirmed),
             Event::JoinEnded {
                 id,
                 end,
                 took,
                 attempt,
                 role,
-            } => {
-                self.work.joining.remove(&id);
-                if let Some(attempt) = attempt {
-                    self.view.join_status.record(id, *attempt);
-                    self.view.held.refresh_soon();
-                }
-                if let (true, Some(role)) = (end.succeeded(), role) {
-                    self.view.roles.confirmed_with(id, role);
-                }
-                if let Some((counted, label)) = end.metric_label() {
-                    let family = match counted {
-                        Counted::Joins => &t.joins,
-                        Counted::Confirms => &t.confirms,
-                    };
-                    Telemetry::count(family, label);
-                }
-                if end.not_tried() {
-                    end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
-                } else if end.succeeded() {
-                    // Logged before it is recorded: whoever sees the state file change also
-                    // finds the line (a log-rotating test relies on it).
-                    end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
-                    self.work.join_retry.succeed(id);
-                    // `confirmed` follows what MDMA assigns: a poll that withdrew it while
-                    // the confirm ran has pruned it, and it stays pruned.
-                    if matches!(end, JoinEnd::Confirmed)
-                        && self.planner.desired.assigned.contains(&id)
-                    {
-                        self.record(Outcome::Confirmed(id));
-                    }
-                } else {
-                    let retry = self.work.back_off_join(id);
-                    end.log(id, took.as_secs_f64(), retry);
-                }
-            }
-            Event::LeaveEnded { id, end, took } => {
-                self.work.leaving.remove(&id);
-                self.view.held.refresh_soon();
-                Telemetry::count(&t.leaves, end.metric_label());
-                if end.succeeded() {
-                    // merod no longer holds it (left, or never held): dropped from the
-                    // state, its leave back-off ended.
-                    end.log(id, took.as_secs_f64(), (0, Duration::ZERO));
-                    self.work.leave_retry.succeed(id);
-                    self.planner.held_changed = Some(Instant::now());
-                    if let Some(held) = &mut self.planner.held {
-                        held.remove(&id);
-                    }
-                    self.planner.orphans.remove(&id);
-                    self.record(Outcome::Left(id));
-                } else {
-                    let retry = self.work.back_off_leave(id);
-                    end.log(id, took.as_secs_f64(), retry);
-                }
-            }
+            } => self.on_join_ended(id, end, took, attempt, role),
+            Event::LeaveEnded { id, end, took } => self.on_leave_ended(id, end, took),
         }
         self.publish();
+    }
+
+    /// merod admitted `id` and lists it: recorded, and acknowledged to the join task once the
+    /// admission is on disk (`after_write`).
+    fn on_admitted(&mut self, id: GroupId, ack: oneshot::Sender<bool>) {
+        Telemetry::count(&self.deps.telemetry.joins, "admitted");
+        info!(namespace_id = %id, "admitted by merod and listed by it");
+        self.planner.held_changed = Some(Instant::now());
+        if let Some(held) = &mut self.planner.held {
+            held.insert(id);
+        }
+        let ready = self.record.record_then(
+            Outcome::Admitted(id),
+            AfterWrite::Ack { id, ack },
+            |state| publish(&self.deps, &self.planner, &self.work, state),
+        );
+        self.after_write(ready.into_iter().collect(), true);
+    }
+
+    /// merod was asked about `id`, recorded as held but missing from its list: dropped from
+    /// the state only on merod's own "not held" (and while no join or leave of it runs).
+    fn on_drift_checked(&mut self, id: GroupId, held: Result<bool, CheckFailed>) {
+        self.work.check_ended(id);
+        let recorded = self.record.state().admitted.contains(&id);
+        match held {
+            Ok(false) if recorded && !self.work.joins_or_leaves(&id) => {
+                self.deps.telemetry.held_drift.inc();
+                let assigned = self.planner.desired.assigned.contains(&id);
+                let next = if assigned {
+                    "joining it again (MDMA assigns it)"
+                } else {
+                    "nothing to leave"
+                };
+                warn!(namespace_id = %id, outcome = "drift", assigned, "merod no longer holds a namespace the state records as held (a restored snapshot, an operator's leave, a reset): dropped from the state; {next}");
+                self.work.not_held(id);
+                self.record(Outcome::Left(id));
+            }
+            Ok(_) => {}
+            Err(why) => {
+                debug!(namespace_id = %id, "missing from merod's list, but {why}: kept, asked again after the next read");
+            }
+        }
+    }
+
+    /// A role check of `id` ended; `confirmed`: the role a confirm with it was accepted.
+    fn on_role_checked(&mut self, id: GroupId, confirmed: Option<Option<TeeRole>>) {
+        self.work.check_ended(id);
+        let Some(role) = confirmed else {
+            return;
+        };
+        if !self.record.state().confirmed.contains(&id) {
+            return;
+        }
+        let spelled = role.map_or("null", TeeRole::as_str);
+        // A change is news; the first confirm with the role after a restart (nothing told
+        // yet by this process) is not.
+        if self.view.roles.told(id).is_some() {
+            info!(namespace_id = %id, tee_role = spelled, "the node's role changed: confirmed again with it");
+        } else {
+            debug!(namespace_id = %id, tee_role = spelled, "confirmed again with the node's role (not told by this process yet)");
+        }
+        self.view.roles.confirmed_with(id, role);
+    }
+
+    /// The join of `id` ended: counted, logged, its fleet-join outcome kept for join-status,
+    /// and a confirm recorded while MDMA still assigns it.
+    fn on_join_ended(
+        &mut self,
+        id: GroupId,
+        end: JoinEnd,
+        took: Duration,
+        attempt: Option<Box<JoinOutcome>>,
+        role: Option<Option<TeeRole>>,
+    ) {
+        let t = &self.deps.telemetry;
+        if let Some(attempt) = attempt {
+            self.view.join_status.record(id, *attempt);
+            self.view.held.refresh_soon();
+        }
+        if let (true, Some(role)) = (end.succeeded(), role) {
+            self.view.roles.confirmed_with(id, role);
+        }
+        if let Some((counted, label)) = end.metric_label() {
+            let family = match counted {
+                Counted::Joins => &t.joins,
+                Counted::Confirms => &t.confirms,
+            };
+            Telemetry::count(family, label);
+        }
+        // Logged before it is recorded: whoever sees the state file change also finds the
+        // line (a log-rotating test relies on it).
+        let retry = self.work.join_ended(id, &end);
+        end.log(id, took.as_secs_f64(), retry);
+        // `confirmed` follows what MDMA assigns: a poll that withdrew it while the confirm
+        // ran has pruned it, and it stays pruned.
+        if matches!(end, JoinEnd::Confirmed) && self.planner.desired.assigned.contains(&id) {
+            self.record(Outcome::Confirmed(id));
+        }
+    }
+
+    /// The leave of `id` ended: once merod no longer holds it (left, or never held) it is
+    /// dropped from the state and from merod's holdings; else it backs off.
+    fn on_leave_ended(&mut self, id: GroupId, end: LeaveEnd, took: Duration) {
+        self.view.held.refresh_soon();
+        Telemetry::count(&self.deps.telemetry.leaves, end.metric_label());
+        let retry = self.work.leave_ended(id, &end);
+        end.log(id, took.as_secs_f64(), retry);
+        if end.succeeded() {
+            self.planner.held_changed = Some(Instant::now());
+            if let Some(held) = &mut self.planner.held {
+                held.remove(&id);
+            }
+            self.planner.orphans.remove(&id);
+            self.record(Outcome::Left(id));
+        }
     }
 }

@@ -760,17 +760,17 @@ pub(super) struct InFlight {
     /// The namespace of each running task (to account for one that ends without an event).
     task_ids: HashMap<tokio::task::Id, GroupId>,
     /// Namespaces with a join task running.
-    pub(super) joining: BTreeSet<GroupId>,
+    joining: BTreeSet<GroupId>,
     /// Namespaces with a leave task running.
-    pub(super) leaving: BTreeSet<GroupId>,
+    leaving: BTreeSet<GroupId>,
     /// Namespaces being asked about after a held read (drift and role checks).
-    pub(super) checking: BTreeSet<GroupId>,
+    checking: BTreeSet<GroupId>,
     /// One permit per join at merod (`max_concurrent_joins`).
     join_permits: Arc<Semaphore>,
     /// Back-off of failed joins.
-    pub(super) join_retry: Retries,
+    join_retry: Retries,
     /// Back-off of failed leaves.
-    pub(super) leave_retry: Retries,
+    leave_retry: Retries,
     /// What the tasks send the loop.
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
@@ -949,13 +949,84 @@ impl InFlight {
     }
 
     /// Records a failed join; returns the failures in a row and the wait before the next.
-    pub(super) fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
+    fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
         self.join_retry.fail(id, Instant::now(), fastrand::f64())
     }
 
     /// Records a failed leave; returns the failures in a row and the wait before the next.
-    pub(super) fn back_off_leave(&mut self, id: GroupId) -> (u32, Duration) {
+    fn back_off_leave(&mut self, id: GroupId) -> (u32, Duration) {
         self.leave_retry.fail(id, Instant::now(), fastrand::f64())
+    }
+
+    /// The namespaces with a join task running.
+    pub(super) fn joining(&self) -> &BTreeSet<GroupId> {
+        &self.joining
+    }
+
+    /// The namespaces with a leave task running.
+    pub(super) fn leaving(&self) -> &BTreeSet<GroupId> {
+        &self.leaving
+    }
+
+    /// Whether a join or leave of `id` runs.
+    pub(super) fn joins_or_leaves(&self, id: &GroupId) -> bool {
+        self.joining.contains(id) || self.leaving.contains(id)
+    }
+
+    /// Whether any task of `id` runs (a join, a leave or a check).
+    pub(super) fn busy(&self, id: &GroupId) -> bool {
+        self.joins_or_leaves(id) || self.checking.contains(id)
+    }
+
+    /// The namespaces whose joins and whose leaves back off at `now`, for planning; the
+    /// back-offs of joins `desired` no longer assigns, and of leaves of namespaces it
+    /// assigns or retains again, are forgotten first.
+    pub(super) fn backoffs(
+        &mut self,
+        desired: &Desired,
+        now: Instant,
+    ) -> (BTreeSet<GroupId>, BTreeSet<GroupId>) {
+        self.join_retry
+            .keep_only(|id| desired.assigned.contains(id));
+        self.leave_retry
+            .keep_only(|id| !desired.assigned.contains(id) && !desired.retain.contains(id));
+        (self.join_retry.waiting(now), self.leave_retry.waiting(now))
+    }
+
+    /// A check (drift or role) of `id` ended.
+    pub(super) fn check_ended(&mut self, id: GroupId) {
+        self.checking.remove(&id);
+    }
+
+    /// The join of `id` ended with `end`: its back-off ends with a success and grows with a
+    /// failure. Returns the failures in a row and the wait before the next attempt, for its
+    /// log line (`(0, 0)` unless it failed).
+    pub(super) fn join_ended(&mut self, id: GroupId, end: &JoinEnd) -> (u32, Duration) {
+        self.joining.remove(&id);
+        if end.not_tried() {
+            (0, Duration::ZERO)
+        } else if end.succeeded() {
+            self.join_retry.succeed(id);
+            (0, Duration::ZERO)
+        } else {
+            self.back_off_join(id)
+        }
+    }
+
+    /// The leave of `id` ended with `end`; as [`InFlight::join_ended`].
+    pub(super) fn leave_ended(&mut self, id: GroupId, end: &LeaveEnd) -> (u32, Duration) {
+        self.leaving.remove(&id);
+        if end.succeeded() {
+            self.leave_retry.succeed(id);
+            (0, Duration::ZERO)
+        } else {
+            self.back_off_leave(id)
+        }
+    }
+
+    /// merod was found not to hold `id` (drift): no leave of it is backing off any more.
+    pub(super) fn not_held(&mut self, id: GroupId) {
+        self.leave_retry.succeed(id);
     }
 
     /// Accounts for a task that ended: one that ended without its outcome (a panic, or cut
