@@ -62,14 +62,25 @@ fn edges() -> BTreeMap<String, BTreeSet<String>> {
 
 /// The modules a line of code names as `crate::m` or `crate::{m, n::…}`.
 fn named_modules(line: &str) -> Vec<String> {
+    named_after(line, "crate::")
+}
+
+/// The names a line of code takes from below `prefix` (`crate::`, `super::`): `prefix` + `m`
+/// or `prefix` + `{m, n::…}` gives `m` (and `n`).
+fn named_after(line: &str, prefix: &str) -> Vec<String> {
     let ident = |s: &str| -> String {
         s.chars()
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
             .collect()
     };
     let mut found = Vec::new();
-    for (at, _) in line.match_indices("crate::") {
-        let rest = &line[at + "crate::".len()..];
+    for (at, _) in line.match_indices(prefix) {
+        // `crate::x::super::` is not this prefix: only a path that starts here.
+        let before = line[..at].chars().next_back();
+        if before.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':') {
+            continue;
+        }
+        let rest = &line[at + prefix.len()..];
         if let Some(group) = rest.strip_prefix('{') {
             // Top-level names of the group only (`a::{b, c}` inside names `a`).
             let mut depth = 0;
@@ -95,13 +106,99 @@ fn named_modules(line: &str) -> Vec<String> {
     found
 }
 
-#[test]
-fn no_module_imports_one_on_its_floor_or_above() {
-    let floor_of: BTreeMap<&str, usize> = FLOORS
+/// Each module of `floors` (bottom first) with its floor's number.
+fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
+    floors
         .iter()
         .enumerate()
         .flat_map(|(i, mods)| mods.iter().map(move |m| (*m, i)))
-        .collect();
+        .collect()
+}
+
+/// The floors inside `src/daemon/`, bottom first. `daemon.rs` sits on top of them all: it
+/// holds the entry points and re-exports, and a file below it names neither `daemon.rs`'s
+/// own items (an arrow back up) nor a module on its own floor or above.
+const DAEMON_FLOORS: &[&[&str]] = &[
+    &["held", "limits", "poll", "record", "roles"],
+    &["join_status", "planner", "readiness"],
+    &["deps", "merod_watch", "tasks"],
+    &["merod_view", "startup"],
+    &["sidecar"],
+];
+
+/// What each file of `src/daemon/` names of its siblings: module → the names it takes from
+/// `super::` (or `crate::daemon::`), code only (doc comments and `mod tests` left out).
+fn daemon_edges() -> BTreeMap<String, BTreeSet<String>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/daemon");
+    let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    for entry in fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        assert!(
+            path.extension().and_then(|e| e.to_str()) == Some("rs"),
+            "{}: a directory or file the floors do not cover",
+            path.display()
+        );
+        let module = path.file_stem().unwrap().to_str().unwrap().to_owned();
+        let text = fs::read_to_string(&path).unwrap();
+        let code = text.split("#[cfg(test)]\nmod tests").next().unwrap();
+        let targets = out.entry(module).or_default();
+        for line in code.lines() {
+            let line = line.trim_start();
+            if line.starts_with("//") {
+                continue;
+            }
+            targets.extend(named_after(line, "super::"));
+            targets.extend(named_after(line, "crate::daemon::"));
+        }
+    }
+    out
+}
+
+#[test]
+fn inside_the_daemon_every_import_goes_down_and_none_back_up() {
+    let floor_of = floor_of(DAEMON_FLOORS);
+    let mut wrong = Vec::new();
+    for (module, targets) in daemon_edges() {
+        let Some(&own) = floor_of.get(module.as_str()) else {
+            panic!("src/daemon/{module}.rs is on no floor: add it to DAEMON_FLOORS (and ARCHITECTURE.md)");
+        };
+        for target in targets {
+            match floor_of.get(target.as_str()) {
+                None => wrong.push(format!(
+                    "{module} names daemon.rs's own {target} (an arrow back up)"
+                )),
+                Some(&floor) if floor >= own => wrong.push(format!(
+                    "{module} (floor {own}) -> {target} (floor {floor})"
+                )),
+                Some(_) => {}
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "imports inside the daemon that do not go down: {wrong:#?}"
+    );
+}
+
+#[test]
+fn the_daemon_scan_sees_sibling_and_parent_names() {
+    assert_eq!(
+        named_after("use super::{DaemonError, Deps, ALIVE_TURN};", "super::"),
+        ["DaemonError", "Deps", "ALIVE_TURN"]
+    );
+    assert_eq!(
+        named_after("let limit = super::limits::MDMA_DEADLINE;", "super::"),
+        ["limits"]
+    );
+    assert!(named_after("use crate::x::super::y;", "super::").is_empty());
+    let edges = daemon_edges();
+    assert!(edges["sidecar"].contains("tasks"));
+    assert!(edges["merod_watch"].contains("readiness"));
+}
+
+#[test]
+fn no_module_imports_one_on_its_floor_or_above() {
+    let floor_of = floor_of(FLOORS);
     let edges = edges();
     let mut upward = Vec::new();
     for (module, targets) in &edges {

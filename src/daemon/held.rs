@@ -19,7 +19,7 @@ use tracing::{info, warn};
 
 use crate::ids::GroupId;
 use crate::mdma::MAX_HELD_REPORTED;
-use crate::merod::{Node, CHECK_TIMEOUT};
+use crate::merod::{MerodError, Node, CHECK_TIMEOUT};
 use crate::outcome::CallOutcome;
 use crate::telemetry::{unix_now, HeldStatus, Telemetry};
 
@@ -47,8 +47,20 @@ pub(crate) struct HeldRead {
     pub(crate) generation: u64,
 }
 
+/// Why merod's list of the namespaces it holds could not be read.
+#[derive(Clone, Debug, thiserror::Error)]
+pub(crate) enum ListUnread {
+    /// merod answered with an error, or the client's own deadline passed (shared: the
+    /// latest outcome is handed to every reader).
+    #[error(transparent)]
+    Error(Arc<MerodError>),
+    /// No answer within the bound.
+    #[error("no answer within {0:?}")]
+    NoAnswer(Duration),
+}
+
 /// The latest outcome of the refresh: a good read, or why there is none.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub(crate) enum HeldLatest {
     /// No read finished yet.
     #[default]
@@ -56,7 +68,8 @@ pub(crate) enum HeldLatest {
     /// The latest read worked.
     Read(HeldRead),
     /// The latest read failed or timed out: nothing is known (an older list is not used).
-    Failed(String),
+    /// Why is logged (each change once) and counted in `held_reads` where it happened.
+    Failed,
 }
 
 impl HeldLatest {
@@ -181,7 +194,11 @@ impl HeldView {
 
     /// Waits until a read finishes (good or not), at most `limit`.
     pub(crate) async fn first_read(&mut self, limit: Duration) {
-        let _ = timeout(limit, self.latest.wait_for(|l| *l != HeldLatest::NotYet)).await;
+        let _ = timeout(
+            limit,
+            self.latest.wait_for(|l| !matches!(l, HeldLatest::NotYet)),
+        )
+        .await;
     }
 }
 
@@ -223,7 +240,7 @@ pub(crate) fn spawn(
 #[derive(Default)]
 struct Refresh {
     generation: u64,
-    /// The latest failure's text (logged when it changes, and the recovery once).
+    /// The latest failure's message, to log it when it changes (and the recovery once).
     failing: Option<String>,
     /// Above [`MAX_HELD_REPORTED`] in the latest read (logged on the rising edge).
     over_cap: bool,
@@ -242,17 +259,16 @@ impl Refresh {
         Telemetry::count(&telemetry.held_reads, outcome.label());
         let failure = match result {
             Ok(Ok(ids)) => return self.good(ids, telemetry, started),
-            Ok(Err(e)) => e.to_string(),
-            Err(_) => {
-                format!("listing merod's namespaces gave no answer within {HELD_READ_TIMEOUT:?}")
-            }
+            Ok(Err(e)) => ListUnread::Error(Arc::new(e)),
+            Err(_) => ListUnread::NoAnswer(HELD_READ_TIMEOUT),
         };
-        if self.failing.as_deref() != Some(failure.as_str()) {
-            warn!("cannot read what merod holds ({failure}); polls leave held_namespaces out until a read works");
+        let text = failure.to_string();
+        if self.failing.as_deref() != Some(text.as_str()) {
+            warn!("cannot read what merod holds ({text}); polls leave held_namespaces out until a read works");
         }
-        self.failing = Some(failure.clone());
+        self.failing = Some(text);
         telemetry.update(|st| st.held_namespaces = None);
-        HeldLatest::Failed(failure)
+        HeldLatest::Failed
     }
 
     fn good(
@@ -324,7 +340,7 @@ mod tests {
     fn nothing_is_reported_without_a_fresh_whole_read() {
         let t0 = Instant::now();
         assert_eq!(poll_field(&HeldLatest::NotYet, t0), None);
-        assert_eq!(poll_field(&HeldLatest::Failed("refused".into()), t0), None);
+        assert_eq!(poll_field(&HeldLatest::Failed, t0), None);
         // Older than 3 minutes: absent, never the old list.
         assert!(poll_field(&read(3, t0), t0 + HELD_MAX_AGE).is_some());
         assert_eq!(

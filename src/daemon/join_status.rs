@@ -235,7 +235,7 @@ impl Job {
     /// Sends one report; whether MDMA acknowledged it.
     async fn report(&mut self, report: &JoinStatus) -> bool {
         let t = &self.deps.telemetry;
-        let limit = super::MDMA_DEADLINE;
+        let limit = super::limits::MDMA_DEADLINE;
         let started = Instant::now();
         let result = timeout(limit, self.deps.mdma.join_status(report)).await;
         t.observe("join_status", started.elapsed());

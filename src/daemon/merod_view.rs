@@ -14,12 +14,12 @@ use tokio_util::sync::CancellationToken;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::TeeRole;
 
+use super::deps::Deps;
 use super::held::{self, HeldView};
 use super::join_status::{self, JoinStatusHandle};
 use super::merod_watch::{self, MerodUp};
 use super::roles::Roles;
 use super::tasks::AccountCache;
-use super::Deps;
 
 /// The jobs watching merod and what the loop keeps of their reads.
 pub(super) struct MerodView {

@@ -14,7 +14,7 @@ use crate::merod::Node;
 use crate::telemetry::Telemetry;
 
 use super::held::HeldView;
-use super::startup::{Probed, ReadinessProbe};
+use super::readiness::{Probed, ReadinessProbe};
 
 /// Whether merod has answered a readiness probe since start-up.
 #[derive(Clone, Debug)]
@@ -52,7 +52,7 @@ pub(crate) fn spawn(
                 Probed::Failed { reason, changed } => {
                     if changed {
                         info!("merod not answering ({reason}): polling MDMA meanwhile; joins and leaves wait for merod");
-                        telemetry.update(|st| st.merod_not_answering = Some(reason));
+                        telemetry.update(|st| st.merod_not_answering = Some(reason.to_string()));
                     }
                 }
             }

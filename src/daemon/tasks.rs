@@ -20,13 +20,13 @@ use crate::backoff::{Retries, RETRY_MAX};
 use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{ConfirmError, ControlPlane};
-use crate::merod::{MerodError, Node, NodeAccount, TeeRole, CHECK_TIMEOUT};
+use crate::merod::{Admission, MerodError, Node, NodeAccount, TeeRole, CHECK_TIMEOUT};
 use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
-use super::held::HELD_READ_TIMEOUT;
+use super::held::{ListUnread, HELD_READ_TIMEOUT};
 use super::join_status::JoinOutcome;
-use super::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
+use super::limits::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
 use crate::outcome::CallOutcome;
 
 /// Why merod could not tell whether it holds a namespace
@@ -43,17 +43,6 @@ pub(super) enum CheckFailed {
     /// read to cross-check that, failed or gave no answer within [`HELD_READ_TIMEOUT`].
     #[error("merod's own membership read said it does not hold it, but its namespace list could not be read to confirm that: {0}")]
     ListUnread(ListUnread),
-}
-
-/// Why merod's list of the namespaces it holds could not be read.
-#[derive(Debug, thiserror::Error)]
-pub(super) enum ListUnread {
-    /// merod answered with an error, or the client's own deadline passed.
-    #[error(transparent)]
-    Error(MerodError),
-    /// No answer within the bound.
-    #[error("no answer within {0:?}")]
-    NoAnswer(Duration),
 }
 
 impl CheckFailed {
@@ -562,7 +551,7 @@ async fn held_or_listed(
     .await
     {
         Some(Ok(listed)) => Ok(listed.contains(&id)),
-        Some(Err(e)) => Err(CheckFailed::ListUnread(ListUnread::Error(e))),
+        Some(Err(e)) => Err(CheckFailed::ListUnread(ListUnread::Error(Arc::new(e)))),
         None => Err(CheckFailed::ListUnread(ListUnread::NoAnswer(
             HELD_READ_TIMEOUT,
         ))),
@@ -587,77 +576,89 @@ async fn join_task(
     if !calls.latest_poll.borrow().assigned.contains(&id) {
         return JoinEnd::Withdrawn.into();
     }
-    let t = &calls.telemetry;
-    let join_timeout = join.timeout;
-    let answer = timed(
-        t,
-        "fleet_join",
-        join_timeout,
-        calls.merod.fleet_join(id, &join.admitter_addrs),
-    )
-    .await;
-    let (admission, attempt) = match answer {
-        None => {
-            let failure = format!("fleet-join timed out after {join_timeout:?}");
-            return JoinRun {
-                end: JoinEnd::Failed(JoinFailed::NoAnswer(join_timeout)),
-                attempt: Some(JoinOutcome::of(Err(&failure))),
-                role: None,
-            };
-        }
-        Some(Err(e)) => {
-            let attempt = JoinOutcome::of(Err(&e.to_string()));
-            return JoinRun {
-                end: JoinEnd::Failed(JoinFailed::Merod(e)),
-                attempt: Some(attempt),
-                role: None,
-            };
-        }
-        Some(Ok(a)) => {
-            let attempt = JoinOutcome::of(Ok(&a));
-            (a, attempt)
-        }
+    let (admission, attempt) = match send_fleet_join(id, calls, &join).await {
+        Ok(answered) => answered,
+        Err(failed) => return failed,
     };
-    let run = |end: JoinEnd| JoinRun {
-        end,
-        attempt: Some(attempt.clone()),
-        role: None,
-    };
-    if !admission.admitted {
-        return run(JoinEnd::NotAdmitted {
-            status: admission.status,
-            reasons: admission.reasons,
-        });
-    }
-    match check_held(t, calls.merod.as_ref(), id).await {
-        Ok(true) => {}
-        Ok(false) => return run(JoinEnd::NotHeld),
-        Err(why) => return run(JoinEnd::Failed(JoinFailed::Unchecked(why))),
-    }
-    let (ack, acked) = oneshot::channel();
-    if events.send(Event::Admitted { id, ack }).is_err() {
-        return run(JoinEnd::NotPersisted);
-    }
-    match acked.await {
-        Ok(true) => {}
-        Ok(false) => return run(JoinEnd::NotAssigned),
-        Err(_) => return run(JoinEnd::NotPersisted),
-    }
-    let role = match read_role(calls, id).await {
-        Ok(role) => role,
-        Err(why) => return run(JoinEnd::RoleUnread(why)),
-    };
-    let end = match confirm_if_assigned(calls, &peer_id, id, role).await {
-        Confirm::Accepted => JoinEnd::Confirmed,
-        Confirm::NotAssigned => return run(JoinEnd::NotAssigned),
-        Confirm::Failed(e) => JoinEnd::ConfirmFailed(e),
-        Confirm::NoAnswer(limit) => JoinEnd::ConfirmTimedOut(limit),
+    let (end, role) = if admission.admitted {
+        after_admission(id, calls, &peer_id, events).await
+    } else {
+        let status = admission.status;
+        let reasons = admission.reasons;
+        (JoinEnd::NotAdmitted { status, reasons }, None)
     };
     JoinRun {
         end,
         attempt: Some(attempt),
-        role: Some(role),
+        role,
     }
+}
+
+/// The fleet-join of `id` (with the assignment's `admitter_addrs`, bounded by its
+/// timeout): merod's answer and its outcome for join-status. Errors: the run of a join
+/// that failed there (no answer, or merod's error).
+async fn send_fleet_join(
+    id: GroupId,
+    calls: &Calls,
+    join: &JoinArgs,
+) -> Result<(Admission, JoinOutcome), JoinRun> {
+    let limit = join.timeout;
+    let sent = calls.merod.fleet_join(id, &join.admitter_addrs);
+    let (end, failure) = match timed(&calls.telemetry, "fleet_join", limit, sent).await {
+        Some(Ok(a)) => {
+            let attempt = JoinOutcome::of(Ok(&a));
+            return Ok((a, attempt));
+        }
+        None => (
+            JoinFailed::NoAnswer(limit),
+            format!("fleet-join timed out after {limit:?}"),
+        ),
+        Some(Err(e)) => {
+            let failure = e.to_string();
+            (JoinFailed::Merod(e), failure)
+        }
+    };
+    Err(JoinRun {
+        end: JoinEnd::Failed(end),
+        attempt: Some(JoinOutcome::of(Err(&failure))),
+        role: None,
+    })
+}
+
+/// After `admitted: true`: merod must list `id`, the loop records the admission (and says
+/// whether the latest poll still assigns it), the role is read, and the confirm passes the
+/// gate. The join's end, and the role confirmed when a confirm was sent.
+async fn after_admission(
+    id: GroupId,
+    calls: &Calls,
+    peer_id: &PeerId,
+    events: &mpsc::UnboundedSender<Event>,
+) -> (JoinEnd, Option<Option<TeeRole>>) {
+    match check_held(&calls.telemetry, calls.merod.as_ref(), id).await {
+        Ok(true) => {}
+        Ok(false) => return (JoinEnd::NotHeld, None),
+        Err(why) => return (JoinEnd::Failed(JoinFailed::Unchecked(why)), None),
+    }
+    let (ack, acked) = oneshot::channel();
+    if events.send(Event::Admitted { id, ack }).is_err() {
+        return (JoinEnd::NotPersisted, None);
+    }
+    match acked.await {
+        Ok(true) => {}
+        Ok(false) => return (JoinEnd::NotAssigned, None),
+        Err(_) => return (JoinEnd::NotPersisted, None),
+    }
+    let role = match read_role(calls, id).await {
+        Ok(role) => role,
+        Err(why) => return (JoinEnd::RoleUnread(why), None),
+    };
+    let end = match confirm_if_assigned(calls, peer_id, id, role).await {
+        Confirm::Accepted => JoinEnd::Confirmed,
+        Confirm::NotAssigned => return (JoinEnd::NotAssigned, None),
+        Confirm::Failed(e) => JoinEnd::ConfirmFailed(e),
+        Confirm::NoAnswer(limit) => JoinEnd::ConfirmTimedOut(limit),
+    };
+    (end, Some(role))
 }
 
 /// A role check of the confirmed namespace `id`: its role read again, and confirmed again

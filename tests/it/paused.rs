@@ -285,7 +285,7 @@ async fn the_wait_for_merod_can_be_bounded() {
     )
     .await;
     assert!(
-        matches!(r, daemon::Readiness::GaveUp(ref last) if last.contains("connection refused")),
+        matches!(r, daemon::Readiness::GaveUp(ref last) if last.to_string().contains("connection refused")),
         "{r:?}"
     );
     let waited = started.elapsed();

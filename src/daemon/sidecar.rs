@@ -1,78 +1,181 @@
-//! The loop and the fold: the cadence of cycles, one cycle (poll, plan, start tasks,
-//! persist), and the events of the tasks folded into the state.
+//! The running sidecar and its loop: start-up, the cadence of cycles, one cycle (poll,
+//! plan, start tasks, persist), and the events of the tasks folded into the state. The
+//! [`Sidecar`] holds the owners below it (`record`, `work`, `cadence`, `planner`, `view`,
+//! `identity`) and is the only one that holds them all.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 use tokio::time::{timeout, Instant};
+use tokio_util::sync::CancellationToken;
 use tracing::{debug, debug_span, error, info, warn, Instrument};
 
-use crate::ids::GroupId;
+use crate::config::Config;
+use crate::ids::{GroupId, PeerId};
 use crate::mdma::{NodeReport, PollError};
 use crate::merod::TeeRole;
-use crate::reconcile::{
-    self, Desired, Guard, LeavePolicy, LeaveWait, MassDropEvent, Outcome, PlanInput,
-};
-use crate::telemetry::{unix_now, Phase, Telemetry};
+use crate::reconcile::{self, Desired, LeaveWait, MassDropEvent, Outcome, PlanInput};
+use crate::state::{State, StateStore};
+use crate::telemetry::{unix_now, Phase, Projection, Telemetry};
 
-use super::held::Holdings;
+use super::deps::{DaemonError, Deps, NotPersisted};
+use super::held::HELD_READ_TIMEOUT;
 use super::join_status::JoinOutcome;
-use super::record::AfterWrite;
-use super::tasks::{Calls, CheckFailed, Counted, Event, JoinEnd, LeaveEnd, Next};
-use super::{
-    publish, CycleOutcome, Sidecar, ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT,
-};
+use super::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
+use super::merod_view::MerodView;
+use super::planner::Planner;
+use super::poll::Cadence;
+use super::record::{AfterWrite, Record, Written};
+use super::startup::{self, Identity};
+use super::tasks::{Calls, CheckFailed, Counted, Event, InFlight, JoinEnd, LeaveEnd, Next};
 
-/// What planning works from besides the state: the last successful poll's answer, and what
-/// it remembers between polls.
-pub(super) struct Planner {
-    /// `leave_policy`.
-    pub(super) policy: LeavePolicy,
-    /// `dry_run`: plans are logged, nothing is started.
-    dry_run: bool,
-    /// The latest successful poll's answer.
-    pub(super) desired: Arc<Desired>,
-    /// Every successful poll's answer, for the joins waiting for a slot.
-    latest_poll: watch::Sender<Arc<Desired>>,
-    /// The mass-withdrawal guard and the leave rate limit.
-    pub(super) guard: Guard,
-    /// Withdrawn namespaces not left yet, with the rule that holds each back.
-    pub(super) waiting: BTreeMap<GroupId, LeaveWait>,
-    /// merod's latest list of the namespaces it holds (the `held_namespaces` refresh's
-    /// latest good read, kept up to date with the admissions and leaves seen since);
-    /// `None` until a read worked: no orphan is found.
-    pub(super) held: Option<Holdings>,
-    /// When the loop last changed `held` itself (an admission or a leave): a read that
-    /// started before it may predate that change, so it does not replace `held` (the
-    /// outcome asked for a newer read).
-    held_changed: Option<Instant>,
-    /// `leave_orphans`: orphans are recorded as admitted, then left like any withdrawn one.
-    leave_orphans: bool,
-    /// Orphans by the latest successful poll and `held` (reported only).
-    pub(super) orphans: BTreeSet<GroupId>,
+/// How one cycle went.
+#[derive(Debug)]
+pub enum CycleOutcome {
+    /// The poll failed: nothing was planned.
+    PollFailed(PollError),
+    /// The poll succeeded, but merod has not answered since start-up: nothing was planned
+    /// (joins and leaves wait for merod; the poll is the heartbeat).
+    WaitingForMerod,
+    /// The poll succeeded and this was started.
+    Planned {
+        /// Joins started.
+        joins: usize,
+        /// Leaves started.
+        leaves: usize,
+    },
 }
 
-impl Planner {
-    /// Nothing polled yet, nothing known of what merod holds.
-    pub(super) fn new(policy: LeavePolicy, dry_run: bool, leave_orphans: bool) -> Self {
-        Self {
-            policy,
-            dry_run,
-            desired: Arc::default(),
-            latest_poll: watch::Sender::new(Arc::default()),
-            guard: Guard::default(),
-            waiting: BTreeMap::new(),
-            held: None,
-            held_changed: None,
-            leave_orphans,
-            orphans: BTreeSet::new(),
-        }
-    }
+/// The running sidecar: identity known, merod ready, state loaded. Each field is an owner
+/// of one part of the loop's state; only the loop (this struct's methods) holds them all.
+///
+/// Not an API: public for the benches and `examples/cycle-profile` only, which time one
+/// cycle; embed the loop with [`run`] or [`once`].
+#[doc(hidden)]
+pub struct Sidecar {
+    /// MDMA, merod and the telemetry the loop reports to.
+    deps: Deps,
+    /// Cancelled to stop the loop.
+    shutdown: CancellationToken,
+    /// Who the node is: its PeerId and MRTD (retried while unreadable).
+    identity: Identity,
+    /// The state and its file: changed only by recording an outcome, which persists it.
+    record: Record,
+    /// The joins and leaves in flight, their join permits and both retry tables.
+    work: InFlight,
+    /// When the next poll is due, and the streak of failed polls.
+    cadence: Cadence,
+    /// What the last successful poll asked for and what planning remembers between polls
+    /// (the mass-withdrawal guard, the withdrawn namespaces not left yet).
+    planner: Planner,
+    /// The background jobs watching merod (readiness, what it holds, join-status) and
+    /// what the loop keeps of their reads.
+    view: MerodView,
 }
 
 impl Sidecar {
+    /// Loads the state and checks it can be written, reads the PeerId (merod's
+    /// `config.toml` is there before merod answers) and the MRTD (logged once if
+    /// unreadable: polls then carry the PeerId only). With `merod_wait` (`once`), merod is
+    /// waited for first, at most that long; without it (`run`) merod is watched in the
+    /// background and the loop polls from the start, joins and leaves waiting for merod.
+    /// A PeerId that cannot be read before merod answers is read again after it has (one
+    /// retry then).
+    ///
+    /// Errors: [`DaemonError`]. `Ok(None)` when shut down while waiting for merod.
+    pub async fn start(
+        cfg: Config,
+        deps: Deps,
+        shutdown: CancellationToken,
+        merod_wait: Option<Duration>,
+    ) -> Result<Option<Self>, DaemonError> {
+        let mut store = StateStore::new(&cfg.state_file);
+        let state = startup::load_state(&mut store)?;
+        let telemetry = Arc::clone(&deps.telemetry);
+        telemetry.update(|st| st.dry_run = cfg.dry_run);
+        startup::warn_if_on_ram(&cfg.state_file, &telemetry);
+        // merod is never called in a dry run; otherwise, whether it has answered yet.
+        let Some(merod_answered) =
+            startup::prepare(&cfg, &deps, &shutdown, &mut store, merod_wait).await?
+        else {
+            return Ok(None);
+        };
+        let Some((peer_id, merod_answered)) =
+            startup::read_peer_id_at_start(&cfg, &deps, &shutdown, merod_answered).await?
+        else {
+            return Ok(None);
+        };
+        info!(peer_id = %peer_id, "identity read");
+        startup::start_token_job(&cfg, &deps, &peer_id, &shutdown).await;
+        let identity = Identity::read(peer_id, &cfg.tdx, &telemetry).await;
+        identity.show_running(&telemetry, merod_answered);
+        let view = if cfg.dry_run {
+            MerodView::idle()
+        } else {
+            MerodView::start(
+                &deps,
+                &cfg.state_file,
+                &identity.peer_id,
+                merod_answered,
+                &shutdown,
+            )
+        };
+        let sidecar = Self {
+            view,
+            identity,
+            record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
+            work: InFlight::new(&cfg),
+            cadence: Cadence::new(cfg.poll_interval, cfg.max_backoff),
+            planner: Planner::new(cfg.leave_policy, cfg.dry_run, cfg.leave_orphans),
+            deps,
+            shutdown,
+        };
+        sidecar.publish();
+        Ok(Some(sidecar))
+    }
+
+    /// `once`'s cycle after start-up: with `[registration]` and no stored token, waits for
+    /// the first registration attempt to end (registered or not); waits for the first held
+    /// read; polls once, runs the planned joins and leaves to their end, persists.
+    ///
+    /// Errors: [`DaemonError::NotPersisted`] when the state could not be written. `Ok(None)`
+    /// when shut down before the cycle.
+    pub(super) async fn once_cycle(&mut self) -> Result<Option<CycleOutcome>, DaemonError> {
+        if let Some(job) = self.deps.token_job.clone() {
+            tokio::select! {
+                () = self.shutdown.cancelled() => return Ok(None),
+                () = job.settled() => {}
+            }
+        }
+        let mut held = self.view.held.clone();
+        held.first_read(HELD_READ_TIMEOUT).await;
+        let outcome = self.cycle().await;
+        let persisted = self.drain(None).await;
+        match self.record.write_error() {
+            Some(e) => Err(DaemonError::NotPersisted(NotPersisted::Failed(e))),
+            None if !persisted => Err(DaemonError::NotPersisted(NotPersisted::Unfinished(
+                SHUTDOWN_WRITE_WAIT,
+            ))),
+            None => Ok(Some(outcome)),
+        }
+    }
+
+    /// The node's PeerId.
+    pub fn peer_id(&self) -> &PeerId {
+        &self.identity.peer_id
+    }
+
+    /// The state as of now (in memory; persisted after every change).
+    pub fn state(&self) -> &State {
+        self.record.state()
+    }
+
+    /// Shows the loop's sets in the live status and the namespace gauges.
+    fn publish(&self) {
+        publish(&self.deps, &self.planner, &self.work, self.record.state());
+    }
+
     /// Reconciles every `poll_interval` (backing off while polls fail, see
     /// `next_poll_delay`) until shutdown, then lets running tasks finish for up to
     /// `SHUTDOWN_GRACE` (10 s) and persists.
@@ -193,10 +296,7 @@ impl Sidecar {
                 });
                 // Stored before the plan, so a status published while it is recorded is
                 // the status of this poll.
-                self.planner.desired = Arc::new(Desired::from(answer));
-                self.planner
-                    .latest_poll
-                    .send_replace(Arc::clone(&self.planner.desired));
+                self.planner.polled(Desired::from(answer));
                 if !self.view.up.is_up() {
                     // The poll was the heartbeat; joins and leaves wait for merod.
                     self.publish();
@@ -215,26 +315,10 @@ impl Sidecar {
     /// and with `leave_orphans` recorded as admitted (persisted) so this cycle's plan
     /// leaves them through the stability wait, the guard and the rate limit.
     fn find_orphans(&mut self) {
-        let Some(held) = &self.planner.held else {
-            return;
-        };
-        let found = reconcile::orphans(held.iter(), self.record.state(), &self.planner.desired);
-        if self.planner.leave_orphans && !found.is_empty() && !self.planner.dry_run {
-            warn!(
-                orphans = found.len(),
-                "leave_orphans: taking the namespaces merod holds that are neither in the state, assigned nor retained as admitted; they are left like any withdrawn namespace"
-            );
-            for id in &found {
-                info!(namespace_id = %id, "orphan taken as admitted (leave_orphans)");
-                self.record(Outcome::Admitted(*id));
-            }
-            self.planner.orphans.clear();
-            return;
+        for id in self.planner.take_orphans(self.record.state()) {
+            info!(namespace_id = %id, "orphan taken as admitted (leave_orphans)");
+            self.record(Outcome::Admitted(id));
         }
-        for id in found.difference(&self.planner.orphans) {
-            warn!(namespace_id = %id, "orphan: merod holds it but it is neither in the state, assigned nor retained; left alone (set leave_orphans = true on a dedicated fleet node to leave it)");
-        }
-        self.planner.orphans = found;
     }
 
     fn reconcile(&mut self) -> CycleOutcome {
@@ -279,7 +363,7 @@ impl Sidecar {
             }
         }
         self.planner.waiting = plan.waiting;
-        if !self.planner.dry_run {
+        if !self.planner.dry_run() {
             // A leave planned now starts only once the write recording it ends; until
             // then the status shows it as under way (as later plans do, which count it in
             // flight), never as neither pending nor leaving.
@@ -301,7 +385,7 @@ impl Sidecar {
             .record_plan(plan.state, &plan.joins, &plan.leaves, |state| {
                 publish(&self.deps, &self.planner, &self.work, state)
             });
-        if self.planner.dry_run {
+        if self.planner.dry_run() {
             for id in &plan.joins {
                 info!(namespace_id = %id, "dry run: would join (fleet-join, then confirm)");
             }
@@ -316,7 +400,7 @@ impl Sidecar {
 
     /// Takes in a state write that ended (see `Record::on_written`) and does what waited
     /// for it; `start`: the joins and leaves that waited start (not at shutdown).
-    fn on_written(&mut self, written: super::record::Written, start: bool) {
+    fn on_written(&mut self, written: Written, start: bool) {
         let ready = self.record.on_written(written, |state| {
             publish(&self.deps, &self.planner, &self.work, state)
         });
@@ -385,13 +469,7 @@ impl Sidecar {
         };
         // merod's holdings for the orphans: this read, unless the loop saw an admission or
         // a leave after it started (that outcome asked for a newer read).
-        if self
-            .planner
-            .held_changed
-            .is_none_or(|changed| checks.read_started >= changed)
-        {
-            self.planner.held = Some(Holdings::new(checks.read));
-        }
+        self.planner.held_read(checks.read, checks.read_started);
         let calls = self.calls();
         for id in checks.drift {
             self.work.spawn_drift_check(id, &calls);
@@ -408,7 +486,7 @@ impl Sidecar {
             merod: self.deps.merod.clone(),
             mdma: self.deps.mdma.clone(),
             telemetry: self.deps.telemetry.clone(),
-            latest_poll: self.planner.latest_poll.subscribe(),
+            latest_poll: self.planner.latest_poll(),
             account: self.view.account.clone(),
         }
     }
@@ -467,10 +545,7 @@ impl Sidecar {
     fn on_admitted(&mut self, id: GroupId, ack: oneshot::Sender<bool>) {
         Telemetry::count(&self.deps.telemetry.joins, "admitted");
         info!(namespace_id = %id, "admitted by merod and listed by it");
-        self.planner.held_changed = Some(Instant::now());
-        if let Some(held) = &mut self.planner.held {
-            held.insert(id);
-        }
+        self.planner.admitted(id);
         let ready = self.record.record_then(
             Outcome::Admitted(id),
             AfterWrite::Ack { id, ack },
@@ -568,12 +643,23 @@ impl Sidecar {
         let retry = self.work.leave_ended(id, &end);
         end.log(id, took.as_secs_f64(), retry);
         if end.succeeded() {
-            self.planner.held_changed = Some(Instant::now());
-            if let Some(held) = &mut self.planner.held {
-                held.remove(&id);
-            }
-            self.planner.orphans.remove(&id);
+            self.planner.left(id);
             self.record(Outcome::Left(id));
         }
     }
+}
+
+/// Shows the loop's sets in the live status and the namespace gauges, `state` being the
+/// record's (borrowed apart from the rest so the record can publish before it writes).
+fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
+    deps.telemetry.publish(&Projection {
+        desired: &planner.desired,
+        state,
+        joining: work.joining(),
+        leaving: work.leaving(),
+        waiting: &planner.waiting,
+        orphans: planner.orphans(),
+        mass_drop: planner.guard.mass_drop,
+        mass_drop_hold: planner.policy.mass_drop_hold,
+    });
 }
