@@ -706,10 +706,8 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
     // Each version is read with its own schema, then taken as today's sets.
     fn read<V: serde::de::DeserializeOwned + Into<State>>(
         value: serde_json::Value,
-    ) -> Result<State, String> {
-        serde_json::from_value::<V>(value)
-            .map(Into::into)
-            .map_err(|e| e.to_string())
+    ) -> Result<State, serde_json::Error> {
+        serde_json::from_value::<V>(value).map(Into::into)
     }
     let (format, read) = match version {
         1 => (StateFormat::V1, read::<V1>(value)),
@@ -723,7 +721,7 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
             })
         }
     };
-    Ok((format, read.map_err(corrupt)?))
+    Ok((format, read.map_err(|e| corrupt(e.to_string()))?))
 }
 
 /// A document of the current version, read straight into the sets (no JSON tree; the form
