@@ -203,6 +203,8 @@ pub mod fuzzing;
 mod identity;
 mod ids;
 #[cfg(feature = "daemon")]
+mod jobs;
+#[cfg(feature = "daemon")]
 mod logging;
 mod mdma;
 mod merod;

@@ -32,6 +32,22 @@ pub(crate) struct OutcomeLabel {
     pub(crate) outcome: &'static str,
 }
 
+/// Label set `{job="...",outcome="ok|error|timeout"}`: one run of a job beside the loop.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct JobOutcomeLabel {
+    /// The job's name (`jobs::Job::NAME`).
+    pub(crate) job: &'static str,
+    /// How the run ended.
+    pub(crate) outcome: &'static str,
+}
+
+/// Label set `{job="..."}`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub(crate) struct JobLabel {
+    /// The job's name (`jobs::Job::NAME`).
+    pub(crate) job: &'static str,
+}
+
 /// Label set `{set="desired|confirmed|admitted|pending_leave"}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub(crate) struct SetLabel {
@@ -379,9 +395,6 @@ pub struct Telemetry {
     /// `fleet_sidecar_orphan_namespaces`: how many namespaces merod holds that are neither
     /// in the state, assigned nor retained (follows [`LiveStatus::orphans`]).
     pub(crate) orphan_namespaces: Gauge,
-    /// `fleet_sidecar_held_reads_total{outcome}`: reads of every namespace merod holds
-    /// (`GET /admin-api/namespaces`, all pages): ok, error, timeout.
-    pub(crate) held_reads: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_held_namespaces`: namespaces merod listed in the latest read; -1 while
     /// the latest read failed (or none was made yet).
     pub(crate) held_namespaces: Gauge,
@@ -394,6 +407,14 @@ pub struct Telemetry {
     /// `fleet_sidecar_role_reads_total{outcome}`: reads of the node's role for a confirm
     /// (identity and members): ok (a role or none), error, timeout.
     pub(crate) role_reads: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_job_runs_total{job,outcome}`: runs of each job beside the loop (see
+    /// `jobs`): ok, error, timeout. Declared by the job harness, the same for every job.
+    pub(crate) job_runs: Family<JobOutcomeLabel, Counter>,
+    /// `fleet_sidecar_job_run_seconds{job}`: how long each run of a job took.
+    pub(crate) job_run_seconds: Family<JobLabel, Histogram, fn() -> Histogram>,
+    /// `fleet_sidecar_job_last_success_timestamp_seconds{job}`: when the latest good result
+    /// of a job was had (Unix time; its age is `time() -` this); absent before the first.
+    pub(crate) job_last_success: Family<JobLabel, Gauge<f64, AtomicU64>>,
     status: watch::Sender<LiveStatus>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
@@ -510,12 +531,6 @@ impl Telemetry {
             "namespaces merod holds that are neither in the state, assigned nor retained",
             orphan_namespaces.clone(),
         );
-        let held_reads = Family::<OutcomeLabel, Counter>::default();
-        registry.register(
-            "held_reads",
-            "reads of the namespaces merod holds (every page) by outcome",
-            held_reads.clone(),
-        );
         let held_namespaces = Gauge::default();
         held_namespaces.set(-1);
         registry.register(
@@ -540,6 +555,27 @@ impl Telemetry {
             "role_reads",
             "reads of the node's role in a namespace (for the confirm) by outcome",
             role_reads.clone(),
+        );
+        let job_runs = Family::<JobOutcomeLabel, Counter>::default();
+        registry.register(
+            "job_runs",
+            "runs of each job beside the loop by outcome",
+            job_runs.clone(),
+        );
+        let job_run_seconds =
+            Family::<JobLabel, Histogram, fn() -> Histogram>::new_with_constructor(
+                latency_histogram,
+            );
+        registry.register(
+            "job_run_seconds",
+            "duration of each run of a job beside the loop",
+            job_run_seconds.clone(),
+        );
+        let job_last_success = Family::<JobLabel, Gauge<f64, AtomicU64>>::default();
+        registry.register(
+            "job_last_success_timestamp_seconds",
+            "when each job beside the loop last had a good result (Unix time)",
+            job_last_success.clone(),
         );
         // Every known outcome is exported from the start (at 0), so dashboards and alerts
         // see the series before the first event.
@@ -567,7 +603,6 @@ impl Telemetry {
                     "timeout",
                 ][..],
             ),
-            (&held_reads, &["ok", "error", "timeout"][..]),
             (&join_status_reports, &["ok", "error", "timeout"][..]),
             (&role_reads, &["ok", "error", "timeout"][..]),
         ] {
@@ -592,11 +627,13 @@ impl Telemetry {
             registrations,
             state_on_ram_filesystem,
             orphan_namespaces,
-            held_reads,
             held_namespaces,
             held_drift,
             join_status_reports,
             role_reads,
+            job_runs,
+            job_run_seconds,
+            job_last_success,
             status: watch::Sender::new(LiveStatus::default()),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),

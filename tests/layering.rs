@@ -15,6 +15,7 @@ const FLOORS: &[&[&str]] = &[
     &["reconcile"],
     &["config"],
     &["identity", "logging", "telemetry"],
+    &["jobs"],
     &["registration"],
     &["daemon", "fuzzing", "notify"],
     &["cli", "emulator"],

@@ -1,7 +1,7 @@
-//! What merod holds: the `held_namespaces` refresh, a background job with an owner of its
-//! own. It reads every page of `GET /admin-api/namespaces` every [`HELD_REFRESH`] (and at
-//! once when asked: after each join or leave outcome), each read bounded, and publishes
-//! the latest read on a `watch` channel. Nothing waits for it: a poll takes whatever was
+//! What merod holds: the `held_namespaces` refresh, a job on the crate's job harness
+//! (`jobs`). It reads every page of `GET /admin-api/namespaces` every [`HELD_REFRESH`] (and
+//! at once when asked: after each join or leave outcome), each read bounded, and publishes
+//! the latest read. Nothing waits for it: a poll takes whatever was
 //! last published ([`HeldView::poll_field`]), so a slow or hanging merod never delays the
 //! heartbeat.
 //!
@@ -12,15 +12,16 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::sync::{watch, Notify};
-use tokio::time::{timeout, Instant};
+use async_trait::async_trait;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::warn;
 
+use crate::backoff::{Backoff, Jitter};
 use crate::ids::GroupId;
+use crate::jobs::{self, Job, JobHandle, Latest, Schedule};
 use crate::mdma::MAX_HELD_REPORTED;
 use crate::merod::{MerodError, Node, CHECK_TIMEOUT};
-use crate::outcome::CallOutcome;
 use crate::telemetry::{unix_now, HeldStatus, Telemetry};
 
 /// How often merod's namespaces are read (from the start of one read to the next).
@@ -35,17 +36,11 @@ pub(crate) const MAX_DRIFT_CHECKS: usize = 64;
 /// Bound of one whole read (every page), around the client's own deadline.
 pub(crate) const HELD_READ_TIMEOUT: Duration = CHECK_TIMEOUT.saturating_add(Duration::from_secs(5));
 
-/// One good read of every namespace merod holds.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct HeldRead {
-    /// Everything merod listed (no cap), sorted and unique (a slice: a third of a set's
-    /// memory at 10,000 namespaces).
-    pub(crate) ids: Arc<[GroupId]>,
-    /// When the read started: its age is counted from there.
-    pub(crate) started: Instant,
-    /// 1 for the first good read, then +1 per good read.
-    pub(crate) generation: u64,
-}
+/// The latest outcome of the refresh: a good read, or none known (not yet, or the latest
+/// read failed: an older list is not used). A good read is everything merod listed (no
+/// cap), sorted and unique (a slice: a third of a set's memory at 10,000 namespaces), with
+/// when the read started (its age counts from there) and its generation.
+pub(crate) type HeldLatest = Latest<Arc<[GroupId]>>;
 
 /// Why merod's list of the namespaces it holds could not be read.
 #[derive(Clone, Debug, thiserror::Error)]
@@ -59,39 +54,14 @@ pub(crate) enum ListUnread {
     NoAnswer(Duration),
 }
 
-/// The latest outcome of the refresh: a good read, or why there is none.
-#[derive(Clone, Debug, Default)]
-pub(crate) enum HeldLatest {
-    /// No read finished yet.
-    #[default]
-    NotYet,
-    /// The latest read worked.
-    Read(HeldRead),
-    /// The latest read failed or timed out: nothing is known (an older list is not used).
-    /// Why is logged (each change once) and counted in `held_reads` where it happened.
-    Failed,
-}
-
-impl HeldLatest {
-    /// The latest good read if it is younger than [`HELD_MAX_AGE`] at `now`.
-    pub(crate) fn fresh(&self, now: Instant) -> Option<&HeldRead> {
-        match self {
-            HeldLatest::Read(r) if now.saturating_duration_since(r.started) <= HELD_MAX_AGE => {
-                Some(r)
-            }
-            _ => None,
-        }
-    }
-}
-
 /// What a poll sends as `held_namespaces` at `now`: the latest read, if it worked, is at
 /// most [`HELD_MAX_AGE`] old and holds at most [`MAX_HELD_REPORTED`] ids; otherwise
 /// nothing (the field is left out, never `[]` or an older list).
 pub(crate) fn poll_field(latest: &HeldLatest, now: Instant) -> Option<Arc<[GroupId]>> {
     latest
-        .fresh(now)
-        .filter(|r| r.ids.len() <= MAX_HELD_REPORTED)
-        .map(|r| Arc::clone(&r.ids))
+        .fresh(now, HELD_MAX_AGE)
+        .filter(|r| r.value.len() <= MAX_HELD_REPORTED)
+        .map(|r| Arc::clone(&r.value))
 }
 
 /// The namespaces `recorded` as held that `read` (sorted) does not list.
@@ -117,7 +87,7 @@ pub(crate) struct Holdings {
 }
 
 impl Holdings {
-    /// What `read` (sorted, unique: a [`HeldRead`]'s ids) lists.
+    /// What `read` (sorted, unique: a good [`HeldLatest`]'s value) lists.
     pub(crate) fn new(read: Arc<[GroupId]>) -> Self {
         Self {
             read,
@@ -162,124 +132,82 @@ impl Holdings {
 /// A reader of the refresh's latest outcome, for the loop and for any other consumer (it
 /// is cheap to clone; reading copies only `Arc`s).
 #[derive(Clone, Debug)]
-pub(crate) struct HeldView {
-    latest: watch::Receiver<HeldLatest>,
-    refresh: Arc<Notify>,
-}
+pub(crate) struct HeldView(JobHandle<Arc<[GroupId]>>);
 
 impl HeldView {
     /// The latest outcome of the refresh.
     pub(crate) fn latest(&self) -> HeldLatest {
-        self.latest.borrow().clone()
+        self.0.latest()
     }
 
     /// What a poll sends as `held_namespaces` now (see [`poll_field`]).
     pub(crate) fn poll_field(&self, now: Instant) -> Option<Arc<[GroupId]>> {
-        poll_field(&self.latest.borrow(), now)
+        self.0.with_latest(|latest| poll_field(latest, now))
     }
 
     /// Asks for a read now (after a join or leave outcome); returns at once.
     pub(crate) fn refresh_soon(&self) {
-        self.refresh.notify_one();
+        self.0.run_soon();
     }
 
     /// A view that never reads (dry runs, which call no merod): nothing is reported.
     pub(crate) fn idle() -> Self {
-        let (_tx, latest) = watch::channel(HeldLatest::NotYet);
-        Self {
-            latest,
-            refresh: Arc::new(Notify::new()),
-        }
+        Self(JobHandle::idle())
     }
 
     /// Waits until a read finishes (good or not), at most `limit`.
     pub(crate) async fn first_read(&mut self, limit: Duration) {
-        let _ = timeout(
-            limit,
-            self.latest.wait_for(|l| !matches!(l, HeldLatest::NotYet)),
-        )
-        .await;
+        self.0.first_outcome(limit).await;
     }
 }
 
-/// Starts the refresh job: its first read at once, then every [`HELD_REFRESH`] or when
-/// asked, until `shutdown`.
+/// Starts the refresh job ([`HeldRefresh`] on the job harness): its first read at once,
+/// then every [`HELD_REFRESH`] or when asked, until `shutdown`.
 pub(crate) fn spawn(
     merod: Arc<dyn Node>,
     telemetry: Arc<Telemetry>,
     shutdown: CancellationToken,
 ) -> HeldView {
-    let (tx, latest) = watch::channel(HeldLatest::NotYet);
-    let refresh = Arc::new(Notify::new());
-    let asked = Arc::clone(&refresh);
-    tokio::spawn(async move {
-        let mut job = Refresh::default();
-        loop {
-            let started = Instant::now();
-            let next = job.read(merod.as_ref(), &telemetry, started).await;
-            let latest_is_read = matches!(next, HeldLatest::Read(_));
-            tx.send_replace(next);
-            if !latest_is_read {
-                telemetry.held_namespaces.set(-1);
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep_until(started + HELD_REFRESH) => continue,
-                () = asked.notified() => {}
-            }
-            tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = tokio::time::sleep_until(started + HELD_MIN_GAP) => {}
-            }
-        }
-    });
-    HeldView { latest, refresh }
+    let job = HeldRefresh {
+        merod,
+        telemetry: Arc::clone(&telemetry),
+        over_cap: false,
+    };
+    HeldView(jobs::spawn(job, telemetry, shutdown))
 }
 
-/// The refresh job's memory between reads: what to log only on a change.
-#[derive(Default)]
-struct Refresh {
-    generation: u64,
-    /// The latest failure's message, to log it when it changes (and the recovery once).
-    failing: Option<String>,
+/// The held refresh, a job: one run reads every page of merod's namespace list.
+struct HeldRefresh {
+    merod: Arc<dyn Node>,
+    telemetry: Arc<Telemetry>,
     /// Above [`MAX_HELD_REPORTED`] in the latest read (logged on the rising edge).
     over_cap: bool,
 }
 
-impl Refresh {
-    async fn read(
-        &mut self,
-        merod: &dyn Node,
-        telemetry: &Telemetry,
-        started: Instant,
-    ) -> HeldLatest {
-        let result = timeout(HELD_READ_TIMEOUT, merod.list_namespaces()).await;
-        telemetry.observe("namespaces_list", started.elapsed());
-        let outcome = CallOutcome::of_bounded(result.as_ref().ok());
-        Telemetry::count(&telemetry.held_reads, outcome.label());
-        let failure = match result {
-            Ok(Ok(ids)) => return self.good(ids, telemetry, started),
-            Ok(Err(e)) => ListUnread::Error(Arc::new(e)),
-            Err(_) => ListUnread::NoAnswer(HELD_READ_TIMEOUT),
-        };
-        let text = failure.to_string();
-        if self.failing.as_deref() != Some(text.as_str()) {
-            warn!("cannot read what merod holds ({text}); polls leave held_namespaces out until a read works");
+#[async_trait]
+impl Job for HeldRefresh {
+    type Output = Arc<[GroupId]>;
+    type Error = MerodError;
+    const NAME: &'static str = "held";
+    const FAILING: &'static str = "cannot read what merod holds";
+    const EFFECT: &'static str = "polls leave held_namespaces out until a read works";
+    const RECOVERED: &'static str = "merod's namespaces readable again";
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            every: Some(HELD_REFRESH),
+            min_gap: HELD_MIN_GAP,
+            deadline: HELD_READ_TIMEOUT,
+            // A failing read is tried again at the refresh's own pace (or when asked).
+            backoff: Backoff::new(HELD_REFRESH, HELD_REFRESH, Jitter::None),
         }
-        self.failing = Some(text);
-        telemetry.update(|st| st.held_namespaces = None);
-        HeldLatest::Failed
     }
 
-    fn good(
-        &mut self,
-        ids: BTreeSet<GroupId>,
-        telemetry: &Telemetry,
-        started: Instant,
-    ) -> HeldLatest {
-        if self.failing.take().is_some() {
-            info!(held = ids.len(), "merod's namespaces readable again");
-        }
+    async fn run(&mut self) -> Result<Arc<[GroupId]>, MerodError> {
+        let started = Instant::now();
+        let ids = self.merod.list_namespaces().await?;
+        let telemetry = &self.telemetry;
+        telemetry.observe("namespaces_list", started.elapsed());
         let over_cap = ids.len() > MAX_HELD_REPORTED;
         if over_cap && !self.over_cap {
             warn!(
@@ -288,7 +216,6 @@ impl Refresh {
             );
         }
         self.over_cap = over_cap;
-        self.generation += 1;
         let count = ids.len();
         telemetry
             .held_namespaces
@@ -301,17 +228,19 @@ impl Refresh {
                 reported: !over_cap,
             });
         });
-        HeldLatest::Read(HeldRead {
-            ids: ids.into_iter().collect(),
-            started,
-            generation: self.generation,
-        })
+        Ok(ids.into_iter().collect())
+    }
+
+    fn failed(&mut self) {
+        self.telemetry.held_namespaces.set(-1);
+        self.telemetry.update(|st| st.held_namespaces = None);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::jobs::Published;
 
     fn id(n: u16) -> GroupId {
         let mut b = [0u8; 32];
@@ -320,8 +249,8 @@ mod tests {
     }
 
     fn read(n: u16, started: Instant) -> HeldLatest {
-        HeldLatest::Read(HeldRead {
-            ids: (0..n).map(id).collect(),
+        Latest::Good(Published {
+            value: (0..n).map(id).collect(),
             started,
             generation: 1,
         })
@@ -339,8 +268,8 @@ mod tests {
     #[test]
     fn nothing_is_reported_without_a_fresh_whole_read() {
         let t0 = Instant::now();
-        assert_eq!(poll_field(&HeldLatest::NotYet, t0), None);
-        assert_eq!(poll_field(&HeldLatest::Failed, t0), None);
+        assert_eq!(poll_field(&Latest::NotYet, t0), None);
+        assert_eq!(poll_field(&Latest::Failed, t0), None);
         // Older than 3 minutes: absent, never the old list.
         assert!(poll_field(&read(3, t0), t0 + HELD_MAX_AGE).is_some());
         assert_eq!(
@@ -351,7 +280,10 @@ mod tests {
         assert!(poll_field(&read(512, t0), t0).is_some());
         assert_eq!(poll_field(&read(513, t0), t0), None);
         // ...but the whole read stays available to other consumers.
-        assert_eq!(read(513, t0).fresh(t0).unwrap().ids.len(), 513);
+        assert_eq!(
+            read(513, t0).fresh(t0, HELD_MAX_AGE).unwrap().value.len(),
+            513
+        );
     }
 
     proptest::proptest! {

@@ -119,12 +119,12 @@ impl MerodView {
         now: Instant,
     ) -> Option<Checks> {
         let latest = self.held.latest();
-        let read = latest.fresh(now)?;
+        let read = latest.fresh(now, held::HELD_MAX_AGE)?;
         if read.generation == self.seen {
             return None;
         }
         self.seen = read.generation;
-        let missing = held::missing(admitted, &read.ids);
+        let missing = held::missing(admitted, &read.value);
         let drift = missing
             .intersection(&self.missing)
             .filter(|id| !busy(id))
@@ -141,7 +141,7 @@ impl MerodView {
         Some(Checks {
             drift,
             roles,
-            read: Arc::clone(&read.ids),
+            read: Arc::clone(&read.value),
             read_started: read.started,
         })
     }

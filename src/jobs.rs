@@ -1,0 +1,332 @@
+//! Jobs beside the reconcile loop, one harness for all. A job is one type implementing
+//! [`Job`]: what one run does, and the words its failure is told in. [`spawn`] owns
+//! everything around the runs, the same for every job:
+//! - the cadence ([`Schedule`]): the first run at once, then every `every` after a good run
+//!   (or only when asked), a run soon when anyone holding its [`JobHandle`] asks, never two
+//!   starts closer than `min_gap` (a burst of requests is one run);
+//! - after a failed run, the crate's one [`Backoff`] from its end to the next run; a deadline on every
+//!   run (past it the run is cut and counts as a timeout); at shutdown the run in progress
+//!   is dropped at once, so a job never holds up the shutdown grace;
+//! - one log line per change of its failure (the first failure, a different one, the
+//!   recovery), never one per run;
+//! - its latest outcome published on a `watch` channel with when it was had ([`Latest`]):
+//!   a reader (the poll) takes what was last published and never waits for a run;
+//! - its metrics: `fleet_sidecar_job_runs_total{job,outcome}`,
+//!   `fleet_sidecar_job_run_seconds{job}` and
+//!   `fleet_sidecar_job_last_success_timestamp_seconds{job}`.
+//!
+//! A job never decides a join or a leave: what it publishes is read by the loop as one more
+//! input, and a job that fails or hangs changes nothing the loop does but what that input
+//! says.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use tokio::sync::{watch, Notify};
+use tokio::time::{timeout, Instant};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::backoff::Backoff;
+use crate::outcome::{CallOutcome, Timed};
+use crate::telemetry::{unix_now, JobLabel, JobOutcomeLabel, Telemetry};
+
+/// When a job runs.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Schedule {
+    /// Between the starts of a good run and the next; `None`: only when asked.
+    pub(crate) every: Option<Duration>,
+    /// Shortest gap between the starts of two runs: a request that comes sooner waits for
+    /// it, and the requests meanwhile make one run.
+    pub(crate) min_gap: Duration,
+    /// The bound of one run: past it the run is dropped and counts as a timeout.
+    pub(crate) deadline: Duration,
+    /// After the `n`-th failed run in a row, the wait from its end to the next run (a
+    /// request brings it forward, `min_gap` still applies).
+    pub(crate) backoff: Backoff,
+}
+
+/// One job beside the loop: what one run does. Everything around the runs is the
+/// harness's ([`spawn`]).
+#[async_trait]
+pub(crate) trait Job: Send + 'static {
+    /// What a good run gives (published to the job's readers; cheap to clone: share big
+    /// values behind an `Arc`).
+    type Output: Clone + Send + Sync + 'static;
+    /// Why a run failed; whether it ran out of time decides its metric label.
+    type Error: std::error::Error + Timed + Send + Sync + 'static;
+
+    /// The job's name, in its metrics (`job` label) and log lines (`job` field).
+    const NAME: &'static str;
+    /// What a failing run means, said once per change: `"{FAILING} ({why}); {EFFECT}"`.
+    const FAILING: &'static str;
+    /// What the loop does meanwhile (the second half of the failure's line).
+    const EFFECT: &'static str;
+    /// Said once when a run works again after a failure.
+    const RECOVERED: &'static str;
+
+    /// When it runs (read once, at [`spawn`]).
+    fn schedule(&self) -> Schedule;
+
+    /// One run. The harness bounds it by [`Schedule::deadline`] and drops it at shutdown,
+    /// so it must leave nothing half-done that the next run cannot take up.
+    ///
+    /// Errors: [`Job::Error`], why this run failed.
+    async fn run(&mut self) -> Result<Self::Output, Self::Error>;
+
+    /// After a failed run (an error or the deadline): what the job withdraws of its earlier
+    /// results (the default: nothing).
+    fn failed(&mut self) {}
+
+    /// After a good run: whether the job is done (it then ends; the default: never).
+    fn finished(&self) -> bool {
+        false
+    }
+}
+
+/// A job's latest outcome, as its readers see it.
+#[derive(Debug)]
+pub(crate) enum Latest<T> {
+    /// No run ended yet.
+    NotYet,
+    /// The latest run was good.
+    Good(Published<T>),
+    /// The latest run failed or timed out: nothing is known (an older result is not used).
+    /// Why is logged (each change once) and counted where it happened.
+    Failed,
+}
+
+impl<T: Clone> Clone for Latest<T> {
+    fn clone(&self) -> Self {
+        match self {
+            Latest::NotYet => Latest::NotYet,
+            Latest::Good(p) => Latest::Good(p.clone()),
+            Latest::Failed => Latest::Failed,
+        }
+    }
+}
+
+impl<T> Latest<T> {
+    /// The latest good result if it is at most `max_age` old at `now`.
+    pub(crate) fn fresh(&self, now: Instant, max_age: Duration) -> Option<&Published<T>> {
+        match self {
+            Latest::Good(p) if now.saturating_duration_since(p.started) <= max_age => Some(p),
+            _ => None,
+        }
+    }
+}
+
+/// A good result and when it was had.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Published<T> {
+    /// What the run gave.
+    pub(crate) value: T,
+    /// When the run that gave it started (what its age counts from: the result is at
+    /// least as old as that).
+    pub(crate) started: Instant,
+    /// 1 for the first good run, then +1 per good run.
+    pub(crate) generation: u64,
+}
+
+/// A reader of a job's latest outcome, and the way to ask it to run soon. Cheap to clone;
+/// reading copies only what [`Job::Output`]'s clone copies.
+#[derive(Debug)]
+pub(crate) struct JobHandle<T> {
+    latest: watch::Receiver<Latest<T>>,
+    soon: Arc<Notify>,
+}
+
+impl<T> Clone for JobHandle<T> {
+    fn clone(&self) -> Self {
+        Self {
+            latest: self.latest.clone(),
+            soon: Arc::clone(&self.soon),
+        }
+    }
+}
+
+impl<T: Clone> JobHandle<T> {
+    /// The latest outcome.
+    pub(crate) fn latest(&self) -> Latest<T> {
+        self.latest.borrow().clone()
+    }
+
+    /// Reads the latest outcome in place (no copy); hold the borrow briefly.
+    pub(crate) fn with_latest<R>(&self, f: impl FnOnce(&Latest<T>) -> R) -> R {
+        f(&self.latest.borrow())
+    }
+
+    /// Asks for a run soon (once `min_gap` after the last start has passed); returns at once.
+    pub(crate) fn run_soon(&self) {
+        self.soon.notify_one();
+    }
+
+    /// A handle on no job: nothing is ever published (what a dry run, which calls no
+    /// merod, reads).
+    pub(crate) fn idle() -> Self {
+        let (_tx, latest) = watch::channel(Latest::NotYet);
+        Self {
+            latest,
+            soon: Arc::new(Notify::new()),
+        }
+    }
+
+    /// Waits until a run ends (good or not), at most `limit`.
+    pub(crate) async fn first_outcome(&mut self, limit: Duration) {
+        let _ = timeout(
+            limit,
+            self.latest.wait_for(|l| !matches!(l, Latest::NotYet)),
+        )
+        .await;
+    }
+}
+
+/// Starts `job` on its [`Schedule`] until `shutdown` (or until it is
+/// [`Job::finished`]); returns its readers' handle at once.
+pub(crate) fn spawn<J: Job>(
+    job: J,
+    telemetry: Arc<Telemetry>,
+    shutdown: CancellationToken,
+) -> JobHandle<J::Output> {
+    let (tx, latest) = watch::channel(Latest::NotYet);
+    let soon = Arc::new(Notify::new());
+    let asked = Arc::clone(&soon);
+    // Every outcome is exported from the start (at 0), so dashboards and alerts see the
+    // series before the first run ends.
+    for outcome in [CallOutcome::Ok, CallOutcome::Error, CallOutcome::Timeout] {
+        drop(telemetry.job_runs.get_or_create(&JobOutcomeLabel {
+            job: J::NAME,
+            outcome: outcome.label(),
+        }));
+    }
+    tokio::spawn(drive(job, tx, asked, telemetry, shutdown));
+    JobHandle { latest, soon }
+}
+
+/// The harness's loop around one job (see the module docs).
+async fn drive<J: Job>(
+    mut job: J,
+    tx: watch::Sender<Latest<J::Output>>,
+    asked: Arc<Notify>,
+    telemetry: Arc<Telemetry>,
+    shutdown: CancellationToken,
+) {
+    let schedule = job.schedule();
+    let mut told = Told::default();
+    let mut generation = 0u64;
+    loop {
+        // Requests made before this run starts are served by it: a stored one is dropped,
+        // so a burst of requests is one run, not two.
+        tokio::select! {
+            biased;
+            () = asked.notified() => {}
+            () = std::future::ready(()) => {}
+        }
+        let started = Instant::now();
+        let ran = tokio::select! {
+            () = shutdown.cancelled() => return,
+            ran = timeout(schedule.deadline, job.run()) => ran,
+        };
+        let outcome = match ran {
+            Ok(Ok(value)) => {
+                generation += 1;
+                tx.send_replace(Latest::Good(Published {
+                    value,
+                    started,
+                    generation,
+                }));
+                telemetry
+                    .job_last_success
+                    .get_or_create(&JobLabel { job: J::NAME })
+                    .set(unix_now() - started.elapsed().as_secs_f64());
+                told.good::<J>();
+                CallOutcome::Ok
+            }
+            Ok(Err(e)) => {
+                let outcome = CallOutcome::of_error(&e);
+                told.failed::<J>(e.to_string());
+                outcome
+            }
+            Err(_) => {
+                told.failed::<J>(format!("no result within {:?}", schedule.deadline));
+                CallOutcome::Timeout
+            }
+        };
+        telemetry
+            .job_runs
+            .get_or_create(&JobOutcomeLabel {
+                job: J::NAME,
+                outcome: outcome.label(),
+            })
+            .inc();
+        telemetry
+            .job_run_seconds
+            .get_or_create(&JobLabel { job: J::NAME })
+            .observe(started.elapsed().as_secs_f64());
+        let next = if outcome == CallOutcome::Ok {
+            if job.finished() {
+                return;
+            }
+            schedule.every.map(|every| started + every)
+        } else {
+            job.failed();
+            tx.send_replace(Latest::Failed);
+            // From the end of the failed run: a run cut at its deadline still backs off.
+            let wait = schedule.backoff.wait(told.failures, fastrand::f64());
+            Some(Instant::now() + wait)
+        };
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = sleep_until(next) => continue,
+            () = asked.notified() => {}
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => return,
+            () = tokio::time::sleep_until(started + schedule.min_gap) => {}
+        }
+    }
+}
+
+/// Sleeps until `at`; forever without it.
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What the harness has said of a job's failure, so each change is said once.
+#[derive(Debug, Default)]
+struct Told {
+    /// Failed runs in a row.
+    failures: u32,
+    /// The message of the latest failure, while failing.
+    failing: Option<String>,
+}
+
+impl Told {
+    /// A failed run; `true`: it was said (the first failure, or a different one).
+    fn failed<J: Job>(&mut self, why: String) -> bool {
+        self.failures = self.failures.saturating_add(1);
+        let say = self.failing.as_deref() != Some(why.as_str());
+        if say {
+            warn!(job = J::NAME, "{} ({why}); {}", J::FAILING, J::EFFECT);
+        }
+        self.failing = Some(why);
+        say
+    }
+
+    /// A good run; `true`: the recovery was said.
+    fn good<J: Job>(&mut self) -> bool {
+        self.failures = 0;
+        let say = self.failing.take().is_some();
+        if say {
+            info!(job = J::NAME, "{}", J::RECOVERED);
+        }
+        say
+    }
+}
+
+#[cfg(test)]
+mod tests;

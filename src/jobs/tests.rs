@@ -1,0 +1,235 @@
+//! The harness under tokio's paused clock, with a scripted job.
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
+use super::*;
+use crate::backoff::Jitter;
+
+/// What one run of [`Scripted`] does.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    Ok(u32),
+    Fail(&'static str),
+    Hang,
+}
+
+/// Why a scripted run failed.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+struct Failed(&'static str);
+
+impl Timed for Failed {
+    fn is_timeout(&self) -> bool {
+        false
+    }
+}
+
+/// Runs as its script says (then `Ok(0)`), recording when each run started.
+#[derive(Clone, Default)]
+struct Scripted {
+    script: Arc<Mutex<VecDeque<Step>>>,
+    starts: Arc<Mutex<Vec<Instant>>>,
+    failed: Arc<Mutex<u32>>,
+    once: bool,
+}
+
+const EVERY: Duration = Duration::from_secs(60);
+const GAP: Duration = Duration::from_secs(5);
+const DEADLINE: Duration = Duration::from_secs(10);
+
+#[async_trait]
+impl Job for Scripted {
+    type Output = u32;
+    type Error = Failed;
+    const NAME: &'static str = "scripted";
+    const FAILING: &'static str = "scripted job failing";
+    const EFFECT: &'static str = "nothing changes";
+    const RECOVERED: &'static str = "scripted job works again";
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            every: Some(EVERY),
+            min_gap: GAP,
+            deadline: DEADLINE,
+            backoff: Backoff::new(Duration::from_secs(2), Duration::from_secs(8), Jitter::None),
+        }
+    }
+
+    async fn run(&mut self) -> Result<u32, Failed> {
+        self.starts.lock().unwrap().push(Instant::now());
+        let step = self
+            .script
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(Step::Ok(0));
+        match step {
+            Step::Ok(n) => Ok(n),
+            Step::Fail(why) => Err(Failed(why)),
+            Step::Hang => std::future::pending().await,
+        }
+    }
+
+    fn failed(&mut self) {
+        *self.failed.lock().unwrap() += 1;
+    }
+
+    fn finished(&self) -> bool {
+        self.once
+    }
+}
+
+fn scripted(steps: &[Step]) -> Scripted {
+    Scripted {
+        script: Arc::new(Mutex::new(steps.iter().copied().collect())),
+        ..Scripted::default()
+    }
+}
+
+/// The starts of the runs, in seconds after `t0`.
+fn starts(job: &Scripted, t0: Instant) -> Vec<u64> {
+    job.starts
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|t| (*t - t0).as_secs())
+        .collect()
+}
+
+/// Spawns `job` on a fresh telemetry: the telemetry, the shutdown, when it started, the
+/// handle.
+fn start(job: &Scripted) -> (Arc<Telemetry>, CancellationToken, Instant, JobHandle<u32>) {
+    let t = Arc::new(Telemetry::new());
+    let stop = CancellationToken::new();
+    let t0 = Instant::now();
+    let handle = spawn(job.clone(), Arc::clone(&t), stop.clone());
+    (t, stop, t0, handle)
+}
+
+fn runs(t: &Telemetry, outcome: &'static str) -> u64 {
+    t.job_runs
+        .get_or_create(&JobOutcomeLabel {
+            job: "scripted",
+            outcome,
+        })
+        .get()
+}
+
+#[tokio::test(start_paused = true)]
+async fn runs_at_once_then_every_interval_and_soon_when_asked_never_closer_than_the_gap() {
+    let job = scripted(&[Step::Ok(1), Step::Ok(2), Step::Ok(3)]);
+    let (t, stop, t0, handle) = start(&job);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(matches!(
+        handle.latest(),
+        Latest::Good(Published {
+            value: 1,
+            generation: 1,
+            ..
+        })
+    ));
+    // Asked three times at 1 s: one run, at the 5 s gap.
+    handle.run_soon();
+    handle.run_soon();
+    handle.run_soon();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(starts(&job, t0), [0, 5]);
+    // Then the interval, from the last start.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(starts(&job, t0), [0, 5, 65]);
+    assert!(matches!(
+        handle.latest(),
+        Latest::Good(Published {
+            value: 3,
+            generation: 3,
+            ..
+        })
+    ));
+    assert_eq!(runs(&t, "ok"), 3);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_job_backs_off_publishes_failed_and_is_told_once_per_change() {
+    let job = scripted(&[
+        Step::Fail("refused"),
+        Step::Fail("refused"),
+        Step::Fail("refused"),
+        Step::Fail("reset"),
+        Step::Ok(7),
+    ]);
+    let (t, stop, t0, handle) = start(&job);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(matches!(handle.latest(), Latest::Failed));
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    // 2, 4, 8, 8 s after each failed start.
+    assert_eq!(starts(&job, t0), [0, 2, 6, 14, 22]);
+    assert!(matches!(
+        handle.latest(),
+        Latest::Good(Published { value: 7, .. })
+    ));
+    assert_eq!(*job.failed.lock().unwrap(), 4);
+    assert_eq!((runs(&t, "error"), runs(&t, "ok")), (4, 1));
+    let success = t
+        .job_last_success
+        .get_or_create(&JobLabel { job: "scripted" })
+        .get();
+    assert!(success > 0.0, "{success}");
+    stop.cancel();
+
+    // What is said: the first failure, a different one, the recovery; never a repeat.
+    let mut told = Told::default();
+    let said: Vec<bool> = ["a", "a", "a", "b"]
+        .iter()
+        .map(|why| told.failed::<Scripted>((*why).to_owned()))
+        .collect();
+    assert_eq!(said, [true, false, false, true]);
+    assert_eq!(told.failures, 4);
+    assert!(told.good::<Scripted>());
+    assert!(!told.good::<Scripted>());
+    assert_eq!(told.failures, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_run_that_hangs_is_cut_at_its_deadline_and_shutdown_does_not_wait_for_one() {
+    let job = scripted(&[Step::Hang, Step::Hang]);
+    let (t, stop, t0, handle) = start(&job);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert!(matches!(handle.latest(), Latest::Failed));
+    assert_eq!(runs(&t, "timeout"), 1);
+    // The second run starts 2 s (the first back-off) after the first was cut.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(starts(&job, t0), [0, 12]);
+    // Shut down in the middle of the hanging second run: the task ends at once.
+    stop.cancel();
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    assert!(
+        handle.latest.has_changed().is_err(),
+        "the job's sender is dropped"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_finished_job_ends_and_a_reader_never_waits_for_a_run() {
+    let job = Scripted {
+        once: true,
+        ..scripted(&[Step::Fail("down"), Step::Ok(1)])
+    };
+    let (_t, _stop, _t0, mut handle) = start(&job);
+    handle.first_outcome(Duration::from_secs(1)).await;
+    assert!(matches!(handle.latest(), Latest::Failed));
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    // It ran until its first good run, then ended.
+    assert_eq!(job.starts.lock().unwrap().len(), 2);
+    assert!(handle.latest.has_changed().is_err(), "ended");
+    assert!(matches!(
+        handle.latest(),
+        Latest::Good(Published { value: 1, .. })
+    ));
+    // An idle handle never has anything and never blocks.
+    let mut idle = JobHandle::<u32>::idle();
+    idle.run_soon();
+    idle.first_outcome(Duration::from_secs(1)).await;
+    assert!(matches!(idle.latest(), Latest::NotYet));
+}
