@@ -75,9 +75,10 @@ pub(crate) trait Job: Send + 'static {
     /// Errors: [`Job::Error`], why this run failed.
     async fn run(&mut self) -> Result<Self::Output, Self::Error>;
 
-    /// After a failed run (an error or the deadline): what the job withdraws of its earlier
-    /// results (the default: nothing).
-    fn failed(&mut self) {}
+    /// After a failed run (an error or the deadline), with why (the message the log line
+    /// carries): what the job withdraws of its earlier results, or shows of the failure
+    /// (the default: nothing).
+    fn failed(&mut self, _why: &str) {}
 
     /// After a good run: whether the job is done (it then ends; the default: never).
     fn finished(&self) -> bool {
@@ -249,7 +250,7 @@ async fn drive<J: Job>(
                 outcome
             }
             Err(_) => {
-                told.failed::<J>(format!("no result within {:?}", schedule.deadline));
+                told.failed::<J>(format!("no answer within {:?}", schedule.deadline));
                 CallOutcome::Timeout
             }
         };
@@ -270,7 +271,7 @@ async fn drive<J: Job>(
             }
             schedule.every.map(|every| started + every)
         } else {
-            job.failed();
+            job.failed(told.failing.as_deref().unwrap_or_default());
             tx.send_replace(Latest::Failed);
             // From the end of the failed run: a run cut at its deadline still backs off.
             let wait = schedule.backoff.wait(told.failures, fastrand::f64());

@@ -231,7 +231,7 @@ impl Job for HeldRefresh {
         Ok(ids.into_iter().collect())
     }
 
-    fn failed(&mut self) {
+    fn failed(&mut self, _why: &str) {
         self.telemetry.held_namespaces.set(-1);
         self.telemetry.update(|st| st.held_namespaces = None);
     }

@@ -71,7 +71,7 @@ impl Job for Scripted {
         }
     }
 
-    fn failed(&mut self) {
+    fn failed(&mut self, _why: &str) {
         *self.failed.lock().unwrap() += 1;
     }
 
