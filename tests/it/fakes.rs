@@ -104,6 +104,10 @@ pub struct World {
     pub members_fail: bool,
     /// Every read of the member list, with when it started.
     pub role_reads: Vec<(GroupId, Instant)>,
+    /// merod's namespace list never answers (the held refresh job hangs).
+    pub list_hangs: bool,
+    /// MDMA's join-status never answers (the join-status job hangs).
+    pub join_status_hangs: bool,
     /// Every fleet-join call, with when it started.
     pub joins: Vec<(GroupId, Instant)>,
     /// Every leave call (failed ones too), with when it started.
@@ -242,7 +246,12 @@ impl ControlPlane for Fake {
     }
 
     async fn join_status(&self, report: &JoinStatus) -> Result<(), RequestError> {
-        self.with(|w| w.join_statuses.push(report.clone()));
+        if self.with(|w| {
+            w.join_statuses.push(report.clone());
+            w.join_status_hangs
+        }) {
+            std::future::pending::<()>().await;
+        }
         Ok(())
     }
 }
@@ -324,6 +333,9 @@ impl Node for Fake {
     }
 
     async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        if self.with(|w| w.list_hangs) {
+            std::future::pending::<()>().await;
+        }
         if self.with(|w| w.merod_down) {
             return Err(merod_err(MerodOp::ListNamespaces, "connection refused"));
         }

@@ -20,6 +20,7 @@ mod held;
 mod history;
 mod idle;
 mod inspect;
+mod jobs;
 mod journald;
 mod leave_policy;
 mod migration;
