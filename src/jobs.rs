@@ -13,7 +13,9 @@
 //!   a reader (the poll) takes what was last published and never waits for a run;
 //! - its metrics: `fleet_sidecar_job_runs_total{job,outcome}`,
 //!   `fleet_sidecar_job_run_seconds{job}` and
-//!   `fleet_sidecar_job_last_success_timestamp_seconds{job}`.
+//!   `fleet_sidecar_job_last_success_timestamp_seconds{job}`; and its entry in the live
+//!   status (`/status` `jobs`, `fleet-sidecar status`): runs, the latest run, the latest
+//!   good result, why it fails.
 //!
 //! A job never decides a join or a leave: what it publishes is read by the loop as one more
 //! input, and a job that fails or hangs changes nothing the loop does but what that input
@@ -237,10 +239,6 @@ async fn drive<J: Job>(
                     started,
                     generation,
                 }));
-                telemetry
-                    .job_last_success
-                    .get_or_create(&JobLabel { job: J::NAME })
-                    .set(unix_now() - started.elapsed().as_secs_f64());
                 told.good::<J>();
                 CallOutcome::Ok
             }
@@ -261,6 +259,21 @@ async fn drive<J: Job>(
                 outcome: outcome.label(),
             })
             .inc();
+        let good_at =
+            (outcome == CallOutcome::Ok).then(|| unix_now() - started.elapsed().as_secs_f64());
+        if let Some(at) = good_at {
+            telemetry
+                .job_last_success
+                .get_or_create(&JobLabel { job: J::NAME })
+                .set(at);
+        }
+        telemetry.update(|st| {
+            let status = st.jobs.entry(J::NAME.to_owned()).or_default();
+            status.runs += 1;
+            status.last_run_at = unix_now();
+            status.last_good_at = good_at.or(status.last_good_at);
+            status.failing = told.failing.clone();
+        });
         telemetry
             .job_run_seconds
             .get_or_create(&JobLabel { job: J::NAME })

@@ -178,6 +178,27 @@ pub struct LiveStatus {
     /// (the entry goes when merod admits it).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub join_outcomes: BTreeMap<GroupId, JoinReport>,
+    /// Each job beside the loop (the held refresh `held`, merod's readiness watch
+    /// `merod_readiness`, …), by name: how its runs went. Kept by the job harness, the same
+    /// for every job.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub jobs: BTreeMap<String, JobStatus>,
+}
+
+/// How a job beside the loop is doing.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct JobStatus {
+    /// Runs ended since start-up (good or not).
+    pub runs: u64,
+    /// When the latest run ended (Unix s).
+    pub last_run_at: f64,
+    /// When the latest good run started (Unix s): its result's age counts from there;
+    /// `None` before the first good run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_good_at: Option<f64>,
+    /// While its runs fail: why the latest one failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failing: Option<String>,
 }
 
 /// What the latest read of merod's namespaces found.

@@ -243,6 +243,16 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                     out.push_str("  merod holds: unknown (no good read yet, or the last failed)\n")
                 }
             }
+            for (name, j) in &l.jobs {
+                let good = j.last_good_at.map_or_else(
+                    || "no good run yet".to_owned(),
+                    |at| format!("last good {:.0} s ago", (now - at).max(0.0)),
+                );
+                match &j.failing {
+                    Some(why) => out.push_str(&format!("  job {name}: failing ({why}); {good}\n")),
+                    None => out.push_str(&format!("  job {name}: ok, {good} ({} runs)\n", j.runs)),
+                }
+            }
             for (id, j) in &l.join_outcomes {
                 let why = j
                     .reason
@@ -405,6 +415,27 @@ mod tests {
                 },
             )]
             .into(),
+            jobs: [
+                (
+                    "held".to_owned(),
+                    crate::telemetry::JobStatus {
+                        runs: 3,
+                        last_run_at: 95.0,
+                        last_good_at: Some(95.0),
+                        failing: None,
+                    },
+                ),
+                (
+                    "merod_readiness".to_owned(),
+                    crate::telemetry::JobStatus {
+                        runs: 7,
+                        last_run_at: 99.0,
+                        last_good_at: None,
+                        failing: Some("connection refused".to_owned()),
+                    },
+                ),
+            ]
+            .into(),
             ..LiveStatus::default()
         };
         let r = Report {
@@ -426,6 +457,15 @@ mod tests {
             text.contains(&format!(
                 "  {c}  last join refused after 4 attempt(s): 12D3KooWA: MRTD not allowed"
             )),
+            "{text}"
+        );
+        // Every job, the same way.
+        assert!(
+            text.contains("  job held: ok, last good 5 s ago (3 runs)\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  job merod_readiness: failing (connection refused); no good run yet\n"),
             "{text}"
         );
     }

@@ -162,6 +162,12 @@ async fn a_failing_job_backs_off_publishes_failed_and_is_told_once_per_change() 
     let (t, stop, t0, handle) = start(&job);
     tokio::time::sleep(Duration::from_millis(10)).await;
     assert!(matches!(handle.latest(), Latest::Failed));
+    // The live status shows it failing, and why.
+    let status = t.snapshot().jobs["scripted"].clone();
+    assert_eq!(
+        (status.runs, status.failing.as_deref(), status.last_good_at),
+        (1, Some("refused"), None)
+    );
     tokio::time::sleep(Duration::from_secs(30)).await;
     // 2, 4, 8, 8 s after each failed start.
     assert_eq!(starts(&job, t0), [0, 2, 6, 14, 22]);
@@ -176,6 +182,20 @@ async fn a_failing_job_backs_off_publishes_failed_and_is_told_once_per_change() 
         .get_or_create(&JobLabel { job: "scripted" })
         .get();
     assert!(success > 0.0, "{success}");
+    let status = t.snapshot().jobs["scripted"].clone();
+    assert_eq!((status.runs, status.failing), (5, None));
+    assert_eq!(status.last_good_at, Some(success));
+    // The metrics are declared by the harness, named by the job.
+    let metrics = t.encode_metrics();
+    for series in [
+        "fleet_sidecar_job_runs_total{job=\"scripted\",outcome=\"error\"} 4",
+        "fleet_sidecar_job_runs_total{job=\"scripted\",outcome=\"ok\"} 1",
+        "fleet_sidecar_job_runs_total{job=\"scripted\",outcome=\"timeout\"} 0",
+        "fleet_sidecar_job_run_seconds_count{job=\"scripted\"} 5",
+        "fleet_sidecar_job_last_success_timestamp_seconds{job=\"scripted\"}",
+    ] {
+        assert!(metrics.contains(series), "{series} not in:\n{metrics}");
+    }
     stop.cancel();
 
     // What is said: the first failure, a different one, the recovery; never a repeat.
