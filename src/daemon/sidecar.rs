@@ -28,7 +28,7 @@ use super::planner::Planner;
 use super::poll::Cadence;
 use super::record::{AfterWrite, Record, Written};
 use super::startup::{self, Identity};
-use super::tasks::{Calls, CheckFailed, Counted, Event, InFlight, JoinEnd, LeaveEnd, Next};
+use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
 
 /// How one cycle went.
 #[derive(Debug)]
@@ -617,12 +617,8 @@ impl Sidecar {
         if let (true, Some(role)) = (end.succeeded(), role) {
             self.view.roles.confirmed_with(id, role);
         }
-        if let Some((counted, label)) = end.metric_label() {
-            let family = match counted {
-                Counted::Joins => &t.joins,
-                Counted::Confirms => &t.confirms,
-            };
-            Telemetry::count(family, label);
+        if let Some(label) = end.metric_label() {
+            Telemetry::count(&t.joins, label);
         }
         // Logged before it is recorded: whoever sees the state file change also finds the
         // line (a log-rotating test relies on it).

@@ -115,29 +115,22 @@ pub(super) enum JoinEnd {
     ConfirmTimedOut(Duration),
 }
 
-/// Which counter an end is counted in.
-#[derive(Debug, PartialEq, Eq)]
-pub(super) enum Counted {
-    /// `fleet_sidecar_joins_total`.
-    Joins,
-    /// `fleet_sidecar_confirms_total`.
-    Confirms,
-}
-
 impl JoinEnd {
-    /// The counter and `outcome` label it is counted under (`None`: not counted, the
-    /// state write failure is counted as such).
-    pub(super) fn metric_label(&self) -> Option<(Counted, &'static str)> {
+    /// The `outcome` label it is counted under in `fleet_sidecar_joins_total` (`None`: not
+    /// counted there: a confirm sent is counted by the gate that sent it,
+    /// [`confirm_if_assigned`], the role read as such, the state write failure as such).
+    pub(super) fn metric_label(&self) -> Option<&'static str> {
         Some(match self {
-            JoinEnd::Confirmed => (Counted::Confirms, "ok"),
-            JoinEnd::ConfirmFailed(e) => (Counted::Confirms, CallOutcome::of_error(e).label()),
-            JoinEnd::ConfirmTimedOut(_) => (Counted::Confirms, CallOutcome::Timeout.label()),
-            JoinEnd::NotAdmitted { .. } => (Counted::Joins, "not_admitted"),
-            JoinEnd::Failed(f) => (Counted::Joins, CallOutcome::of_error(f).label()),
-            JoinEnd::NotHeld => (Counted::Joins, "not_held"),
-            // The role read is counted as such (`role_reads`).
-            JoinEnd::RoleUnread(_) => return None,
-            JoinEnd::NotPersisted | JoinEnd::NotAssigned | JoinEnd::Withdrawn => return None,
+            JoinEnd::NotAdmitted { .. } => "not_admitted",
+            JoinEnd::Failed(f) => CallOutcome::of_error(f).label(),
+            JoinEnd::NotHeld => "not_held",
+            JoinEnd::Confirmed | JoinEnd::ConfirmFailed(_) | JoinEnd::ConfirmTimedOut(_) => {
+                return None
+            }
+            JoinEnd::RoleUnread(_)
+            | JoinEnd::NotPersisted
+            | JoinEnd::NotAssigned
+            | JoinEnd::Withdrawn => return None,
         })
     }
 
@@ -456,7 +449,8 @@ pub(super) enum Confirm {
 /// The one way a confirm reaches MDMA (after a join, after a role check, on any later
 /// path): sent only while the latest successful poll assigns `id`, checked at the moment of
 /// sending, so a slow read before it (the role) cannot carry a confirm past a withdrawal.
-/// Bounded by [`MDMA_DEADLINE`]; every confirm sent is timed as `confirm`.
+/// Bounded by [`MDMA_DEADLINE`]; every confirm sent is timed as `confirm` and counted in
+/// `fleet_sidecar_confirms_total` (ok, error, timeout), here and nowhere else.
 async fn confirm_if_assigned(
     calls: &Calls,
     peer_id: &PeerId,
@@ -466,8 +460,14 @@ async fn confirm_if_assigned(
     if !calls.latest_poll.borrow().assigned.contains(&id) {
         return Confirm::NotAssigned;
     }
+    let t = &calls.telemetry;
     let sent = calls.mdma.confirm(peer_id, id, role);
-    match timed(&calls.telemetry, "confirm", MDMA_DEADLINE, sent).await {
+    let result = timed(t, "confirm", MDMA_DEADLINE, sent).await;
+    Telemetry::count(
+        &t.confirms,
+        CallOutcome::of_bounded(result.as_ref()).label(),
+    );
+    match result {
         Some(Ok(())) => Confirm::Accepted,
         Some(Err(e)) => Confirm::Failed(e),
         None => Confirm::NoAnswer(MDMA_DEADLINE),
@@ -681,27 +681,21 @@ async fn role_check(
     if !super::roles::needs_confirm(told, role) {
         return None;
     }
-    let t = &calls.telemetry;
-    let outcome = match confirm_if_assigned(calls, peer_id, id, role).await {
-        Confirm::Accepted => {
-            Telemetry::count(&t.confirms, CallOutcome::Ok.label());
-            return Some(role);
-        }
+    match confirm_if_assigned(calls, peer_id, id, role).await {
+        Confirm::Accepted => Some(role),
         Confirm::NotAssigned => {
             debug!(namespace_id = %id, "role read, but the latest poll no longer assigns the namespace: not confirmed");
-            return None;
+            None
         }
         Confirm::Failed(e) => {
             warn!(namespace_id = %id, "confirm with the node's role failed ({e}); tried again at its next turn");
-            CallOutcome::of_error(&e)
+            None
         }
         Confirm::NoAnswer(limit) => {
             warn!(namespace_id = %id, "confirm with the node's role gave no answer within {limit:?}; tried again at its next turn");
-            CallOutcome::Timeout
+            None
         }
-    };
-    Telemetry::count(&t.confirms, outcome.label());
-    None
+    }
 }
 
 /// What a join is sent with.
@@ -1067,17 +1061,12 @@ mod tests {
     #[test]
     fn a_join_end_is_labelled_by_itself_a_timeout_apart_from_an_error() {
         let unchecked = JoinEnd::Failed(JoinFailed::Unchecked(CheckFailed::NoAnswer(TEN)));
-        assert_eq!(unchecked.metric_label(), Some((Counted::Joins, "timeout")));
+        assert_eq!(unchecked.metric_label(), Some("timeout"));
         let closed = JoinEnd::Failed(JoinFailed::SlotsClosed);
-        assert_eq!(closed.metric_label(), Some((Counted::Joins, "error")));
-        assert_eq!(
-            JoinEnd::ConfirmTimedOut(TEN).metric_label(),
-            Some((Counted::Confirms, "timeout"))
-        );
-        assert_eq!(
-            JoinEnd::Confirmed.metric_label(),
-            Some((Counted::Confirms, "ok"))
-        );
+        assert_eq!(closed.metric_label(), Some("error"));
+        // A confirm is counted by the gate that sent it, not by the join's end.
+        assert_eq!(JoinEnd::ConfirmTimedOut(TEN).metric_label(), None);
+        assert_eq!(JoinEnd::Confirmed.metric_label(), None);
         assert_eq!(JoinEnd::NotPersisted.metric_label(), None);
         assert!(JoinEnd::Confirmed.succeeded() && !JoinEnd::NotHeld.succeeded());
         // The typed causes say what the strings said.

@@ -149,3 +149,29 @@ async fn a_member_read_that_fails_confirms_nothing_and_changes_no_role() {
     assert_eq!(confirms_of(&fake, b), [Some(TeeRole::RelayTee)]);
     fake.with(|w| assert!(w.violations.is_empty(), "{:?}", w.violations));
 }
+
+#[tokio::test(start_paused = true)]
+async fn every_confirm_sent_is_counted_once_whichever_path_sent_it() {
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    let (a, b) = (id(1), id(2));
+    // B comes back from a restart (its role re-check confirms it); A is joined, its first
+    // confirm refused.
+    node.seed(&[b].into(), &[b].into());
+    fake.with(|w| {
+        w.held.insert(b);
+        w.assignments = [a, b].into();
+        w.role = Some(TeeRole::RelayTee);
+        w.confirm_script = vec![false, true, true, true, true, true];
+    });
+    let running = fake.run(node.config(""));
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let metrics = running.telemetry.encode_metrics();
+    running.stop().await;
+    let ok = metric(&metrics, "fleet_sidecar_confirms_total{outcome=\"ok\"}");
+    let error = metric(&metrics, "fleet_sidecar_confirms_total{outcome=\"error\"}");
+    let sent = fake.with(|w| w.confirms.len());
+    assert_eq!((ok, error), (2.0, 1.0), "{metrics}");
+    assert_eq!(sent, 3, "A refused once, then A and B accepted");
+    assert!(node.state().confirmed.contains(&a));
+}
