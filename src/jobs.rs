@@ -3,7 +3,8 @@
 //! everything around the runs, the same for every job:
 //! - the cadence ([`Schedule`]): the first run at once, then every `every` after a good run
 //!   (or only when asked), a run soon when anyone holding its [`JobHandle`] asks, never two
-//!   starts closer than `min_gap` (a burst of requests is one run);
+//!   starts closer than `min_gap` (a burst of requests is one run); a job fed by requests
+//!   that has nothing to do ([`Job::idle`]) skips a run then due;
 //! - after a failed run, the crate's one [`Backoff`] from its end to the next run; a deadline on every
 //!   run (past it the run is cut and counts as a timeout); at shutdown the run in progress
 //!   is dropped at once, so a job never holds up the shutdown grace;
@@ -84,6 +85,14 @@ pub(crate) trait Job: Send + 'static {
 
     /// After a good run: whether the job is done (it then ends; the default: never).
     fn finished(&self) -> bool {
+        false
+    }
+
+    /// Whether the job has nothing to do now (a job fed by requests, with its queue empty):
+    /// a run then due is skipped (not run, not counted, nothing said), and the next waits
+    /// for a request or the interval. So a back-off never ends in an empty run that would
+    /// pass for a recovery. The default: never idle.
+    fn idle(&self) -> bool {
         false
     }
 }
@@ -218,6 +227,7 @@ async fn drive<J: Job>(
     let schedule = job.schedule();
     let mut told = Told::default();
     let mut generation = 0u64;
+    let mut last_start: Option<Instant> = None;
     loop {
         // Requests made before this run starts are served by it: a stored one is dropped,
         // so a burst of requests is one run, not two.
@@ -226,7 +236,16 @@ async fn drive<J: Job>(
             () = asked.notified() => {}
             () = std::future::ready(()) => {}
         }
+        if job.idle() {
+            let next = schedule.every.map(|every| Instant::now() + every);
+            let earliest = last_start.map(|at| at + schedule.min_gap);
+            if !wait_for_next(next, earliest, &asked, &shutdown).await {
+                return;
+            }
+            continue;
+        }
         let started = Instant::now();
+        last_start = Some(started);
         let ran = tokio::select! {
             () = shutdown.cancelled() => return,
             ran = timeout(schedule.deadline, job.run()) => ran,
@@ -290,15 +309,31 @@ async fn drive<J: Job>(
             let wait = schedule.backoff.wait(told.failures, fastrand::f64());
             Some(Instant::now() + wait)
         };
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = sleep_until(next) => continue,
-            () = asked.notified() => {}
+        if !wait_for_next(next, Some(started + schedule.min_gap), &asked, &shutdown).await {
+            return;
         }
-        tokio::select! {
-            () = shutdown.cancelled() => return,
-            () = tokio::time::sleep_until(started + schedule.min_gap) => {}
-        }
+    }
+}
+
+/// Waits until `next` (never without it) or a request, then until `earliest` if a request
+/// came first; `false` at shutdown.
+async fn wait_for_next(
+    next: Option<Instant>,
+    earliest: Option<Instant>,
+    asked: &Notify,
+    shutdown: &CancellationToken,
+) -> bool {
+    tokio::select! {
+        () = shutdown.cancelled() => return false,
+        () = sleep_until(next) => return true,
+        () = asked.notified() => {}
+    }
+    let Some(earliest) = earliest else {
+        return true;
+    };
+    tokio::select! {
+        () = shutdown.cancelled() => false,
+        () = tokio::time::sleep_until(earliest) => true,
     }
 }
 

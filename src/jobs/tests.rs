@@ -32,6 +32,8 @@ struct Scripted {
     starts: Arc<Mutex<Vec<Instant>>>,
     failed: Arc<Mutex<u32>>,
     once: bool,
+    /// Idle while the script is empty (a job fed by requests).
+    fed: bool,
 }
 
 const EVERY: Duration = Duration::from_secs(60);
@@ -77,6 +79,10 @@ impl Job for Scripted {
 
     fn finished(&self) -> bool {
         self.once
+    }
+
+    fn idle(&self) -> bool {
+        self.fed && self.script.lock().unwrap().is_empty()
     }
 }
 
@@ -252,4 +258,38 @@ async fn a_finished_job_ends_and_a_reader_never_waits_for_a_run() {
     idle.run_soon();
     idle.first_outcome(Duration::from_secs(1)).await;
     assert!(matches!(idle.latest(), Latest::NotYet));
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_job_skips_its_back_off_run_and_runs_when_asked() {
+    let job = Scripted {
+        fed: true,
+        ..scripted(&[Step::Fail("route absent")])
+    };
+    let (t, stop, t0, handle) = start(&job);
+    // The failure's back-off (2 s) passes with nothing to do: no run, no recovery said,
+    // the failure still shown; nor does the interval bring an empty run.
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    assert_eq!(starts(&job, t0), [0]);
+    assert!(matches!(handle.latest(), Latest::Failed));
+    assert_eq!(
+        t.snapshot().jobs["scripted"].failing.as_deref(),
+        Some("route absent")
+    );
+    // Work comes with a request: it runs at once (the gap since the last start is long
+    // past), and only then does it work again.
+    job.script.lock().unwrap().push_back(Step::Ok(4));
+    handle.run_soon();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(starts(&job, t0), [0, 120]);
+    assert!(matches!(
+        handle.latest(),
+        Latest::Good(Published { value: 4, .. })
+    ));
+    assert_eq!((runs(&t, "error"), runs(&t, "ok")), (1, 1));
+    // A request while idle and inside the gap waits for the gap, then finds nothing to do.
+    handle.run_soon();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(starts(&job, t0), [0, 120]);
+    stop.cancel();
 }
