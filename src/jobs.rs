@@ -378,4 +378,6 @@ impl Told {
 }
 
 #[cfg(test)]
+pub(crate) mod canary;
+#[cfg(test)]
 mod tests;

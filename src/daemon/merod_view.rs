@@ -82,6 +82,12 @@ impl MerodView {
             },
             shutdown.clone(),
         );
+        #[cfg(test)]
+        crate::jobs::spawn(
+            crate::jobs::canary::Canary::default(),
+            Arc::clone(telemetry),
+            shutdown.clone(),
+        );
         let up = if merod_answered {
             MerodUp::known()
         } else {
