@@ -4,7 +4,8 @@
 //! - the cadence ([`Schedule`]): the first run at once, then every `every` after a good run
 //!   (or only when asked), a run soon when anyone holding its [`JobHandle`] asks, never two
 //!   starts closer than `min_gap` (a burst of requests is one run); a job fed by requests
-//!   that has nothing to do ([`Job::idle`]) skips a run then due;
+//!   that has nothing to do ([`Job::idle`]) skips a run then due; a job can wait for
+//!   events of its own ([`Job::wake`]), taken as requests;
 //! - after a failed run, the crate's one [`Backoff`] from its end to the next run; a deadline on every
 //!   run (past it the run is cut and counts as a timeout); at shutdown the run in progress
 //!   is dropped at once, so a job never holds up the shutdown grace;
@@ -94,6 +95,15 @@ pub(crate) trait Job: Send + 'static {
     /// pass for a recovery. The default: never idle.
     fn idle(&self) -> bool {
         false
+    }
+
+    /// Waits for something of the job's own that calls for a run (a signal, a watched
+    /// value, a time only the job knows); the harness awaits it beside its own cadence and
+    /// treats its end as a request. It is dropped when the harness stops waiting (a run
+    /// due, shutdown), so it must be cancel-safe: lose nothing when dropped at an await.
+    /// The default: never.
+    async fn wake(&mut self) {
+        std::future::pending::<()>().await;
     }
 }
 
@@ -239,7 +249,7 @@ async fn drive<J: Job>(
         if job.idle() {
             let next = schedule.every.map(|every| Instant::now() + every);
             let earliest = last_start.map(|at| at + schedule.min_gap);
-            if !wait_for_next(next, earliest, &asked, &shutdown).await {
+            if !wait_for_next(&mut job, next, earliest, &asked, &shutdown).await {
                 return;
             }
             continue;
@@ -309,15 +319,17 @@ async fn drive<J: Job>(
             let wait = schedule.backoff.wait(told.failures, fastrand::f64());
             Some(Instant::now() + wait)
         };
-        if !wait_for_next(next, Some(started + schedule.min_gap), &asked, &shutdown).await {
+        let earliest = Some(started + schedule.min_gap);
+        if !wait_for_next(&mut job, next, earliest, &asked, &shutdown).await {
             return;
         }
     }
 }
 
-/// Waits until `next` (never without it) or a request, then until `earliest` if a request
-/// came first; `false` at shutdown.
-async fn wait_for_next(
+/// Waits until `next` (never without it), a request or the job's own [`Job::wake`], then
+/// until `earliest` if one of the latter came first; `false` at shutdown.
+async fn wait_for_next<J: Job>(
+    job: &mut J,
     next: Option<Instant>,
     earliest: Option<Instant>,
     asked: &Notify,
@@ -327,6 +339,7 @@ async fn wait_for_next(
         () = shutdown.cancelled() => return false,
         () = sleep_until(next) => return true,
         () = asked.notified() => {}
+        () = job.wake() => {}
     }
     let Some(earliest) = earliest else {
         return true;

@@ -1,5 +1,6 @@
-//! The fleet token the polls carry, as a background job of its own beside the loop (it
-//! never stalls a poll: every call it makes is bounded, and the loop never waits for it).
+//! The fleet token the polls carry, kept by a job on the job harness (`jobs`) beside the
+//! loop: `fleet_token_file` or `registration` (it never stalls a poll: every call it makes
+//! is bounded, each run too, and the loop never waits for it).
 //!
 //! Two ways to hold a token (README, "The fleet token"):
 //! - **configured**: `fleet_token`, or `fleet_token_file`, which is read again after every
@@ -27,6 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::{watch, Notify};
@@ -35,15 +37,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 use url::Url;
 
-use crate::backoff::{Backoff, Jitter};
+use crate::backoff::{Backoff, Jitter, RETRY};
 use crate::config::{read_token_file, Config, RegistrationConfig, TokenFileProblem};
 use crate::durable::{self, parent_dir};
 use crate::ids::PeerId;
+use crate::jobs::{self, Job, Schedule};
 use crate::mdma::{
     EnrolmentToken, FleetToken, MdmaClient, PollVerdict, RegisterError, RegisterRequest,
+    CHALLENGE_TIMEOUT, REGISTER_TIMEOUT,
 };
-use crate::merod::{ListenCandidates, MerodError, NodeAccount};
+use crate::merod::{ListenCandidates, MerodError, NodeAccount, ATTEST_TIMEOUT, CHECK_TIMEOUT};
 use crate::net::read_capped;
+use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
 /// Polls refused (401/403) for this long in a row make a held token count as rejected: the
@@ -322,6 +327,12 @@ impl AttemptError {
     }
 }
 
+impl Timed for AttemptError {
+    fn is_timeout(&self) -> bool {
+        self.metric_label() == "timeout"
+    }
+}
+
 /// Why the token file or its record could not be written. Never holds the token.
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum StoreError {
@@ -491,9 +502,10 @@ impl TokenJob {
     }
 
     /// Starts the job for the node `peer_id`: a stored token is put in place before this
-    /// returns (so the first poll carries it), then the job runs in the background until
-    /// `shutdown`. With `dry_run`, nothing is registered or written (the stored token is
-    /// still used).
+    /// returns (so the first poll carries it), then the job runs on the job harness until
+    /// `shutdown` ([`TokenFileWatch`] for `fleet_token_file`, [`Registering`] for
+    /// `[registration]`). With `dry_run`, nothing is registered or written (the stored
+    /// token is still used).
     pub(crate) async fn start(
         self: Arc<Self>,
         peer_id: PeerId,
@@ -501,196 +513,326 @@ impl TokenJob {
         shutdown: CancellationToken,
         dry_run: bool,
     ) {
-        match &self.source {
-            Source::File(_) => {
+        let reg = match &self.source {
+            Source::File(path) => {
                 self.settled.send_replace(true);
                 telemetry.update(|st| st.fleet_token = "configured".to_owned());
-                tokio::spawn(async move { self.watch_file(shutdown).await });
-            }
-            Source::Registration(reg) => {
-                let file = reg.cfg.token_file.clone();
-                let stored = tokio::task::spawn_blocking(move || {
-                    // Before any write: a crash during an earlier token write may have left
-                    // a temp copy of the token beside it (a dry run writes nothing, so it
-                    // removes nothing either).
-                    let removed = if dry_run {
-                        0
-                    } else {
-                        durable::remove_stale_temp_files(parent_dir(&file))
-                    };
-                    if removed > 0 {
-                        info!(
-                            removed,
-                            "removed temp files an interrupted token write left behind"
-                        );
-                    }
-                    load_stored(&file)
-                })
-                .await
-                .unwrap_or(Stored {
-                    token: None,
-                    record: None,
-                    problem: Some("the token file reader stopped".to_owned()),
-                });
-                if let Some(problem) = &stored.problem {
-                    warn!("stored fleet token unusable ({problem}): registering again");
-                }
-                let held = if stored.token.is_some() {
-                    info!(token_file = %reg.cfg.token_file.display(), "using the stored fleet token (no new registration)");
-                    Held::Token
-                } else {
-                    info!(token_file = %reg.cfg.token_file.display(), "no stored fleet token: registering (polls go on without a token meanwhile)");
-                    Held::None
+                let verdicts = self.mdma.verdicts();
+                let edges = Edges::new(&verdicts);
+                let job = TokenFileWatch {
+                    path: path.clone(),
+                    token: self,
+                    verdicts,
+                    edges,
+                    why: None,
                 };
-                self.mdma.set_token(stored.token);
-                let machine = Machine::new(reg.cfg.retry_interval, held, stored.record);
-                telemetry.update(|st| {
-                    st.fleet_token = held.word().to_owned();
-                    st.registration = Some(if held == Held::Token {
-                        "stored token in use".to_owned()
-                    } else {
-                        "pending".to_owned()
-                    });
-                });
-                if held == Held::Token || dry_run {
-                    self.settled.send_replace(true);
-                }
-                if dry_run {
-                    info!("dry run: no registration is attempted");
+                jobs::spawn(job, telemetry, shutdown);
+                return;
+            }
+            Source::Registration(reg) => reg,
+        };
+        let file = reg.cfg.token_file.clone();
+        let stored = tokio::task::spawn_blocking(move || {
+            // Before any write: a crash during an earlier token write may have left a temp
+            // copy of the token beside it (a dry run writes nothing, so it removes nothing
+            // either).
+            let removed = if dry_run {
+                0
+            } else {
+                durable::remove_stale_temp_files(parent_dir(&file))
+            };
+            if removed > 0 {
+                info!(
+                    removed,
+                    "removed temp files an interrupted token write left behind"
+                );
+            }
+            load_stored(&file)
+        })
+        .await
+        .unwrap_or(Stored {
+            token: None,
+            record: None,
+            problem: Some("the token file reader stopped".to_owned()),
+        });
+        if let Some(problem) = &stored.problem {
+            warn!("stored fleet token unusable ({problem}): registering again");
+        }
+        let held = if stored.token.is_some() {
+            info!(token_file = %reg.cfg.token_file.display(), "using the stored fleet token (no new registration)");
+            Held::Token
+        } else {
+            info!(token_file = %reg.cfg.token_file.display(), "no stored fleet token: registering (polls go on without a token meanwhile)");
+            Held::None
+        };
+        self.mdma.set_token(stored.token);
+        let machine = Machine::new(reg.cfg.retry_interval, held, stored.record);
+        telemetry.update(|st| {
+            st.fleet_token = held.word().to_owned();
+            st.registration = Some(if held == Held::Token {
+                "stored token in use".to_owned()
+            } else {
+                "pending".to_owned()
+            });
+        });
+        if held == Held::Token || dry_run {
+            self.settled.send_replace(true);
+        }
+        if dry_run {
+            info!("dry run: no registration is attempted");
+            return;
+        }
+        let verdicts = self.mdma.verdicts();
+        let edges = Edges::new(&verdicts);
+        let accepted = edges.accepted;
+        let job = Registering {
+            edges,
+            accepted,
+            verdicts,
+            token: self,
+            machine,
+            peer_id,
+            telemetry: Arc::clone(&telemetry),
+            next_check: Instant::now() + IDENTITY_CHECK_INTERVAL,
+            attempting: false,
+        };
+        jobs::spawn(job, telemetry, shutdown);
+    }
+}
+
+/// Why `fleet_token_file` could not be used. Never holds the token.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum TokenFileUnusable {
+    /// The file is unreadable, not private, or holds no sendable token.
+    #[error("{path}: {problem}")]
+    Problem {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong with it.
+        problem: TokenFileProblem,
+    },
+    /// The reader stopped (it runs on the blocking pool).
+    #[error("the fleet_token_file reader stopped: {0}")]
+    Stopped(#[source] tokio::task::JoinError),
+}
+
+impl Timed for TokenFileUnusable {
+    fn is_timeout(&self) -> bool {
+        false
+    }
+}
+
+/// `fleet_token_file` read again after every refused poll and on SIGHUP, a job on the job
+/// harness: idle until one of those comes ([`Job::wake`]).
+struct TokenFileWatch {
+    path: PathBuf,
+    token: Arc<TokenJob>,
+    verdicts: watch::Receiver<PollVerdict>,
+    edges: Edges,
+    /// What asked for the next read (`None`: nothing, the job is idle).
+    why: Option<&'static str>,
+}
+
+#[async_trait]
+impl Job for TokenFileWatch {
+    type Output = ();
+    type Error = TokenFileUnusable;
+    const NAME: &'static str = "fleet_token_file";
+    const FAILING: &'static str = "fleet_token_file cannot be used";
+    const EFFECT: &'static str =
+        "keeping the token in use; read again on the next refused poll or SIGHUP";
+    const RECOVERED: &'static str = "fleet_token_file usable again";
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            every: None,
+            min_gap: Duration::ZERO,
+            deadline: TOKEN_FILE_DEADLINE,
+            backoff: RETRY,
+        }
+    }
+
+    async fn run(&mut self) -> Result<(), TokenFileUnusable> {
+        let why = self.why.take().unwrap_or("a request");
+        let file = self.path.clone();
+        let token = tokio::task::spawn_blocking(move || read_token_file(&file))
+            .await
+            .map_err(TokenFileUnusable::Stopped)?
+            .map_err(|problem| TokenFileUnusable::Problem {
+                path: self.path.clone(),
+                problem,
+            })?;
+        let path = self.path.display();
+        if self.token.mdma.token().as_ref() != Some(&token) {
+            self.token.mdma.set_token(Some(token));
+            info!(path = %path, "fleet_token_file read again after {why}: the token changed, polls carry the new one");
+        } else if why == "SIGHUP" {
+            info!(path = %path, "SIGHUP: fleet_token_file read again, token unchanged");
+        }
+        Ok(())
+    }
+
+    fn idle(&self) -> bool {
+        self.why.is_none()
+    }
+
+    async fn wake(&mut self) {
+        loop {
+            tokio::select! {
+                () = self.token.hup.notified() => {
+                    self.why = Some("SIGHUP");
                     return;
                 }
-                tokio::spawn(async move {
-                    self.register_loop(machine, peer_id, telemetry, shutdown)
-                        .await
-                });
-            }
-        }
-    }
-
-    /// `fleet_token_file`: read again on every refused poll and on SIGHUP.
-    async fn watch_file(&self, shutdown: CancellationToken) {
-        let Source::File(path) = &self.source else {
-            return;
-        };
-        let mut verdicts = self.mdma.verdicts();
-        let mut edges = Edges {
-            refused: None,
-            accepted: verdicts.borrow().accepted,
-        };
-        let mut last_problem: Option<String> = None;
-        loop {
-            let why = tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = self.hup.notified() => "SIGHUP",
-                changed = verdicts.changed() => {
+                changed = self.verdicts.changed() => {
                     if changed.is_err() {
+                        // The MDMA client is gone: only SIGHUP is left to wait for.
+                        self.token.hup.notified().await;
+                        self.why = Some("SIGHUP");
                         return;
                     }
-                    let v = *verdicts.borrow_and_update();
-                    edges.see(&v, self.mdma.has_token());
-                    if v.refused_since.is_none() {
-                        continue;
-                    }
-                    "a refused poll"
-                }
-            };
-            let file = path.clone();
-            let read = tokio::task::spawn_blocking(move || read_token_file(&file)).await;
-            match read {
-                Ok(Ok(token)) => {
-                    last_problem = None;
-                    if self.mdma.token().as_ref() == Some(&token) {
-                        if why == "SIGHUP" {
-                            info!(path = %path.display(), "SIGHUP: fleet_token_file read again, token unchanged");
-                        }
-                    } else {
-                        self.mdma.set_token(Some(token));
-                        info!(path = %path.display(), "fleet_token_file read again after {why}: the token changed, polls carry the new one");
+                    let v = *self.verdicts.borrow_and_update();
+                    self.edges.see(&v, self.token.mdma.has_token());
+                    if v.refused_since.is_some() {
+                        self.why = Some("a refused poll");
+                        return;
                     }
                 }
-                Ok(Err(problem)) => {
-                    let text = problem.to_string();
-                    if last_problem.as_deref() != Some(text.as_str()) {
-                        warn!(path = %path.display(), "fleet_token_file read again after {why}: {text}; keeping the token in use");
-                        last_problem = Some(text);
-                    }
-                }
-                Err(e) => warn!("the fleet_token_file reader stopped: {e}"),
             }
         }
     }
+}
 
-    /// `[registration]`: attempts when [`Machine::due`] says, checks the identity every
-    /// [`IDENTITY_CHECK_INTERVAL`] while a token is held, reads the token file again on
-    /// SIGHUP.
-    async fn register_loop(
-        &self,
-        mut machine: Machine,
-        peer_id: PeerId,
-        telemetry: Arc<Telemetry>,
-        shutdown: CancellationToken,
-    ) {
-        let Source::Registration(reg) = &self.source else {
-            return;
+/// Bound of one read of `fleet_token_file` (a local file; past this the disk hangs).
+const TOKEN_FILE_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Bound of one registration attempt: each of its calls in turn at its own bound (the
+/// account, two metadata attributes, the challenge, a quote and its fallback, `register`),
+/// and the writes of the token and its record.
+const ATTEMPT_DEADLINE: Duration = CHECK_TIMEOUT
+    .saturating_add(METADATA_TIMEOUT.saturating_mul(2))
+    .saturating_add(CHALLENGE_TIMEOUT)
+    .saturating_add(ATTEST_TIMEOUT.saturating_mul(2))
+    .saturating_add(REGISTER_TIMEOUT)
+    .saturating_add(Duration::from_secs(10));
+
+/// `[registration]`, a job on the job harness: one run is one attempt, when [`Machine::due`]
+/// says (the job is idle otherwise, and [`Job::wake`] waits for that time, for a change of
+/// MDMA's verdict on the polls, or for SIGHUP). While waiting it also reads the identity
+/// every [`IDENTITY_CHECK_INTERVAL`] while a token is held, and reads `token_file` again on
+/// SIGHUP. The machine keeps its own back-off (`retry_interval` doubling up to
+/// [`RETRY_CAP`], started again when MDMA accepts a poll with the token); the harness's is
+/// only when it looks again.
+struct Registering {
+    token: Arc<TokenJob>,
+    machine: Machine,
+    peer_id: PeerId,
+    telemetry: Arc<Telemetry>,
+    verdicts: watch::Receiver<PollVerdict>,
+    edges: Edges,
+    /// [`PollVerdict::accepted`] when last seen.
+    accepted: u64,
+    next_check: Instant,
+    /// An attempt started and its outcome is not folded in yet.
+    attempting: bool,
+}
+
+#[async_trait]
+impl Job for Registering {
+    type Output = ();
+    type Error = AttemptError;
+    const NAME: &'static str = "registration";
+    const FAILING: &'static str = "registration failed";
+    const EFFECT: &'static str = "polls go on meanwhile; the next attempt after a back-off";
+    const RECOVERED: &'static str = "registration no longer failing";
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            every: None,
+            min_gap: Duration::ZERO,
+            deadline: ATTEMPT_DEADLINE,
+            backoff: Backoff::new(RETRY_CAP, RETRY_CAP, Jitter::None),
+        }
+    }
+
+    async fn run(&mut self) -> Result<(), AttemptError> {
+        let refused_since = self.verdicts.borrow().refused_since;
+        // Only a poll accepted since the harness looked makes an attempt not due: the
+        // token in use works again.
+        let Due::Now(why) = self.machine.due(Instant::now(), refused_since) else {
+            return Ok(());
         };
-        let mut verdicts = self.mdma.verdicts();
-        let mut accepted = verdicts.borrow().accepted;
-        let mut edges = Edges {
-            refused: None,
-            accepted,
+        let Source::Registration(reg) = &self.token.source else {
+            return Ok(());
         };
-        let mut blocked: Option<String> = None;
-        let mut next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
+        self.attempting = true;
+        let outcome = reg.attempt(&self.token.mdma, &self.peer_id).await;
+        let settled = self.settle(why, outcome).await;
+        self.token.settled.send_replace(true);
+        self.next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
+        settled
+    }
+
+    fn failed(&mut self, why: &str) {
+        // An attempt cut at its deadline still counts: it backs off like any other, and
+        // what `once` waits for has happened.
+        if std::mem::take(&mut self.attempting) {
+            Telemetry::count(&self.telemetry.registrations, "timeout");
+            let wait = self
+                .machine
+                .attempted(Instant::now(), fastrand::f64(), None);
+            let text = format!("failed: {why}; next attempt in {}s", wait.as_secs());
+            self.telemetry.update(|st| st.registration = Some(text));
+            self.token.settled.send_replace(true);
+        }
+    }
+
+    fn idle(&self) -> bool {
+        let refused_since = self.verdicts.borrow().refused_since;
+        !matches!(self.machine.due(Instant::now(), refused_since), Due::Now(_))
+    }
+
+    async fn wake(&mut self) {
+        let Source::Registration(reg) = &self.token.source else {
+            return std::future::pending().await;
+        };
         loop {
-            let now = Instant::now();
-            let verdict = *verdicts.borrow();
-            let wake = match machine.due(now, verdict.refused_since) {
-                Due::Now(why) => {
-                    let outcome = tokio::select! {
-                        () = shutdown.cancelled() => return,
-                        r = reg.attempt(&self.mdma, &peer_id) => r,
-                    };
-                    self.settle(&mut machine, why, outcome, &mut blocked, &telemetry)
-                        .await;
-                    self.settled.send_replace(true);
-                    next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
-                    continue;
-                }
-                Due::At(t) => t.min(next_check),
-                Due::Idle => next_check,
+            let refused_since = self.verdicts.borrow().refused_since;
+            let wake = match self.machine.due(Instant::now(), refused_since) {
+                Due::Now(_) => return,
+                Due::At(t) => t.min(self.next_check),
+                Due::Idle => self.next_check,
             };
             tokio::select! {
-                () = shutdown.cancelled() => return,
-                () = self.hup.notified() => {
+                () = self.token.hup.notified() => {
                     let file = reg.cfg.token_file.clone();
                     if let Ok(Ok(token)) = tokio::task::spawn_blocking(move || read_token_file(&file)).await {
-                        if self.mdma.token().as_ref() != Some(&token) {
-                            self.mdma.set_token(Some(token));
-                            machine.replaced(Instant::now());
-                            telemetry.update(|st| st.fleet_token = Held::Token.word().to_owned());
+                        if self.token.mdma.token().as_ref() != Some(&token) {
+                            self.token.mdma.set_token(Some(token));
+                            self.machine.replaced(Instant::now());
+                            self.telemetry.update(|st| st.fleet_token = Held::Token.word().to_owned());
                             info!(token_file = %reg.cfg.token_file.display(), "SIGHUP: token_file changed, polls carry the new token");
                         } else {
                             info!("SIGHUP: token_file read again, token unchanged");
                         }
                     }
                 }
-                changed = verdicts.changed() => {
+                changed = self.verdicts.changed() => {
                     if changed.is_err() {
-                        return;
+                        return std::future::pending().await;
                     }
-                    let v = *verdicts.borrow_and_update();
-                    edges.see(&v, self.mdma.has_token());
-                    if v.accepted != accepted {
-                        accepted = v.accepted;
-                        machine.accepted();
+                    let v = *self.verdicts.borrow_and_update();
+                    self.edges.see(&v, self.token.mdma.has_token());
+                    if v.accepted != self.accepted {
+                        self.accepted = v.accepted;
+                        self.machine.accepted();
                     }
                 }
                 () = tokio::time::sleep_until(wake) => {
-                    if Instant::now() >= next_check {
-                        next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
-                        if machine.held() != Held::None {
-                            if let Ok(id) = reg.identity(&peer_id).await {
-                                if machine.observe(id.clone()) {
+                    if Instant::now() >= self.next_check {
+                        self.next_check = Instant::now() + IDENTITY_CHECK_INTERVAL;
+                        if self.machine.held() != Held::None {
+                            if let Ok(id) = reg.identity(&self.peer_id).await {
+                                if self.machine.observe(id.clone()) {
                                     reg.write_record(&id).await;
                                 }
                             }
@@ -700,86 +842,67 @@ impl TokenJob {
             }
         }
     }
+}
 
-    /// Folds one attempt's outcome: the token in place and stored, the metric, the logs and
-    /// the status.
+impl Registering {
+    /// Folds one attempt's outcome: the machine, the token in place, the metric, the
+    /// status, then the token and its record stored (last: a run cut while writing has
+    /// already put the token in use). A failure is returned for the harness to tell.
     async fn settle(
-        &self,
-        machine: &mut Machine,
+        &mut self,
         why: Why,
         outcome: Result<(Identity, Option<FleetToken>), AttemptError>,
-        blocked: &mut Option<String>,
-        telemetry: &Telemetry,
-    ) {
-        let Source::Registration(reg) = &self.source else {
-            return;
+    ) -> Result<(), AttemptError> {
+        let Source::Registration(reg) = &self.token.source else {
+            return Ok(());
         };
+        self.attempting = false;
+        let telemetry = &self.telemetry;
         let now = Instant::now();
-        match outcome {
-            Ok((id, token)) => {
-                if let Some(on) = blocked.take() {
-                    info!("registration no longer blocked (was: {on})");
-                }
-                let held = if token.is_some() {
-                    Held::Token
-                } else {
-                    Held::Tokenless
-                };
-                match &token {
-                    Some(t) => {
-                        if let Err(e) = write_private_async(
-                            reg.cfg.token_file.clone(),
-                            t.expose().as_bytes().to_vec(),
-                        )
-                        .await
-                        {
-                            warn!("registered, but the token cannot be kept ({e}): it is used now and the node registers again after a restart");
-                        }
-                        info!(reason = why.as_str(), account = %id.executor_account, relay_url = %id.relay_url, "registered with MDMA: polls carry the issued fleet token");
-                        Telemetry::count(&telemetry.registrations, "registered");
-                    }
-                    None => {
-                        warn!(reason = why.as_str(), "registered with MDMA, but it issued no fleet token (it has no signing key): polling without one");
-                        Telemetry::count(&telemetry.registrations, "tokenless");
-                    }
-                }
-                self.mdma.set_token(token);
-                reg.write_record(&id).await;
-                machine.attempted(now, fastrand::f64(), Some((id, held)));
-                telemetry.update(|st| {
-                    st.fleet_token = held.word().to_owned();
-                    st.registration =
-                        Some(format!("registered at {:.0}", crate::telemetry::unix_now()));
-                });
-            }
+        let (id, token) = match outcome {
+            Ok(registered) => registered,
             Err(e) => {
                 Telemetry::count(&telemetry.registrations, e.metric_label());
-                let wait = machine.attempted(now, fastrand::f64(), None);
+                let wait = self.machine.attempted(now, fastrand::f64(), None);
                 let text = match e.blocked_on() {
-                    Some(on) => {
-                        if blocked.as_deref() != Some(on.as_str()) {
-                            warn!("registration blocked: {on}; trying again with backoff (polls go on meanwhile)");
-                            *blocked = Some(on.clone());
-                        } else {
-                            debug!("registration still blocked: {on}");
-                        }
-                        format!("blocked: {on}; next attempt in {}s", wait.as_secs())
-                    }
-                    None => {
-                        if let Some(on) = blocked.take() {
-                            info!("registration no longer blocked (was: {on})");
-                        }
-                        warn!(
-                            reason = why.as_str(),
-                            "registration failed: {e}; next attempt in {}s",
-                            wait.as_secs()
-                        );
-                        format!("failed: {e}; next attempt in {}s", wait.as_secs())
-                    }
+                    Some(on) => format!("blocked: {on}; next attempt in {}s", wait.as_secs()),
+                    None => format!("failed: {e}; next attempt in {}s", wait.as_secs()),
                 };
+                debug!(reason = why.as_str(), "registration attempt failed: {e}");
                 telemetry.update(|st| st.registration = Some(text));
+                return Err(e);
+            }
+        };
+        let held = if token.is_some() {
+            Held::Token
+        } else {
+            Held::Tokenless
+        };
+        self.machine
+            .attempted(now, fastrand::f64(), Some((id.clone(), held)));
+        let stored = token.as_ref().map(|t| t.expose().as_bytes().to_vec());
+        match held {
+            Held::Token => {
+                info!(reason = why.as_str(), account = %id.executor_account, relay_url = %id.relay_url, "registered with MDMA: polls carry the issued fleet token");
+                Telemetry::count(&telemetry.registrations, "registered");
+            }
+            _ => {
+                warn!(reason = why.as_str(), "registered with MDMA, but it issued no fleet token (it has no signing key): polling without one");
+                Telemetry::count(&telemetry.registrations, "tokenless");
             }
         }
+        self.token.mdma.set_token(token);
+        telemetry.update(|st| {
+            st.fleet_token = held.word().to_owned();
+            st.registration = Some(format!("registered at {:.0}", crate::telemetry::unix_now()));
+        });
+        if let Some(bytes) = stored {
+            if let Err(e) = write_private_async(reg.cfg.token_file.clone(), bytes).await {
+                warn!("registered, but the token cannot be kept ({e}): it is used now and the node registers again after a restart");
+            }
+        }
+        reg.write_record(&id).await;
+        Ok(())
     }
 }
 
@@ -931,6 +1054,14 @@ struct Edges {
 }
 
 impl Edges {
+    /// Nothing refused yet; `verdicts` as they are now.
+    fn new(verdicts: &watch::Receiver<PollVerdict>) -> Self {
+        Self {
+            refused: None,
+            accepted: verdicts.borrow().accepted,
+        }
+    }
+
     fn see(&mut self, v: &PollVerdict, has_token: bool) {
         let accepted = std::mem::replace(&mut self.accepted, v.accepted) != v.accepted;
         match (v.refused_since.is_some(), self.refused) {

@@ -116,6 +116,11 @@ mod tests {
                 .finish(),
         );
         let sb = Sandbox::start(None).await.unwrap();
+        // Another test's thread that first met a callsite while no subscriber but the
+        // global none existed may have cached it as "never", racing this subscriber's
+        // arrival (tracing-core computes and stores that outside its dispatcher lock).
+        // Computed again now, well after that race and before the daemon logs a line.
+        tracing::callsite::rebuild_interest_cache();
         let cfg = sb.config("").unwrap();
         let deps = sb.deps(&cfg).unwrap();
         let telemetry = Arc::clone(&deps.telemetry);

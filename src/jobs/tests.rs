@@ -34,6 +34,8 @@ struct Scripted {
     once: bool,
     /// Idle while the script is empty (a job fed by requests).
     fed: bool,
+    /// Its own event ([`Job::wake`]).
+    woken: Arc<Notify>,
 }
 
 const EVERY: Duration = Duration::from_secs(60);
@@ -83,6 +85,10 @@ impl Job for Scripted {
 
     fn idle(&self) -> bool {
         self.fed && self.script.lock().unwrap().is_empty()
+    }
+
+    async fn wake(&mut self) {
+        self.woken.notified().await;
     }
 }
 
@@ -291,5 +297,29 @@ async fn an_idle_job_skips_its_back_off_run_and_runs_when_asked() {
     handle.run_soon();
     tokio::time::sleep(Duration::from_secs(10)).await;
     assert_eq!(starts(&job, t0), [0, 120]);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_job_s_own_event_wakes_it_like_a_request() {
+    let job = Scripted {
+        fed: true,
+        ..scripted(&[])
+    };
+    let (t, stop, t0, handle) = start(&job);
+    // Idle from the start: no first run, and nothing published.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(starts(&job, t0), Vec::<u64>::new());
+    assert!(matches!(handle.latest(), Latest::NotYet));
+    // Work arrives with the job's own event, not a request: it runs at once.
+    job.script.lock().unwrap().push_back(Step::Ok(5));
+    job.woken.notify_one();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(starts(&job, t0), [30]);
+    assert!(matches!(
+        handle.latest(),
+        Latest::Good(Published { value: 5, .. })
+    ));
+    assert_eq!(runs(&t, "ok"), 1);
     stop.cancel();
 }

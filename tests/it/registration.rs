@@ -310,9 +310,26 @@ async fn registration_waits_for_merod_s_account_and_says_it_is_blocked() {
         ) >= 1.0
     );
     assert_eq!(d.telemetry.snapshot().fleet_token, "none");
+    // The job harness shows why registration fails, and when it worked again.
+    let job = d.telemetry.snapshot().jobs["registration"].clone();
+    assert!(
+        job.failing
+            .as_deref()
+            .is_some_and(|f| f.contains("merod holds no account yet")),
+        "{job:?}"
+    );
     // The node takes part in a namespace: the account exists, registration goes ahead.
     sb.merod.set_minted(true);
     polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    eventually(
+        "registration no longer failing",
+        Duration::from_secs(5),
+        || {
+            let job = d.telemetry.snapshot().jobs["registration"].clone();
+            job.failing.is_none() && job.last_good_at.is_some()
+        },
+    )
+    .await;
     d.stop().await;
 }
 
@@ -469,6 +486,10 @@ async fn a_replaced_fleet_token_file_is_read_again_on_a_refused_poll() {
     std::fs::rename(&tmp, &file).unwrap();
     sb.mdma.set_token(Some(new.to_owned()));
     polls_carry(&sb, new, Duration::from_secs(10)).await;
+    // It is a job like any other: in the live status, read only when asked (no read at
+    // start, so every run here followed a refused poll), not failing.
+    let job = d.telemetry.snapshot().jobs["fleet_token_file"].clone();
+    assert!(job.runs >= 1 && job.failing.is_none(), "{job:?}");
     d.stop().await;
 }
 
