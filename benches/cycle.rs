@@ -1,4 +1,4 @@
-//! Criterion benches of an idle cycle's parts (issue 10): the should-join parser and `plan`
+//! Criterion benches of an idle cycle's parts: the should-join parser and `plan`
 //! at 10 / 1,000 / 10,000 namespaces, a state save when unchanged and when changed, and one
 //! whole idle cycle (`Sidecar::cycle`) against the in-process emulators at 3 and 10,000
 //! namespaces, every namespace already admitted and confirmed.

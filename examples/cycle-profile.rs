@@ -4,8 +4,9 @@
 //! A counting global allocator records allocations and bytes per step; times are this
 //! thread's CPU time (`/proc/thread-self/schedstat`, so a loaded machine does not inflate
 //! them), the mean over ROUNDS (the kernel accounts it in scheduler ticks, so a single
-//! round is coarse). Rows marked "before" run the code the daemon ran before issue 10's
-//! changes, for comparison. The steps are those of one idle cycle: parsing MDMA's answer, `plan`, saving
+//! round is coarse). Rows marked "before" run the code the daemon ran before the idle
+//! cycle's costs were cut, for comparison. The steps are those of one idle cycle: parsing
+//! MDMA's answer, `plan`, saving
 //! an unchanged state, publishing the live status, and the whole `Sidecar::cycle` against the
 //! in-process emulators (HTTP included, both sides of it in this process).
 

@@ -1,4 +1,4 @@
-//! The fleet at scale, simulated (issue 10): N sidecar loops in one process, each through
+//! The fleet at scale, simulated: N sidecar loops in one process, each through
 //! the library's own entry point (`daemon::run`) with its own PeerId, state file, MDMA
 //! client and merod stand-in, against ONE MDMA emulator over real HTTP on loopback.
 //!

@@ -133,7 +133,7 @@ pub fn main() -> ExitCode {
             cfg.dry_run = cli.dry_run;
             // One thread: the loop, its joins/leaves and the HTTP connections share it, so
             // an idle poll wakes one thread (a timer, then the answer) instead of handing
-            // work between worker threads (issue 10: ~14 wake-ups a poll with 2 workers,
+            // work between worker threads (measured: ~14 wake-ups a poll with 2 workers,
             // ~3 with one). Nothing on it blocks for long: every outside call is async and
             // bounded, the MRTD read runs on the blocking pool; a hanging join cannot delay
             // a poll (tests/it/heartbeat.rs pins it for this binary).

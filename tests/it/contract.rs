@@ -439,7 +439,7 @@ fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f:
     }
 }
 
-/// Item 3 of issue 24: the emulator answers each recorded request with the recorded
+/// The emulator answers each recorded request with the recorded
 /// status, content type and body shape, so a shape a new core records (and a maintainer
 /// commits) fails here until the emulator learns it.
 #[tokio::test]

@@ -1,5 +1,5 @@
 //! One in-memory MDMA (`ControlPlane`) and merod (`Node`) for the tests that drive the real
-//! loop under tokio's paused clock (`paused`, `history`, `faults`): scripted answers, live
+//! loop under tokio's paused clock (`time_rules`, `loop_properties`, `faults`): scripted answers, live
 //! answers a test edits between steps, and a record of every call with its tokio `Instant`.
 
 use std::collections::BTreeSet;

@@ -1,5 +1,5 @@
-//! Issue 8's faults, each as a kind, under tokio's paused clock with in-memory MDMA and
-//! merod: join, leave and state-write retries back off (errors, `admitted: false` and
+//! Retries and the state write's guard, each fault as a kind, under tokio's paused clock
+//! with in-memory MDMA and merod: join, leave and state-write retries back off (errors, `admitted: false` and
 //! panicked tasks alike) and no leave starts while the state cannot be written.
 
 use std::time::Duration;

@@ -37,7 +37,7 @@ async fn a_hanging_join_delays_neither_polls_nor_another_leave() {
         polls.len()
     );
     assert!(
-        // The exact 1 s cadence is pinned under the paused clock (paused.rs); over real HTTP
+        // The exact 1 s cadence is pinned under the paused clock (time_rules.rs); over real HTTP
         // on a shared machine the point is that polls never wait for the hung join.
         worst < Duration::from_millis(3000),
         "polls kept their 1 s cadence while a fleet-join hung (worst gap {worst:?}, all {gaps:?})"

@@ -1,5 +1,5 @@
-//! What merod holds, as the loop learns it (issue 21.1, 19.2), under tokio's paused clock
-//! with the in-memory MDMA and merod: `held_namespaces` in the polls, and a namespace the
+//! What merod holds, as the loop learns it, under tokio's paused clock with the in-memory
+//! MDMA and merod: `held_namespaces` in the polls, and a namespace the
 //! state records as held that merod no longer holds.
 
 use std::time::Duration;
@@ -158,7 +158,7 @@ async fn a_namespace_missing_from_the_list_but_held_when_asked_is_kept() {
     );
 }
 
-/// Issue 22.2: merod's holdings for the orphans come from the held refresh, not only from a
+/// merod's holdings for the orphans come from the held refresh, not only from a
 /// read at start. merod holds nothing unexplained at start; an operator joins C by hand
 /// afterwards (nothing of ours asks for a read): the next refresh reports it.
 #[tokio::test(start_paused = true)]
@@ -192,7 +192,7 @@ async fn an_orphan_that_appears_after_start_is_reported_within_a_refresh() {
     );
 }
 
-/// Issue 22.2 with `leave_orphans = true`: an orphan that appears after start, found by the
+/// With `leave_orphans = true`, an orphan that appears after start, found by the
 /// refresh, is taken as admitted and left like any withdrawn namespace: only once
 /// `leave_grace` of absence was observed.
 #[tokio::test(start_paused = true)]

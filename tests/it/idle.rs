@@ -1,6 +1,6 @@
 //! The idle daemon as shipped (the binary on its own runtime, every namespace confirmed):
-//! how often it wakes. Issue 10 measured an idle poll's CPU to be mostly wake-ups around
-//! the poll, not the poll's work; this pins their count, not a time.
+//! how often it wakes. An idle poll's CPU was measured to be mostly wake-ups around the
+//! poll, not the poll's work; this pins their count, not a time.
 
 use std::time::Duration;
 

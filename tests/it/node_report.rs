@@ -1,4 +1,4 @@
-//! What the node tells MDMA and hands merod (issue 21), over HTTP against the emulators:
+//! What the node tells MDMA and hands merod, over HTTP against the emulators:
 //! join-status after each fleet-join outcome, the assignment's admitter addresses in the
 //! fleet-join (and an older core's 400), the role in the confirm, and merod's own 404s.
 
@@ -245,7 +245,7 @@ async fn only_merod_s_own_404_means_not_held() {
         .unwrap();
     sb.merod.set_default_leave(LeaveBehaviour::default());
     sb.mdma.set_reply(PollReply::assign([B]));
-    // No leave grace (issue 18): a withdrawn joining-only namespace is checked at once.
+    // No leave grace: a withdrawn joining-only namespace is checked at once.
     let d = start(&sb, "leave_grace = \"0s\"");
     eventually("B confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(B))

@@ -203,7 +203,7 @@ async fn a_node_registers_through_the_attest_fallback_and_polls_with_its_token_a
     d.stop().await;
 }
 
-/// Issue 20's gap: merod behind its second `[server].listen` address (the first refuses
+/// merod behind its second `[server].listen` address (the first refuses
 /// connections). The loop's probe picks the second; registration's identity and quote go
 /// there too, so the node registers (they went to `listen[0]` and never got through).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -464,7 +464,7 @@ async fn a_token_refused_for_30_s_is_replaced_by_a_new_registration() {
     assert_eq!(std::fs::read_to_string(token_file(&sb)).unwrap(), rotated);
 }
 
-/// Issue 19.8: a replaced `fleet_token_file` is used without a restart once MDMA refuses the
+/// A replaced `fleet_token_file` is used without a restart once MDMA refuses the
 /// old token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replaced_fleet_token_file_is_read_again_on_a_refused_poll() {
@@ -493,7 +493,7 @@ async fn a_replaced_fleet_token_file_is_read_again_on_a_refused_poll() {
     d.stop().await;
 }
 
-/// Issue 19.8, SIGHUP: the binary reads `fleet_token_file` again on SIGHUP (MDMA accepts
+/// SIGHUP: the binary reads `fleet_token_file` again on SIGHUP (MDMA accepts
 /// both tokens here, so only the signal can make the new one appear). Nothing of either
 /// token reaches the output.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

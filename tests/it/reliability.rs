@@ -1,6 +1,5 @@
-//! Reliability, third round (issue 19): faults found by trying public bug reports of
-//! similar agents, each as a kind — a sink that stops reading, a slow disk, outside text
-//! shaped like a log line, a fleet-sized poll answer, merod behind its second listen
+//! Faults found by trying public bug reports of similar agents, each as a kind — a sink
+//! that stops reading, a slow disk, outside text shaped like a log line, a fleet-sized poll answer, merod behind its second listen
 //! address, a kept-alive connection closed as it is reused.
 
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -119,7 +119,7 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
             && prop(p, "StatusText").starts_with("waiting for merod")
     })
     .await;
-    // The heartbeat does not wait for merod (issue 21.5): MDMA is polled meanwhile.
+    // The heartbeat does not wait for merod: MDMA is polled meanwhile.
     assert!(
         !node.mdma.polls().is_empty(),
         "no poll while merod was down"

@@ -309,7 +309,7 @@ async fn the_wait_for_merod_can_be_bounded() {
 
 /// The loop turns at least once a second (the watchdog's sign of life) but, at a 1 s
 /// `poll_interval`, the polls are those turns: no second timer wakes an idle daemon between
-/// them (issue 10, the idle cycle's CPU is mostly wake-ups).
+/// them (the idle cycle's CPU is mostly wake-ups).
 #[tokio::test(start_paused = true)]
 async fn an_idle_loop_turns_once_a_second_and_its_polls_are_those_turns() {
     use std::sync::atomic::Ordering;
@@ -367,7 +367,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for InfoCount {
 }
 
 /// An idle poll (nothing changed) logs nothing and opens no span at the default level, so
-/// the log subscriber does no work for it (issue 10: no log line when nothing changed).
+/// the log subscriber does no work for it (no log line when nothing changed).
 #[tokio::test(start_paused = true)]
 async fn an_idle_poll_logs_nothing_and_opens_no_span_at_info() {
     use std::sync::atomic::Ordering;
