@@ -1,6 +1,6 @@
 //! What merod holds, as the loop learns it, under tokio's paused clock with the in-memory
-//! MDMA and merod: `held_namespaces` in the polls, and a namespace the
-//! state records as held that merod no longer holds.
+//! MDMA and merod: `held_namespaces` in the polls, and a namespace the state records as held
+//! that merod no longer holds.
 
 use std::time::Duration;
 

@@ -1,6 +1,7 @@
 //! Faults found by trying public bug reports of similar agents, each as a kind — a sink
-//! that stops reading, a slow disk, outside text shaped like a log line, a fleet-sized poll answer, merod behind its second listen
-//! address, a kept-alive connection closed as it is reused.
+//! that stops reading, a slow disk, outside text shaped like a log line, a fleet-sized poll
+//! answer, merod behind its second listen address, a kept-alive connection closed as it is
+//! reused.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
