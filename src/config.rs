@@ -334,7 +334,7 @@ impl MerodConfig {
     }
 }
 
-/// The allowed range of each duration key, inclusive (README's configuration table).
+/// The allowed range of each duration key, inclusive (docs/operator/configuration.md).
 ///
 /// | key | min | max |
 /// |---|---|---|

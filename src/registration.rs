@@ -2,7 +2,7 @@
 //! loop: `fleet_token_file` or `registration` (it never stalls a poll: every call it makes
 //! is bounded, each run too, and the loop never waits for it).
 //!
-//! Two ways to hold a token (README, "The fleet token"):
+//! Two ways to hold a token (docs/operator/fleet-token.md):
 //! - **configured**: `fleet_token`, or `fleet_token_file`, which is read again after every
 //!   poll MDMA refuses (401/403) and on SIGHUP, so a replaced file is used without a restart;
 //! - **registration** (`[registration]`): the node earns its own token with a TDX quote

@@ -1,7 +1,7 @@
 //! The unmodified daemon binary against a real merod pair on loopback.
 //!
 //! Runs only when `MEROD_BIN` names a merod built with the `mock-attestation` feature (see
-//! the README's "Checking against a new merod"); without it the test prints SKIPPED and
+//! docs/maintainers.md, "Checking against a new merod"); without it the test prints SKIPPED and
 //! passes. `scripts/merod-lab.py` boots node A (owner and verifier) and node B (a mock-TEE
 //! replica, the node the daemon manages) on free loopback ports and creates three
 //! namespaces whose admission policy accepts B's mock quote. The MDMA side is the loopback
