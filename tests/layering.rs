@@ -239,3 +239,66 @@ fn the_scan_sees_plain_and_grouped_imports() {
     assert!(edges["daemon"].contains("reconcile"));
     assert!(edges["daemon"].contains("telemetry"));
 }
+
+/// Every `.rs` file below `dir`, with its text.
+fn sources(dir: &Path, out: &mut Vec<(std::path::PathBuf, String)>) {
+    for entry in fs::read_dir(dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.is_dir() {
+            sources(&path, out);
+        } else if path.extension().and_then(|e| e.to_str()) == Some("rs") {
+            let text = fs::read_to_string(&path).unwrap();
+            out.push((path, text));
+        }
+    }
+}
+
+#[test]
+fn the_architecture_is_short_and_its_invariants_name_tests_that_exist() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let page = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    assert!(
+        page.len() <= 9 * 1024,
+        "ARCHITECTURE.md is {} bytes",
+        page.len()
+    );
+    let (_, invariants) = page.split_once("## Invariants").unwrap();
+    let mut code = Vec::new();
+    sources(&root.join("src"), &mut code);
+    sources(&root.join("tests"), &mut code);
+    let mut named = 0;
+    let mut missing = Vec::new();
+    for token in invariants.split('`').skip(1).step_by(2) {
+        if let Some(file) = token.strip_suffix(".rs") {
+            named += 1;
+            let found = code.iter().any(|(p, _)| {
+                p.file_stem().and_then(|s| s.to_str()) == Some(file.rsplit('/').next().unwrap())
+            });
+            if !found {
+                missing.push(token.to_owned());
+            }
+        } else if token.contains("::")
+            && token.split("::").all(|s| {
+                !s.is_empty()
+                    && s.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+            })
+        {
+            named += 1;
+            let last = token.rsplit("::").next().unwrap();
+            let needle = if last == "tests" {
+                "mod tests".to_owned()
+            } else {
+                format!("fn {last}(")
+            };
+            if !code.iter().any(|(_, text)| text.contains(&needle)) {
+                missing.push(token.to_owned());
+            }
+        }
+    }
+    assert!(named >= 15, "only {named} tests named");
+    assert!(
+        missing.is_empty(),
+        "ARCHITECTURE.md names tests that do not exist: {missing:?}"
+    );
+}
