@@ -97,6 +97,22 @@
 //!
 //! Never send `should-join` from a tool: MDMA counts it as the node's heartbeat.
 //!
+//! `examples/fleet-inspect.rs` is that tool whole: it prints the drift between the state
+//! file and merod (held but not recorded; admitted but not held; confirmed but not
+//! admitted, which must be impossible), with `--json`, exit 0 in sync, 1 drift, 2
+//! unreadable; with `--status HOST:PORT` (the daemon's `status_listen`) it names the
+//! orphans too. It never calls MDMA: a should-join from a tool would count as the node's
+//! heartbeat.
+//!
+//! ```sh
+//! cargo run --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--status 127.0.0.1:9464]
+//! ```
+//!
+//! Without the daemon feature none of axum, prometheus-client, sd-notify or
+//! tracing-subscriber is built; `library-alone/` in the repository builds and tests the
+//! library that way in CI (the dependency counts and binary sizes are in the repository's
+//! `bench/RESULTS.md`).
+//!
 //! ## Testing a tool: the `testing` feature
 //!
 //! `emulator::merod::MerodEmulator` and `emulator::mdma::MdmaEmulator` are loopback fakes

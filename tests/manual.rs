@@ -157,3 +157,74 @@ fn every_alert_of_the_shipped_rules_has_its_runbook() {
         "no runbook (a `### <alert>` section) in docs/operator/monitoring.md: {missing:?}"
     );
 }
+
+/// GitHub's anchor of a heading: lowercase, spaces to `-`, other punctuation dropped.
+fn anchor(heading: &str) -> String {
+    heading
+        .to_lowercase()
+        .chars()
+        .filter_map(|c| match c {
+            ' ' => Some('-'),
+            c if c.is_alphanumeric() || c == '_' || c == '-' => Some(c),
+            _ => None,
+        })
+        .collect()
+}
+
+#[test]
+fn every_link_between_the_docs_resolves_to_a_file_and_heading() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut pages = vec![
+        root.join("README.md"),
+        root.join("ARCHITECTURE.md"),
+        root.join("RELIABILITY.md"),
+        root.join("bench/RESULTS.md"),
+    ];
+    for dir in ["docs", "docs/operator"] {
+        for entry in fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().and_then(|e| e.to_str()) == Some("md") {
+                pages.push(path);
+            }
+        }
+    }
+    let mut broken = Vec::new();
+    for page in &pages {
+        let text = fs::read_to_string(page).unwrap();
+        // Code blocks hold examples, not links.
+        let prose: String = text.split("```").step_by(2).collect();
+        for (at, _) in prose.match_indices("](") {
+            let Some(target) = prose[at + 2..].split(')').next() else {
+                continue;
+            };
+            if target.starts_with("http") || target.contains(' ') {
+                continue;
+            }
+            let (path, heading) = target.split_once('#').unwrap_or((target, ""));
+            let file = if path.is_empty() {
+                page.clone()
+            } else {
+                page.parent().unwrap().join(path)
+            };
+            let ok = file.exists()
+                && (heading.is_empty()
+                    || fs::read_to_string(&file).is_ok_and(|t| {
+                        t.lines()
+                            .filter_map(|l| {
+                                l.trim_start_matches('#')
+                                    .strip_prefix(' ')
+                                    .filter(|_| l.starts_with('#'))
+                            })
+                            .any(|h| anchor(h) == heading)
+                    }));
+            if !ok {
+                broken.push(format!(
+                    "{}: {target}",
+                    page.strip_prefix(root).unwrap().display()
+                ));
+            }
+        }
+    }
+    assert!(pages.len() > 10, "{pages:?}");
+    assert!(broken.is_empty(), "links that lead nowhere: {broken:#?}");
+}
