@@ -12,7 +12,6 @@ mod common;
 mod confirm_gate;
 mod contract;
 mod crash;
-mod deb;
 mod fakes;
 mod faults;
 mod heartbeat;
