@@ -366,7 +366,9 @@ impl Default for EnrolmentToken {
 pub struct Challenge {
     /// `challenge`: a non-empty string, bound into the quote's nonce.
     pub challenge: String,
-    /// `expires_at_ms`, when MDMA says (Unix milliseconds).
+    /// `expires_at_ms`, when MDMA says (Unix milliseconds): a JSON integer or an
+    /// integer-valued float; `None` when absent or not a whole number (registration does
+    /// not use it, so an odd value never fails the attempt).
     pub expires_at_ms: Option<u64>,
 }
 
@@ -468,10 +470,11 @@ impl RegisterError {
 /// clones of one [`MdmaClient`], read by the daemon's token job.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct PollVerdict {
-    /// Since when polls have been refused with 401 or 403 in a row (`None`: the latest
-    /// poll was not refused).
+    /// Since when polls have been refused with 401 or 403, with no accepted poll between
+    /// (`None`: none refused since the latest accepted one). Polls MDMA did not answer on
+    /// the token (5xx, no answer) do not break the streak.
     pub(crate) refused_since: Option<Instant>,
-    /// Polls refused in a row.
+    /// Polls refused since the latest accepted one.
     pub(crate) refusals: u64,
     /// Polls MDMA accepted (200), since the client was built.
     pub(crate) accepted: u64,
@@ -506,23 +509,25 @@ impl TokenSlot {
         }
     }
 
-    /// Records a poll's HTTP status (`None`: no answer).
+    /// Records a poll's HTTP status (`None`: no answer). Only MDMA's word on the token
+    /// moves the verdict: a refusal starts or extends the streak, an accepted poll ends it.
+    /// Anything else (a 503 of a rolling deploy, a timeout, a refused connection) says
+    /// nothing of the token, so it neither extends nor resets the streak, and wakes no one.
     fn record(&self, status: Option<u16>) {
         let now = Instant::now();
-        self.verdict.send_modify(|v| match status {
+        self.verdict.send_if_modified(|v| match status {
             Some(401 | 403) => {
                 v.refused_since.get_or_insert(now);
                 v.refusals += 1;
+                true
             }
             Some(200) => {
                 v.refused_since = None;
                 v.refusals = 0;
                 v.accepted += 1;
+                true
             }
-            _ => {
-                v.refused_since = None;
-                v.refusals = 0;
-            }
+            _ => false,
         });
     }
 }
@@ -997,11 +1002,14 @@ impl MdmaClient {
         let body = self
             .registration_call(method, url, CHALLENGE_TIMEOUT, req)
             .await?;
+        // Registration uses only `challenge`: `expires_at_ms` is kept when it reads as a
+        // whole number (an integer-valued float too) and dropped otherwise, never failing
+        // the attempt over a field it does not need.
         #[derive(Deserialize)]
         struct Answer {
             challenge: String,
             #[serde(default)]
-            expires_at_ms: Option<u64>,
+            expires_at_ms: Option<serde_json::Value>,
         }
         let answer: Answer =
             crate::strict_json::from_slice(&body).map_err(|e| RegisterError::Answer {
@@ -1018,7 +1026,10 @@ impl MdmaClient {
         }
         Ok(Challenge {
             challenge: answer.challenge,
-            expires_at_ms: answer.expires_at_ms,
+            expires_at_ms: answer
+                .expires_at_ms
+                .and_then(|v| crate::strict_json::WholeNumber::deserialize(v).ok())
+                .map(|w| w.0),
         })
     }
 
@@ -1380,6 +1391,53 @@ fn parse_two_step(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A rolling MDMA deploy: the old instances refuse the token, the restarting ones answer
+    /// 503, interleaved (26 refusals and 13 unavailable answers in 60 s). The refusals
+    /// alone are a streak: the node registers again once it is 30 s long.
+    #[tokio::test(start_paused = true)]
+    async fn a_rolling_deploy_s_503s_neither_reset_nor_extend_the_refused_token_streak() {
+        use crate::registration::{Due, Held, Machine, Why, REJECTED_FOR};
+        let slot = TokenSlot::new(Some(FleetToken::new("NEVER-LOGGED-TOKEN")));
+        let mut seen = slot.verdict.subscribe();
+        let id = crate::registration::Identity {
+            executor_account: "acc".to_owned(),
+            peer_id: "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk".to_owned(),
+            relay_url: String::new(),
+        };
+        let machine = Machine::new(Duration::from_secs(30), Held::Token, Some(id));
+        let t0 = Instant::now();
+        let mut registered_at = None;
+        for i in 0..39u32 {
+            let status = if i % 3 == 2 { Some(503) } else { Some(401) };
+            slot.record(status);
+            // A 503 is no news of the token: nobody watching the verdict is woken.
+            assert_eq!(seen.has_changed().unwrap(), status != Some(503), "poll {i}");
+            seen.borrow_and_update();
+            let v = *slot.verdict.borrow();
+            assert_eq!(v.refused_since, Some(t0), "poll {i}");
+            if registered_at.is_none()
+                && machine.due(Instant::now(), v.refused_since) == Due::Now(Why::Rejected)
+            {
+                registered_at = Some(Instant::now() - t0);
+            }
+            tokio::time::advance(Duration::from_millis(1540)).await;
+        }
+        let v = *slot.verdict.borrow();
+        assert_eq!(v.refusals, 26);
+        let at = registered_at.expect("registered again during the deploy");
+        assert!(
+            at >= REJECTED_FOR && at < REJECTED_FOR + Duration::from_secs(2),
+            "{at:?}"
+        );
+        // No answer at all (a timeout, a refused connection) is no news either; an
+        // accepted poll ends the streak.
+        slot.record(None);
+        assert_eq!(slot.verdict.borrow().refused_since, Some(t0));
+        slot.record(Some(200));
+        assert_eq!(slot.verdict.borrow().refused_since, None);
+        assert_eq!(slot.verdict.borrow().refusals, 0);
+    }
 
     #[test]
     fn a_refusal_keeps_a_capped_escaped_excerpt_of_its_body_without_the_token() {

@@ -433,6 +433,54 @@ struct Registrar {
     merod: Arc<ListenCandidates>,
     cfg: RegistrationConfig,
     metadata: reqwest::Client,
+    /// The relay URL last read from the metadata.
+    relay_url: std::sync::Mutex<RelayUrlMemory>,
+}
+
+/// The metadata's `relay-url` as last read. Only a value read changes it: a failed read (an
+/// error status, a timeout, no connection) is "unknown", and so is a 404 once a value was
+/// read, since a metadata server's blip would otherwise make the node's identity "no relay
+/// URL" and register it again with `relay_url: ""` (and again when the URL returns). Before
+/// anything was read, a 404 is "not set" (`""`) and a failed read fails the attempt.
+/// Seeded with the relay URL the stored token was issued to, a value an earlier run read.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) struct RelayUrlMemory {
+    last: Option<String>,
+}
+
+impl RelayUrlMemory {
+    /// What an earlier run read (the registration record), unless this run read already.
+    fn seed(&mut self, record: Option<&Identity>) {
+        if self.last.is_none() {
+            self.last = record.map(|r| r.relay_url.clone());
+        }
+    }
+
+    /// Folds one read of the attribute (`Ok(Some(text))`: read; `Ok(None)`: 404; `Err`:
+    /// failed) into the relay URL to use now.
+    ///
+    /// Errors: the read's error, when nothing was read before.
+    fn fold<E: std::fmt::Display>(&mut self, read: Result<Option<String>, E>) -> Result<String, E> {
+        match (read, &self.last) {
+            (Ok(Some(value)), _) => {
+                self.last = Some(value.clone());
+                Ok(value)
+            }
+            (Ok(None), None) => {
+                self.last = Some(String::new());
+                Ok(String::new())
+            }
+            (Ok(None), Some(last)) => {
+                debug!("metadata relay-url answered 404 after a value was read: keeping the last one read");
+                Ok(last.clone())
+            }
+            (Err(e), Some(last)) => {
+                debug!("metadata relay-url unreadable ({e}): keeping the last one read");
+                Ok(last.clone())
+            }
+            (Err(e), None) => Err(e),
+        }
+    }
 }
 
 /// The fleet token's job: keeps the token the MDMA client sends (see the module docs).
@@ -473,6 +521,7 @@ impl TokenJob {
                     .redirect(reqwest::redirect::Policy::none())
                     .build()
                     .map_err(JobError)?,
+                relay_url: std::sync::Mutex::default(),
             })),
             (None, Some(file)) => Source::File(file.clone()),
             (None, None) => return Ok(None),
@@ -566,6 +615,10 @@ impl TokenJob {
             Held::None
         };
         self.mdma.set_token(stored.token);
+        reg.relay_url
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .seed(stored.record.as_ref());
         let machine = Machine::new(reg.cfg.retry_interval, held, stored.record);
         telemetry.update(|st| {
             st.fleet_token = held.word().to_owned();
@@ -917,7 +970,13 @@ impl Registrar {
         };
         let relay_url = match &self.cfg.relay_url {
             Some(r) => r.clone(),
-            None => self.attribute("relay-url").await?,
+            None => {
+                let read = self.attribute("relay-url").await;
+                self.relay_url
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .fold(read)?
+            }
         };
         Ok(Identity {
             executor_account: account,
@@ -949,7 +1008,9 @@ impl Registrar {
                     })?;
                 EnrolmentToken::new(text.trim())
             }
-            None => EnrolmentToken::new(self.attribute("enrolment-token").await?),
+            None => {
+                EnrolmentToken::new(self.attribute("enrolment-token").await?.unwrap_or_default())
+            }
         };
         let challenge = mdma.challenge().await.map_err(AttemptError::Challenge)?;
         let nonce = nonce(&challenge.challenge, &id);
@@ -988,8 +1049,8 @@ impl Registrar {
     }
 
     /// A metadata attribute (`Metadata-Flavor: Google`, no proxy, [`METADATA_TIMEOUT`]):
-    /// its text with CR/LF and surrounding whitespace removed; `""` on a 404 (not set).
-    async fn attribute(&self, name: &str) -> Result<String, AttemptError> {
+    /// its text with CR/LF and surrounding whitespace removed; `None` on a 404 (not set).
+    async fn attribute(&self, name: &str) -> Result<Option<String>, AttemptError> {
         let url = self
             .cfg
             .metadata_url
@@ -1012,14 +1073,14 @@ impl Registrar {
                 .map_err(|e| fail(e.without_url().to_string()))?;
             match resp.status().as_u16() {
                 200 => {}
-                404 => return Ok(String::new()),
+                404 => return Ok(None),
                 status => return Err(fail(format!("HTTP {status}"))),
             }
             let bytes = read_capped(resp, MAX_ATTRIBUTE)
                 .await
                 .map_err(|e| e.into_error(fail, |e| fail(e.without_url().to_string())))?;
             let text = String::from_utf8(bytes).map_err(|_| fail("not UTF-8".to_owned()))?;
-            Ok(text.replace(['\r', '\n'], "").trim().to_owned())
+            Ok(Some(text.replace(['\r', '\n'], "").trim().to_owned()))
         };
         match tokio::time::timeout(METADATA_TIMEOUT, read).await {
             Ok(r) => r,
@@ -1250,6 +1311,46 @@ mod tests {
         // Without a token nothing is adopted.
         let mut none = Machine::new(RETRY, Held::None, None);
         assert!(!none.observe(id("acc")));
+    }
+
+    #[test]
+    fn only_a_relay_url_read_changes_the_one_registration_sends() {
+        // What `Registrar::attribute` gives: the error is what the attempt would fail with.
+        let failed = || Err::<Option<String>, _>("metadata relay-url: HTTP 503".to_owned());
+        let read = |v: &str| Ok::<_, String>(Some(v.to_owned()));
+        let not_found = || Ok::<_, String>(None);
+        // Nothing read yet: a failure is a failure, a 404 is "not set".
+        let mut m = RelayUrlMemory::default();
+        assert!(m.fold(failed()).is_err());
+        assert_eq!(m.fold(not_found()).unwrap(), "");
+        // A value read replaces it; a 404 blip, an error or a timeout afterwards keep it.
+        assert_eq!(
+            m.fold(read("https://relay.example")).unwrap(),
+            "https://relay.example"
+        );
+        assert_eq!(m.fold(not_found()).unwrap(), "https://relay.example");
+        assert_eq!(m.fold(failed()).unwrap(), "https://relay.example");
+        assert_eq!(
+            m.fold(read("https://r2.example")).unwrap(),
+            "https://r2.example"
+        );
+        // An empty value read is a value: the operator cleared it.
+        assert_eq!(m.fold(read("")).unwrap(), "");
+        assert_eq!(m.fold(not_found()).unwrap(), "");
+        // What the stored token was issued to counts as read, across a restart; this run's
+        // own reads win over it.
+        let record = id("acc");
+        let mut m = RelayUrlMemory::default();
+        m.seed(Some(&record));
+        assert_eq!(m.fold(not_found()).unwrap(), "https://relay.example");
+        assert_eq!(m.fold(failed()).unwrap(), "https://relay.example");
+        let mut m = RelayUrlMemory::default();
+        m.fold(read("https://r2.example")).unwrap();
+        m.seed(Some(&record));
+        assert_eq!(m.fold(not_found()).unwrap(), "https://r2.example");
+        let mut m = RelayUrlMemory::default();
+        m.seed(None);
+        assert!(m.fold(failed()).is_err());
     }
 
     #[test]

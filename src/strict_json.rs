@@ -213,9 +213,82 @@ impl<'de> Visitor<'de> for BuildStrict {
     }
 }
 
+/// A non-negative whole number as another backend may write it: a JSON integer, or a float
+/// with no fractional part (`1733150000000.0`, as Python's and JavaScript's encoders can
+/// write an integer), up to 2^53, below which every whole float is exact. A fraction, a
+/// negative, a larger float, or anything not a number is refused: the value is read leniently
+/// in form, never in meaning.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct WholeNumber(pub(crate) u64);
+
+impl WholeNumber {
+    /// The largest float taken: every whole number up to 2^53 is exact as an `f64`.
+    const MAX_EXACT_FLOAT: f64 = 9_007_199_254_740_992.0;
+}
+
+impl<'de> Deserialize<'de> for WholeNumber {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(WholeNumberVisitor)
+    }
+}
+
+struct WholeNumberVisitor;
+
+impl Visitor<'_> for WholeNumberVisitor {
+    type Value = WholeNumber;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a non-negative whole number")
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<WholeNumber, E> {
+        Ok(WholeNumber(v))
+    }
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<WholeNumber, E> {
+        u64::try_from(v)
+            .map(WholeNumber)
+            .map_err(|_| E::invalid_value(de::Unexpected::Signed(v), &self))
+    }
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<WholeNumber, E> {
+        if v.fract() == 0.0 && (0.0..=WholeNumber::MAX_EXACT_FLOAT).contains(&v) {
+            // Whole, non-negative and at most 2^53: the cast is exact.
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            Ok(WholeNumber(v as u64))
+        } else {
+            Err(E::invalid_value(de::Unexpected::Float(v), &self))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_whole_number_is_read_from_an_integer_or_a_whole_float_and_nothing_else() {
+        let read = |s: &str| serde_json::from_str::<WholeNumber>(s).map(|w| w.0);
+        assert_eq!(read("1733150000000").unwrap(), 1_733_150_000_000);
+        assert_eq!(read("1733150000000.0").unwrap(), 1_733_150_000_000);
+        assert_eq!(read("1.73315e12").unwrap(), 1_733_150_000_000);
+        assert_eq!(read("0.0").unwrap(), 0);
+        assert_eq!(read("-0.0").unwrap(), 0);
+        assert_eq!(read("18446744073709551615").unwrap(), u64::MAX);
+        assert_eq!(read("9007199254740992.0").unwrap(), 1 << 53);
+        for refused in [
+            "1733150000000.5",
+            "-1",
+            "-1.0",
+            "9007199254740994.0",
+            "1e300",
+            "\"1733150000000\"",
+            "null",
+            "true",
+        ] {
+            let err = read(refused).unwrap_err().to_string();
+            assert!(
+                err.contains("a non-negative whole number"),
+                "{refused}: {err}"
+            );
+        }
+    }
 
     #[test]
     fn a_repeated_key_at_any_depth_is_refused_and_distinct_keys_pass() {

@@ -248,6 +248,8 @@ struct Inner {
     join_status_route: bool,
     /// `admitter_addrs` per assignment (lowercase group id).
     admitter_addrs: HashMap<String, Vec<String>>,
+    /// The `expires_at_ms` sent with each challenge (`None`: now + 5 min, an integer).
+    challenge_expiry: Option<Value>,
 }
 
 struct Shared {
@@ -293,6 +295,7 @@ impl MdmaEmulator {
                 join_statuses: Vec::new(),
                 join_status_route: true,
                 admitter_addrs: HashMap::new(),
+                challenge_expiry: None,
             }),
             poll_count,
         });
@@ -335,6 +338,13 @@ impl MdmaEmulator {
     /// Queues one-shot answers to `register`, served first and in order.
     pub fn queue_register_replies(&self, replies: impl IntoIterator<Item = RegisterReply>) {
         lock(&self.shared.inner).register_queue.extend(replies);
+    }
+
+    /// Sends `expires_at_ms` as exactly this JSON value in every challenge from now on (as
+    /// a backend that writes integers as floats would, `1733150000000.0`), instead of an
+    /// integer five minutes ahead.
+    pub fn set_challenge_expiry(&self, value: Value) {
+        lock(&self.shared.inner).challenge_expiry = Some(value);
     }
 
     /// Every `register` so far, in arrival order.
@@ -699,10 +709,13 @@ fn challenge(shared: &Shared) -> Answer {
         inner.challenges.len() + 1,
     );
     inner.challenges.push(challenge.clone());
+    let scripted = inner.challenge_expiry.clone();
     drop(inner);
-    let expires_at_ms = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64 + 300_000);
+    let expires_at_ms = scripted.unwrap_or_else(|| {
+        json!(std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis() as u64 + 300_000))
+    });
     json_response(
         200,
         json!({ "challenge": challenge, "expires_at_ms": expires_at_ms }),

@@ -362,6 +362,26 @@ async fn a_refusal_and_an_unavailable_mdma_are_retried_with_backoff_until_regist
     }
 }
 
+/// MDMA's answers are read strictly only where the node uses them: registration uses the
+/// challenge's `challenge`, so an `expires_at_ms` written as a float (a Python or
+/// JavaScript backend's integer) or as something else entirely fails no attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_challenge_s_expiry_as_a_float_or_unreadable_fails_no_registration() {
+    for expiry in [
+        serde_json::json!(1_733_150_000_000.0_f64),
+        serde_json::json!("soon"),
+    ] {
+        let (sb, md) = fleet().await;
+        sb.mdma.set_challenge_expiry(expiry.clone());
+        let d = start(&sb, &registration(&sb, &md));
+        polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+        d.stop().await;
+        // The first attempt went through: one challenge, one registration.
+        assert_eq!(sb.mdma.challenges().len(), 1, "{expiry}");
+        assert_eq!(sb.mdma.registrations().len(), 1, "{expiry}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_registration_without_a_token_polls_without_one() {
     let sb = Sandbox::start(None).await.unwrap();
