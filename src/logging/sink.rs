@@ -9,13 +9,22 @@
 //! the writer thread says, once, how many were lost. The log file is reopened by the
 //! writer thread too, in order with the lines: what was logged before a SIGHUP lands in
 //! the old file.
+//!
+//! Opening the log file never blocks the start or a writer: only a regular file or a
+//! character device (`/dev/null`) is taken, opened with `O_NONBLOCK` (a FIFO nobody reads
+//! would otherwise block the open for ever), on a thread of its own that the opener waits
+//! for at most [`OPEN_DEADLINE`] (an open on a hung filesystem blocks in the kernel
+//! whatever the flags). An open cut at its deadline is abandoned: the start goes on without
+//! the file, a reopen keeps writing to the old one, and one open at most is left hanging.
 
-use std::fs::{File, OpenOptions};
+use std::fs::{File, FileType, OpenOptions};
 use std::io::{self, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, SyncSender, TryRecvError, TrySendError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender, TryRecvError, TrySendError};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,6 +35,10 @@ use crate::dropped::{self, count_dropped};
 
 /// Lines a sink holds for its writer before it drops new ones (a few hundred KiB at most).
 pub(crate) const QUEUE_LINES: usize = 1024;
+
+/// The longest the start or a reopen waits for the log file to open (a local open takes
+/// microseconds; past this the filesystem hangs).
+pub(crate) const OPEN_DEADLINE: Duration = Duration::from_secs(2);
 
 enum Msg {
     Line(Vec<u8>),
@@ -41,6 +54,9 @@ enum Target {
     File {
         path: PathBuf,
         file: File,
+        /// Set while an open of `path` runs (it may outlive its deadline on a hung
+        /// filesystem): no second one starts meanwhile.
+        opening: Arc<AtomicBool>,
     },
     /// journald's native socket at `path`: one datagram per line, sent blocking.
     Journal {
@@ -49,8 +65,98 @@ enum Target {
     },
 }
 
-fn open_append(path: &Path) -> io::Result<File> {
-    OpenOptions::new().create(true).append(true).open(path)
+/// Opens `path` to append (created if needed), on a thread of its own, waiting at most
+/// `limit`; `opening` is set while that thread runs.
+///
+/// Errors: [`io::ErrorKind::TimedOut`] past `limit`, or when an earlier open of the file
+/// still hangs; [`io::ErrorKind::InvalidInput`] for anything but a regular file or a
+/// character device (a FIFO, a socket, a directory); the open's own error.
+fn open_append(path: &Path, limit: Duration, opening: &Arc<AtomicBool>) -> io::Result<File> {
+    if opening.swap(true, Ordering::AcqRel) {
+        return Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            "an earlier open of it has not returned yet (a hung filesystem?)",
+        ));
+    }
+    let (tx, rx) = mpsc::channel();
+    let owned = path.to_owned();
+    let flag = Arc::clone(opening);
+    let spawned = std::thread::Builder::new()
+        .name("log-open".to_owned())
+        .spawn(move || {
+            let opened = open_append_now(&owned);
+            flag.store(false, Ordering::Release);
+            // The opener is gone once the deadline passed: the file is closed here.
+            let _ = tx.send(opened);
+        });
+    if let Err(e) = spawned {
+        opening.store(false, Ordering::Release);
+        return Err(e);
+    }
+    match rx.recv_timeout(limit) {
+        Ok(opened) => opened,
+        Err(RecvTimeoutError::Timeout) => Err(io::Error::new(
+            io::ErrorKind::TimedOut,
+            format!("the open did not return within {limit:?} (a hung filesystem?)"),
+        )),
+        Err(RecvTimeoutError::Disconnected) => {
+            Err(io::Error::other("the thread opening it stopped"))
+        }
+    }
+}
+
+/// The open itself: refuses what is not a regular file or a character device before
+/// opening it and again after (the path may be replaced between the two), never waiting
+/// for a reader.
+fn open_append_now(path: &Path) -> io::Result<File> {
+    let refuse = |kind: FileType| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "a {} is not a log file (a regular file or a character device is)",
+                describe(kind)
+            ),
+        )
+    };
+    match std::fs::metadata(path) {
+        Ok(m) if !takes_lines(m.file_type()) => return Err(refuse(m.file_type())),
+        _ => {}
+    }
+    let file = OpenOptions::new()
+        .create(true)
+        .append(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)?;
+    let kind = file.metadata()?.file_type();
+    if !takes_lines(kind) {
+        return Err(refuse(kind));
+    }
+    // Writes wait for the device like any write (a terminal's flow control): only the open
+    // had to be non-blocking. Regular files ignore the flag either way.
+    let flags = nix::fcntl::fcntl(file.as_raw_fd(), nix::fcntl::FcntlArg::F_GETFL)?;
+    let flags = nix::fcntl::OFlag::from_bits_truncate(flags) - nix::fcntl::OFlag::O_NONBLOCK;
+    nix::fcntl::fcntl(file.as_raw_fd(), nix::fcntl::FcntlArg::F_SETFL(flags))?;
+    Ok(file)
+}
+
+/// Whether a file of `kind` can take log lines without waiting for a reader.
+fn takes_lines(kind: FileType) -> bool {
+    kind.is_file() || kind.is_char_device()
+}
+
+/// `kind` in a sentence.
+fn describe(kind: FileType) -> &'static str {
+    if kind.is_fifo() {
+        "FIFO (named pipe)"
+    } else if kind.is_socket() {
+        "socket"
+    } else if kind.is_dir() {
+        "directory"
+    } else if kind.is_block_device() {
+        "block device"
+    } else {
+        "special file"
+    }
 }
 
 impl Target {
@@ -66,8 +172,13 @@ impl Target {
     }
 
     fn reopen(&mut self) {
-        if let Target::File { path, file } = self {
-            match open_append(path) {
+        if let Target::File {
+            path,
+            file,
+            opening,
+        } = self
+        {
+            match open_append(path, OPEN_DEADLINE, opening) {
                 Ok(fresh) => {
                     *file = fresh;
                     tracing::info!(path = %path.display(), "log file reopened");
@@ -99,14 +210,18 @@ impl Sink {
         Self::start(Target::Stderr, dropped::STDERR, escape)
     }
 
-    /// A sink appending to the file at `path` (created if needed).
+    /// A sink appending to the file at `path` (created if needed), opened within
+    /// [`OPEN_DEADLINE`].
     ///
-    /// Errors: the open's I/O error, or the writer thread could not be started.
+    /// Errors: as [`open_append`] (past the deadline, not a regular file or a character
+    /// device, the open's I/O error), or the writer thread could not be started.
     pub(crate) fn file(path: &Path, escape: bool) -> io::Result<Self> {
-        let file = open_append(path)?;
+        let opening = Arc::new(AtomicBool::new(false));
+        let file = open_append(path, OPEN_DEADLINE, &opening)?;
         let target = Target::File {
             path: path.to_owned(),
             file,
+            opening,
         };
         Self::start(target, dropped::LOG_FILE, escape)
     }
@@ -284,6 +399,88 @@ impl<'a> MakeWriter<'a> for Sink {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Sink::file` on another thread, so a test of an open that blocks fails instead of
+    /// hanging.
+    fn open_within_10_s(path: &Path) -> io::Result<Sink> {
+        let (tx, rx) = mpsc::channel();
+        let path = path.to_owned();
+        std::thread::spawn(move || {
+            let _ = tx.send(Sink::file(&path, true));
+        });
+        rx.recv_timeout(Duration::from_secs(10))
+            .expect("the open returned")
+    }
+
+    fn mkfifo(path: &Path) {
+        nix::unistd::mkfifo(path, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    }
+
+    #[test]
+    fn only_a_regular_file_or_a_character_device_is_opened_and_a_fifo_never_blocks_the_open() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        mkfifo(&fifo);
+        let refused = |path: &Path, what: &str| {
+            let err = open_within_10_s(path).unwrap_err();
+            assert_eq!(err.kind(), io::ErrorKind::InvalidInput, "{err}");
+            assert!(err.to_string().contains(what), "{err}");
+        };
+        // Nobody reads it (a plain open would wait for a reader for ever).
+        refused(&fifo, "FIFO");
+        // Somebody reads it: still not a file; lines would stall on the reader.
+        let _reader = OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NONBLOCK)
+            .open(&fifo)
+            .unwrap();
+        refused(&fifo, "FIFO");
+        refused(dir.path(), "directory");
+        assert!(open_within_10_s(Path::new("/dev/null")).is_ok());
+        let file = dir.path().join("sidecar.log");
+        let sink = open_within_10_s(&file).unwrap();
+        sink.push(b"a line\n".to_vec());
+        sink.flush(Duration::from_secs(5));
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "a line\n");
+    }
+
+    #[test]
+    fn a_reopen_that_would_block_is_abandoned_and_a_later_one_works() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sidecar.log");
+        let rotated = dir.path().join("sidecar.log.1");
+        let sink = Sink::file(&file, true).unwrap();
+        sink.push(b"before\n".to_vec());
+        // logrotate moved the file, and something put a FIFO nobody reads at its path.
+        std::fs::rename(&file, &rotated).unwrap();
+        mkfifo(&file);
+        assert!(sink.reopen());
+        sink.push(b"still the old file\n".to_vec());
+        sink.flush(Duration::from_secs(5));
+        assert_eq!(
+            std::fs::read_to_string(&rotated).unwrap(),
+            "before\nstill the old file\n",
+            "the writer is not stuck in the open"
+        );
+        std::fs::remove_file(&file).unwrap();
+        assert!(sink.reopen());
+        sink.push(b"the new file\n".to_vec());
+        sink.flush(Duration::from_secs(5));
+        assert_eq!(std::fs::read_to_string(&file).unwrap(), "the new file\n");
+    }
+
+    #[test]
+    fn while_an_open_hangs_no_second_one_starts() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("sidecar.log");
+        let opening = Arc::new(AtomicBool::new(true));
+        let err = open_append(&file, OPEN_DEADLINE, &opening).unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(!file.exists(), "no open was started");
+        opening.store(false, Ordering::Release);
+        open_append(&file, OPEN_DEADLINE, &opening).unwrap();
+        assert!(file.exists() && !opening.load(Ordering::Acquire));
+    }
 
     /// A line the journal socket refuses (journald gone) is counted as dropped, as it was
     /// when lines were sent from the loop.

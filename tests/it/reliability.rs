@@ -252,6 +252,41 @@ fn worst_poll_gap(sb: &Sandbox, from: usize) -> Duration {
         .unwrap_or_default()
 }
 
+/// A `log_file` that would block its open (a FIFO nobody reads; a hung filesystem blocks
+/// the same way) is named in one error line and the daemon runs without it: it polls, and
+/// stops cleanly. Before, the open blocked before the first poll, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_file_that_blocks_its_open_is_named_once_and_the_daemon_polls_without_it() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let sb = Sandbox::start(None).await.unwrap();
+    nix::unistd::mkfifo(
+        &sb.log_file(),
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
+    let cfg = sb.write_config("").unwrap();
+    let mut child = spawn_daemon(&cfg, true, &[]);
+    assert!(
+        sb.mdma.wait_for_polls(2, LIMIT).await,
+        "the daemon polls without its log file"
+    );
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    assert_eq!(wait_exit(&mut child, LIMIT).await.code(), Some(0));
+    let out = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let named: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.contains(&*sb.log_file().to_string_lossy()))
+        .collect();
+    assert_eq!(named.len(), 1, "{stderr}");
+    assert!(
+        named[0].contains("cannot open log file") && named[0].contains("FIFO"),
+        "{}",
+        named[0]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stderr_nobody_reads_stalls_neither_the_poll_nor_healthz() {
     let sb = Sandbox::start(None).await.unwrap();
