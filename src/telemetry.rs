@@ -149,6 +149,10 @@ pub struct LiveStatus {
     /// The latest state file write error while writes fail (no leave starts meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_write_error: Option<String>,
+    /// While a state write has run for longer than 10 s without returning (a hung disk):
+    /// when it started (Unix s). Joins, confirms and leaves wait for it; polls go on.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_write_stalled_since: Option<f64>,
     /// The fleet token the polls carry: `configured` (`fleet_token` or `fleet_token_file`),
     /// `registered` (issued by registration, this run or stored), `tokenless` (registered,
     /// MDMA issues no tokens) or `none`. Never the token itself.
@@ -237,6 +241,10 @@ pub enum NotReady {
     /// State writes fail: no leave starts meanwhile.
     #[error("the state file cannot be written ({0})")]
     StateUnwritable(String),
+    /// A state write has not returned for this many seconds (a hung disk): joins,
+    /// confirms and leaves wait for it.
+    #[error("a state write has not returned for {0:.0} s")]
+    StateWriteStalled(f64),
     /// merod's admin API does not answer: polls go on, joins and leaves wait.
     #[error("merod is not answering ({0})")]
     MerodNotAnswering(String),
@@ -267,6 +275,9 @@ impl LiveStatus {
         }
         if let Some(e) = &self.state_write_error {
             return Err(NotReady::StateUnwritable(e.clone()));
+        }
+        if let Some(since) = self.state_write_stalled_since {
+            return Err(NotReady::StateWriteStalled((now - since).max(0.0)));
         }
         if let Some(e) = &self.merod_not_answering {
             return Err(NotReady::MerodNotAnswering(e.clone()));
@@ -304,6 +315,12 @@ impl LiveStatus {
             Some(e) => format!("waiting for merod ({e}), polling meanwhile: "),
             None => String::new(),
         };
+        if let Some(since) = self.state_write_stalled_since {
+            s.push_str(&format!(
+                "state write pending for {:.0} s (joins, confirms and leaves wait): ",
+                (now - since).max(0.0)
+            ));
+        }
         s.push_str(&format!("{} confirmed", self.confirmed.len()));
         let unconfirmed = self.admitted.len().saturating_sub(self.confirmed.len());
         if unconfirmed > 0 {
@@ -413,6 +430,9 @@ pub struct Telemetry {
     /// `fleet_sidecar_state_on_ram_filesystem`: 1 when the state file's directory is on a
     /// RAM filesystem (tmpfs, ramfs, an overlay whose upper layer is one), else 0.
     pub(crate) state_on_ram_filesystem: Gauge,
+    /// `fleet_sidecar_state_write_stalled`: 1 while a state write has run for longer than
+    /// 10 s without returning (a hung disk), else 0.
+    pub(crate) state_write_stalled: Gauge,
     /// `fleet_sidecar_orphan_namespaces`: how many namespaces merod holds that are neither
     /// in the state, assigned nor retained (follows [`LiveStatus::orphans`]).
     pub(crate) orphan_namespaces: Gauge,
@@ -546,6 +566,12 @@ impl Telemetry {
             "1 when the state file's directory is on a RAM filesystem, lost at reboot",
             state_on_ram_filesystem.clone(),
         );
+        let state_write_stalled = Gauge::default();
+        registry.register(
+            "state_write_stalled",
+            "1 while a state write has run for over 10 s without returning (a hung disk)",
+            state_write_stalled.clone(),
+        );
         let orphan_namespaces = Gauge::default();
         registry.register(
             "orphan_namespaces",
@@ -647,6 +673,7 @@ impl Telemetry {
             poll_resends,
             registrations,
             state_on_ram_filesystem,
+            state_write_stalled,
             orphan_namespaces,
             held_namespaces,
             held_drift,
@@ -734,6 +761,30 @@ impl Telemetry {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stalled_state_write_makes_readyz_not_ready_and_leads_the_status_line() {
+        let max = Duration::from_secs(30);
+        let mut s = LiveStatus {
+            phase: Phase::Running,
+            peer_id: Some("12D3KooW".into()),
+            last_poll_at: Some(99.0),
+            last_ok_poll_at: Some(99.0),
+            ..LiveStatus::default()
+        };
+        assert_eq!(s.readiness(100.0, max), Ok(()));
+        s.state_write_stalled_since = Some(88.0);
+        let e = s.readiness(100.0, max).unwrap_err();
+        assert_eq!(e, NotReady::StateWriteStalled(12.0));
+        assert_eq!(e.to_string(), "a state write has not returned for 12 s");
+        assert_eq!(
+            s.summary(100.0),
+            "state write pending for 12 s (joins, confirms and leaves wait): 0 confirmed, last poll ok 1.0 s ago"
+        );
+        s.state_write_stalled_since = None;
+        assert_eq!(s.readiness(100.0, max), Ok(()));
+        assert_eq!(s.summary(100.0), "0 confirmed, last poll ok 1.0 s ago");
+    }
 
     #[test]
     fn readiness_needs_identity_and_a_recent_good_poll() {

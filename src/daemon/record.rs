@@ -26,7 +26,15 @@ use crate::backoff::{self, RETRY_MAX, RETRY_MIN};
 use crate::ids::GroupId;
 use crate::reconcile::{self, Outcome, StateChange};
 use crate::state::{State, StateError, StateStore, WriteOutcome};
-use crate::telemetry::Telemetry;
+use crate::telemetry::{unix_now, Telemetry};
+
+/// How long a state write may run before it counts as stalled (a hung disk): then
+/// `/readyz` is not ready, one line is logged, and the status, `STATUS=` and
+/// `fleet_sidecar_state_write_stalled` say so until it ends. A write takes milliseconds on a
+/// healthy disk and a few seconds on a slow one (as long as shutdown waits for one,
+/// [`SHUTDOWN_WRITE_WAIT`](super::limits::SHUTDOWN_WRITE_WAIT)); the joins, confirms and
+/// leaves waiting for it wait meanwhile, the heartbeat does not.
+pub(crate) const WRITE_STALLED_AFTER: Duration = Duration::from_secs(10);
 
 /// The state, its store, the write in flight and a failing write.
 pub(super) struct Record {
@@ -71,6 +79,10 @@ pub(super) enum AfterWrite {
 struct Writing {
     /// The sequence number of the latest change it writes.
     seq: u64,
+    /// When it started.
+    started: Instant,
+    /// When it started (Unix s), once it ran past [`WRITE_STALLED_AFTER`] and was told.
+    stalled_since: Option<f64>,
     /// It gives back the state written and how the write went.
     handle: JoinHandle<WriteOutcome>,
 }
@@ -290,21 +302,59 @@ impl Record {
             .any(|(_, after)| matches!(after, AfterWrite::Leave(_)));
         self.writing = Some(Writing {
             seq: self.changed,
+            started: Instant::now(),
+            stalled_since: None,
             handle: tokio::task::spawn_blocking(move || job.run(probe)),
         });
         true
     }
 
     /// The write running, once it ends (pending while none runs). Cancel-safe: a write not
-    /// ended yet stays where it is.
+    /// ended yet stays where it is. A write that was told as stalled is told as ended.
     pub(super) async fn written(&mut self) -> Written {
         let Some(writing) = &mut self.writing else {
             return std::future::pending().await;
         };
         let outcome = (&mut writing.handle).await;
         let seq = writing.seq;
+        if writing.stalled_since.is_some() {
+            info!(
+                path = %self.store.path().display(),
+                after_secs = writing.started.elapsed().as_secs(),
+                "the stalled state write ended; joins, confirms and leaves go on"
+            );
+            self.telemetry.state_write_stalled.set(0);
+            self.telemetry
+                .update(|st| st.state_write_stalled_since = None);
+        }
         self.writing = None;
         Written { seq, outcome }
+    }
+
+    /// When the write running counts as stalled ([`WRITE_STALLED_AFTER`] after it
+    /// started); `None` while none runs, or once it was told.
+    pub(super) fn stalls_at(&self) -> Option<Instant> {
+        self.writing
+            .as_ref()
+            .filter(|w| w.stalled_since.is_none())
+            .map(|w| w.started + WRITE_STALLED_AFTER)
+    }
+
+    /// Tells the write running as stalled, once (at [`Record::stalls_at`]): one error line,
+    /// `/readyz` not ready, the status and `STATUS=` say since when, the gauge
+    /// `fleet_sidecar_state_write_stalled` is 1. [`Record::written`] undoes it all.
+    pub(super) fn on_stalled(&mut self) {
+        let path = self.store.path().display().to_string();
+        let Some(w) = self.writing.as_mut().filter(|w| w.stalled_since.is_none()) else {
+            return;
+        };
+        let ran = w.started.elapsed();
+        let since = unix_now() - ran.as_secs_f64();
+        w.stalled_since = Some(since);
+        error!(path, "a state write has not returned for {} s (a hung disk?): joins, confirms and leaves wait for it; polls go on", ran.as_secs());
+        self.telemetry.state_write_stalled.set(1);
+        self.telemetry
+            .update(|st| st.state_write_stalled_since = Some(since));
     }
 
     /// Takes in a write that ended: what waited for the changes it wrote is given back

@@ -187,11 +187,13 @@ impl Sidecar {
         let mut alive_at = Instant::now() + ALIVE_TURN;
         loop {
             self.deps.telemetry.mark_alive();
+            let stalls_at = self.record.stalls_at();
             tokio::select! {
                 biased;
                 () = shutdown.cancelled() => break,
                 next = self.work.next() => self.on_next(next),
                 written = self.record.written() => self.on_written(written, true),
+                () = sleep_until_some(stalls_at) => self.record.on_stalled(),
                 () = tokio::time::sleep_until(next_poll.min(alive_at)) => {
                     let started = Instant::now();
                     alive_at = started + ALIVE_TURN;
@@ -220,6 +222,7 @@ impl Sidecar {
         let deadline = grace.map(|g| Instant::now() + g);
         let start = grace.is_none();
         while self.work.running() > 0 || (start && self.record.writing()) {
+            let stalls_at = self.record.stalls_at();
             let until_deadline = async {
                 match deadline {
                     Some(d) => tokio::time::sleep_until(d).await,
@@ -229,6 +232,7 @@ impl Sidecar {
             tokio::select! {
                 next = self.work.next() => self.on_next(next),
                 written = self.record.written() => self.on_written(written, start),
+                () = sleep_until_some(stalls_at) => self.record.on_stalled(),
                 () = until_deadline => {
                     warn!(running = self.work.running(), "cutting joins/leaves still running at shutdown; they are retried at the next start");
                     self.work.cut().await;
@@ -658,4 +662,12 @@ fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
         mass_drop: planner.guard.mass_drop,
         mass_drop_hold: planner.policy.mass_drop_hold,
     });
+}
+
+/// Sleeps until `at`; never ends without one.
+async fn sleep_until_some(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
 }

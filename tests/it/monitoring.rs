@@ -92,6 +92,7 @@ fn the_rules_cover_every_alert_the_operators_asked_for() {
         "FleetSidecarJoinsNotAdmitted",
         "FleetSidecarMrtdUnavailable",
         "FleetSidecarStateWriteFailing",
+        "FleetSidecarStateWriteStalled",
         "FleetSidecarHeldUnknown",
         "FleetSidecarHeldDrift",
     ] {

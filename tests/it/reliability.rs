@@ -485,7 +485,8 @@ async fn merods_words_cannot_forge_a_json_log_line() {
 }
 
 /// An `LD_PRELOAD` shim making `fsync`/`fdatasync` of files under `$SLOW_FSYNC_DIR` take
-/// `$SLOW_FSYNC_MS` milliseconds (a slowed disk, without root).
+/// `$SLOW_FSYNC_MS` milliseconds (a slowed disk, without root), and, while the file
+/// `$SLOW_FSYNC_GATE` exists, not return at all (a hung disk).
 const SLOW_FSYNC_C: &str = r#"
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -509,6 +510,9 @@ static void slow(int fd) {
     long v = atol(ms);
     struct timespec ts = { v / 1000, (v % 1000) * 1000000L };
     nanosleep(&ts, NULL);
+    const char *gate = getenv("SLOW_FSYNC_GATE");
+    struct timespec tick = { 0, 20000000L };
+    while (gate && access(gate, F_OK) == 0) nanosleep(&tick, NULL);
 }
 
 int fsync(int fd) {
@@ -551,6 +555,16 @@ fn spawn_with_slow_fsync(
     sb: &Sandbox,
     extra: &str,
 ) -> Option<(DaemonProcess, u16, tempfile::TempDir)> {
+    spawn_with_fsync_shim(sb, extra, "1500", None)
+}
+
+/// [`spawn_with_slow_fsync`] with each fsync taking `ms`, and hanging while `gate` exists.
+fn spawn_with_fsync_shim(
+    sb: &Sandbox,
+    extra: &str,
+    ms: &str,
+    gate: Option<&std::path::Path>,
+) -> Option<(DaemonProcess, u16, tempfile::TempDir)> {
     let shim_dir = tempfile::tempdir().unwrap();
     let Some(shim) = slow_fsync_shim(shim_dir.path()) else {
         println!("SKIPPED: no gcc to build the slow-fsync shim");
@@ -563,15 +577,18 @@ fn spawn_with_slow_fsync(
     let cfg = sb
         .write_config(&format!("status_listen = \"127.0.0.1:{port}\"\n{extra}"))
         .unwrap();
-    let child = spawn_with_stderr(
-        &cfg,
-        std::process::Stdio::null(),
-        &[
-            ("LD_PRELOAD", shim.to_str().unwrap()),
-            ("SLOW_FSYNC_DIR", state_dir.to_str().unwrap()),
-            ("SLOW_FSYNC_MS", "1500"),
-        ],
-    );
+    let gate = gate
+        .map(|g| g.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let mut env = vec![
+        ("LD_PRELOAD", shim.to_str().unwrap()),
+        ("SLOW_FSYNC_DIR", state_dir.to_str().unwrap()),
+        ("SLOW_FSYNC_MS", ms),
+    ];
+    if !gate.is_empty() {
+        env.push(("SLOW_FSYNC_GATE", &gate));
+    }
+    let child = spawn_with_stderr(&cfg, std::process::Stdio::null(), &env);
     Some((child, port, shim_dir))
 }
 
@@ -618,6 +635,83 @@ async fn a_slow_fsync_stalls_neither_the_poll_nor_healthz_and_confirms_wait_for_
         confirm_at - join_at
     );
     assert!(load(&sb).admitted.contains(&gid(A)));
+}
+
+/// A state write that does not return (a hung disk) holds back the join recorded by it, and
+/// past 10 s it shows: `/readyz` not ready, one line logged, `/status` (what `fleet-sidecar
+/// status` and `STATUS=` show) and `fleet_sidecar_state_write_stalled`; polls go on. When it
+/// returns, all of them recover and the join goes on. Before, nothing showed it at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_state_write_shows_in_readyz_status_log_and_metric_and_all_recover() {
+    let sb = Sandbox::start(None).await.unwrap();
+    let gate = sb.dir().join("disk-hangs");
+    let Some((_child, port, _shim)) = spawn_with_fsync_shim(&sb, "", "0", Some(&gate)) else {
+        return;
+    };
+    let base = format!("http://127.0.0.1:{port}");
+    let ready = || async { get(&format!("{base}/readyz")).await.map(|r| r.0).ok() };
+    let stalled = || async {
+        let body = get(&format!("{base}/metrics")).await.unwrap().1;
+        metric(&body, "fleet_sidecar_state_write_stalled")
+    };
+    eventually("two polls", LIMIT, || sb.mdma.polls().len() >= 2).await;
+    let t0 = std::time::Instant::now();
+    while ready().await != Some(200) {
+        assert!(t0.elapsed() < LIMIT, "ready before the disk hangs");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    std::fs::write(&gate, "").unwrap();
+    sb.mdma.set_reply(PollReply::assign([A]));
+    let hung_at = std::time::Instant::now();
+    let polls = sb.mdma.polls().len();
+    while ready().await == Some(200) {
+        assert!(
+            hung_at.elapsed() < LIMIT,
+            "/readyz never said the write hangs"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert!(
+        hung_at.elapsed() >= Duration::from_secs(9),
+        "not ready only past the bound ({:?})",
+        hung_at.elapsed()
+    );
+    let (code, body) = get(&format!("{base}/readyz")).await.unwrap();
+    assert_eq!(code, 503);
+    assert!(body.contains("a state write has not returned"), "{body}");
+    assert_eq!(stalled().await, 1.0);
+    let status = get(&format!("{base}/status")).await.unwrap().1;
+    let status: serde_json::Value = serde_json::from_str(&status).unwrap();
+    assert!(status["state_write_stalled_since"].is_number(), "{status}");
+    assert!(
+        sb.mdma.polls().len() >= polls + 5,
+        "polls go on while the write hangs"
+    );
+    assert!(sb
+        .merod
+        .calls()
+        .iter()
+        .all(|c| c.path != "/admin-api/tee/fleet-join"));
+    std::fs::remove_file(&gate).unwrap();
+    eventually("A confirmed once the write returned", LIMIT, || {
+        sb.mdma.confirmed().contains(A)
+    })
+    .await;
+    let t1 = std::time::Instant::now();
+    while ready().await != Some(200) {
+        assert!(t1.elapsed() < LIMIT, "/readyz ready again");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(stalled().await, 0.0);
+    let status = get(&format!("{base}/status")).await.unwrap().1;
+    assert!(!status.contains("state_write_stalled_since"), "{status}");
+    let log = std::fs::read_to_string(sb.log_file()).unwrap();
+    assert_eq!(
+        log.matches("a state write has not returned").count(),
+        1,
+        "said once: {log}"
+    );
+    assert!(log.contains("the stalled state write ended"), "{log}");
 }
 
 /// A leave planned in a cycle starts only once the state write recording it ends (3 s here,
