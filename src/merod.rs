@@ -35,6 +35,7 @@ use crate::strict_json::StrictValue;
 
 #[cfg(feature = "daemon")]
 mod listen;
+mod paging;
 #[cfg(feature = "daemon")]
 pub(crate) use listen::ListenCandidates;
 
@@ -587,12 +588,16 @@ impl MerodClient {
     }
 
     /// Lists the namespaces merod holds (`GET /admin-api/namespaces`, paged with `offset`
-    /// and `limit` until a page comes back short): each entry's `namespaceId`, a 64-hex group
+    /// and `limit` until a page comes back short, pages overlapping by one row so a list
+    /// that shifted between two pages, or a merod that ignores `offset`, is told from a
+    /// whole one; at most [`LIST_PAGES`] pages): each entry's `namespaceId`, a 64-hex group
     /// id. Other fields of the entries are not read.
     ///
-    /// Errors: [`MerodError::Call`] (transport), [`MerodError::Status`] (non-2xx),
-    /// [`MerodError::Timeout`] (the whole listing, default 10 s), [`MerodError::Answer`] when
-    /// the answer is not the documented shape or an entry has no valid `namespaceId`.
+    /// Errors: [`MerodError::Call`] (transport), [`MerodError::Status`] or
+    /// [`MerodError::Refused`] (non-2xx), [`MerodError::Timeout`] (the whole listing,
+    /// default 10 s), [`MerodError::Answer`] when the answer is not the documented shape, an
+    /// entry has no valid `namespaceId`, or the list cannot be read whole (it shifted, a
+    /// page did not advance, more than [`LIST_PAGES`] pages).
     pub async fn list_namespaces(&self) -> Result<BTreeSet<GroupId>, MerodError> {
         let op = MerodOp::ListNamespaces;
         let path = "admin-api/namespaces";
@@ -607,11 +612,15 @@ impl MerodClient {
             // by one in merod's (ascending) order, a B-tree's nodes stay half full (about
             // 620 KB at 10,000 namespaces instead of 330 KB).
             let mut held = Vec::new();
-            for page in 0usize.. {
+            let mut walk = paging::PageWalk::new(LIST_PAGE, LIST_PAGES);
+            loop {
+                let offset = walk
+                    .next_page()
+                    .map_err(|fault| answer_err(fault.to_string()))?;
                 let mut url = self.url(path);
                 url.query_pairs_mut()
-                    .append_pair("offset", &(page * LIST_PAGE).to_string())
-                    .append_pair("limit", &LIST_PAGE.to_string());
+                    .append_pair("offset", &offset.to_string())
+                    .append_pair("limit", &walk.size().to_string());
                 let resp =
                     self.connection
                         .client
@@ -638,14 +647,16 @@ impl MerodClient {
                 })?;
                 let list: NamespaceList =
                     serde_json::from_slice(&body).map_err(|e| answer_err(e.to_string()))?;
-                let count = list.data.len();
-                for entry in list.data {
+                for entry in &list.data {
                     let id = entry.namespace_id.parse().map_err(|e| {
                         answer_err(format!("namespaceId {:?}: {e}", entry.namespace_id))
                     })?;
                     held.push(id);
                 }
-                if count < LIST_PAGE {
+                let step = walk
+                    .page(list.data.iter().map(|e| e.namespace_id.as_str()))
+                    .map_err(|fault| answer_err(fault.to_string()))?;
+                if step == paging::Step::Done {
                     break;
                 }
             }
@@ -812,6 +823,9 @@ impl MerodClient {
 
 /// Entries asked for per page of `GET /admin-api/namespaces` (merod's default).
 const LIST_PAGE: usize = 100;
+/// Most pages of `GET /admin-api/namespaces` read for one listing: 99,001 namespaces, ten
+/// times a fleet-sized node.
+pub const LIST_PAGES: usize = 1000;
 
 /// `GET /admin-api/namespaces` as merod 0.11 answers it. calimero-client's own type for it
 /// requires fields a recorded merod 0.11.0-rc.25 answer does not have (`upgradePolicy`), so
@@ -919,13 +933,18 @@ impl MerodClient {
         let base = self.url(&path);
         let account = account.to_ascii_lowercase();
         self.bounded(op, &path, self.deadlines.members, async {
-            let mut offset = 0usize;
-            let mut anchor: Option<String> = None;
-            for _ in 0..MEMBER_PAGES {
+            let mut walk = paging::PageWalk::new(MEMBER_PAGE, MEMBER_PAGES);
+            let fault = |fault: paging::PageFault| MerodError::Answer {
+                op,
+                url: base.to_string(),
+                reason: format!("member list: {fault}"),
+            };
+            loop {
+                let offset = walk.next_page().map_err(fault)?;
                 let mut url = base.clone();
                 url.query_pairs_mut()
                     .append_pair("offset", &offset.to_string())
-                    .append_pair("limit", &MEMBER_PAGE.to_string());
+                    .append_pair("limit", &walk.size().to_string());
                 let answer = self
                     .send(op, &base, self.connection.client.get(url))
                     .await?;
@@ -937,29 +956,17 @@ impl MerodClient {
                     url: base.to_string(),
                     reason: reason.to_owned(),
                 })?;
-                if let Some(a) = &anchor {
-                    if rows.first().map(|r| &r.0) != Some(a) {
-                        return Err(MerodError::Answer {
-                            op,
-                            url: base.to_string(),
-                            reason: "the member list changed while it was read".to_owned(),
-                        });
-                    }
-                }
-                if let Some((_, role)) = rows.iter().find(|(id, _)| *id == account) {
+                let found = rows.iter().find(|(id, _)| *id == account).map(|r| &r.1);
+                let step = walk
+                    .page(rows.iter().map(|r| r.0.as_str()))
+                    .map_err(fault)?;
+                if let Some(role) = found {
                     return Ok(TeeRole::from_merod(role));
                 }
-                if rows.len() < MEMBER_PAGE {
+                if step == paging::Step::Done {
                     return Ok(None);
                 }
-                anchor = rows.last().map(|r| r.0.clone());
-                offset += MEMBER_PAGE - 1;
             }
-            Err(MerodError::Answer {
-                op,
-                url: base.to_string(),
-                reason: format!("more than {MEMBER_PAGES} pages of members"),
-            })
         })
         .await
     }

@@ -159,6 +159,12 @@ pub enum ListBehaviour {
         /// The HTTP status of every later one.
         status: u16,
     },
+    /// As [`ListBehaviour::Normal`], but every page starts at offset 0 (a server that
+    /// ignores `offset`).
+    IgnoresOffset,
+    /// As [`ListBehaviour::Normal`], and once the first listing request is answered, this
+    /// namespace is no longer held (left between two pages of one listing).
+    LeftAfterFirstPage(String),
 }
 
 /// One request as received by the emulator.
@@ -1138,12 +1144,26 @@ async fn list_namespaces(shared: &Shared, uri: &Uri) -> Answer {
         ListBehaviour::ErrorAfterPages { pages, status } if listed > pages => {
             return error_status(status)
         }
-        ListBehaviour::Normal | ListBehaviour::ErrorAfterPages { .. } => {}
+        ListBehaviour::Normal
+        | ListBehaviour::ErrorAfterPages { .. }
+        | ListBehaviour::IgnoresOffset
+        | ListBehaviour::LeftAfterFirstPage(_) => {}
         ListBehaviour::Hang => return std::future::pending().await,
         ListBehaviour::Error { status } => return error_status(status),
         ListBehaviour::RawBody(body) => return super::raw_json_response(200, body),
     }
-    let held = lock(&shared.inner).held.clone();
+    let offset = match behaviour {
+        ListBehaviour::IgnoresOffset => 0,
+        _ => offset,
+    };
+    let held = {
+        let mut inner = lock(&shared.inner);
+        let held = inner.held.clone();
+        if let ListBehaviour::LeftAfterFirstPage(id) = &behaviour {
+            inner.held.remove(id);
+        }
+        held
+    };
     let entries: Vec<Value> = held
         .iter()
         .skip(offset)

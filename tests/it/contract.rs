@@ -365,6 +365,55 @@ async fn a_listing_longer_than_a_page_is_read_whole() {
     assert_eq!(pages, 3, "100 + 100 + 50");
 }
 
+/// A merod that ignores `offset` answers the first page for ever: the listing ends at the
+/// second page as an error, instead of looping until its deadline (about 900 requests in
+/// 25 s before) and then reporting nothing either way.
+#[tokio::test]
+async fn a_listing_whose_pages_do_not_advance_is_an_error_at_once() {
+    use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+    let merod = MerodEmulator::start().await.unwrap();
+    for n in 0..250u32 {
+        merod.hold(&format!("{n:064x}"));
+    }
+    merod.set_list(ListBehaviour::IgnoresOffset);
+    let client = MerodClient::new(&merod.url()).unwrap();
+    let err = client.list_namespaces().await.unwrap_err();
+    assert!(!err.is_timeout(), "{err}");
+    assert!(err.to_string().contains("is `offset` ignored?"), "{err}");
+    let pages = merod
+        .calls()
+        .iter()
+        .filter(|c| c.path == "/admin-api/namespaces")
+        .count();
+    assert_eq!(pages, 2);
+}
+
+/// A namespace left between two pages shifts the rest: read as offsets alone, the first id
+/// of the second page (held throughout) was skipped and the list looked whole. Pages that
+/// overlap by one row see the shift, and the listing is an error rather than a wrong list.
+#[tokio::test]
+async fn a_listing_that_shifts_between_pages_is_not_taken_as_whole() {
+    use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+    let merod = MerodEmulator::start().await.unwrap();
+    let ids: Vec<String> = (0..150u32).map(|n| format!("{n:064x}")).collect();
+    for id in &ids {
+        merod.hold(id);
+    }
+    merod.set_list(ListBehaviour::LeftAfterFirstPage(ids[3].clone()));
+    let client = MerodClient::new(&merod.url()).unwrap();
+    let err = client.list_namespaces().await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("the list changed while it was read"),
+        "{err}"
+    );
+    // Read again, the list is whole as it now is.
+    merod.set_list(ListBehaviour::Normal);
+    let held = client.list_namespaces().await.unwrap();
+    assert_eq!(held.len(), 149);
+    assert!(held.contains(&ids[100].parse().unwrap()));
+}
+
 /// A JSON value's shape: object keys with their shapes, the distinct shapes of an array's
 /// elements, the type of a scalar (the rule `scripts/record-merod.py` compares by).
 fn shape(v: &Value) -> Value {
