@@ -350,8 +350,8 @@ async fn wait_for_next<J: Job>(
     }
 }
 
-/// Sleeps until `at`; forever without it.
-async fn sleep_until(at: Option<Instant>) {
+/// Sleeps until `at`; forever without it (a select branch that may have no deadline).
+pub(crate) async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,

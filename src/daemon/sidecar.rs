@@ -193,7 +193,7 @@ impl Sidecar {
                 () = shutdown.cancelled() => break,
                 next = self.work.next() => self.on_next(next),
                 written = self.record.written() => self.on_written(written, true),
-                () = sleep_until_some(stalls_at) => self.record.on_stalled(),
+                () = crate::jobs::sleep_until(stalls_at) => self.record.on_stalled(),
                 () = tokio::time::sleep_until(next_poll.min(alive_at)) => {
                     let started = Instant::now();
                     alive_at = started + ALIVE_TURN;
@@ -223,17 +223,11 @@ impl Sidecar {
         let start = grace.is_none();
         while self.work.running() > 0 || (start && self.record.writing()) {
             let stalls_at = self.record.stalls_at();
-            let until_deadline = async {
-                match deadline {
-                    Some(d) => tokio::time::sleep_until(d).await,
-                    None => std::future::pending().await,
-                }
-            };
             tokio::select! {
                 next = self.work.next() => self.on_next(next),
                 written = self.record.written() => self.on_written(written, start),
-                () = sleep_until_some(stalls_at) => self.record.on_stalled(),
-                () = until_deadline => {
+                () = crate::jobs::sleep_until(stalls_at) => self.record.on_stalled(),
+                () = crate::jobs::sleep_until(deadline) => {
                     warn!(running = self.work.running(), "cutting joins/leaves still running at shutdown; they are retried at the next start");
                     self.work.cut().await;
                     break;
@@ -662,12 +656,4 @@ fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
         mass_drop: planner.guard.mass_drop,
         mass_drop_hold: planner.policy.mass_drop_hold,
     });
-}
-
-/// Sleeps until `at`; never ends without one.
-async fn sleep_until_some(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
 }
