@@ -55,6 +55,7 @@ impl Node for StandIn {
             status: "joined".into(),
             reasons: Vec::new(),
             refusals: Vec::new(),
+            admitted_by: None,
         })
     }
     async fn leave_namespace(&self, _group_id: GroupId) -> Result<(), MerodError> {

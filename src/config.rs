@@ -101,7 +101,7 @@ pub(crate) struct RawConfig {
     /// Joins running at once (default 4).
     #[serde(default = "defaults::max_concurrent_joins")]
     pub max_concurrent_joins: usize,
-    /// Deadline of one `fleet-join` call (default 90 s).
+    /// Deadline of one `fleet-join` call (default 180 s, merod's own client's bound).
     #[serde(default = "defaults::join_timeout", with = "humantime_serde")]
     pub join_timeout: Duration,
     /// Deadline of one leave call (default 60 s).
@@ -197,7 +197,7 @@ mod defaults {
         4
     }
     pub(super) fn join_timeout() -> Duration {
-        Duration::from_secs(90)
+        crate::merod::JOIN_TIMEOUT
     }
     pub(super) fn leave_timeout() -> Duration {
         Duration::from_secs(60)
@@ -1157,7 +1157,7 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         assert_eq!(cfg.leave_policy.leave_grace, Duration::from_secs(86_400));
         assert_eq!(cfg.leave_policy.max_leaves_per_hour, 4);
         assert_eq!(cfg.max_concurrent_joins, 4);
-        assert_eq!(cfg.join_timeout, Duration::from_secs(90));
+        assert_eq!(cfg.join_timeout, Duration::from_secs(180));
         assert_eq!(cfg.leave_timeout, Duration::from_secs(60));
     }
 

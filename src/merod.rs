@@ -44,8 +44,10 @@ pub(crate) use listen::ListenCandidates;
 pub const MEROD_CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Default bound of a readiness probe (`GET /admin-api/peers`).
 pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
-/// Default bound of a `fleet-join`: TDX-attested admission takes ~30 s, and more under load.
-pub const JOIN_TIMEOUT: Duration = Duration::from_secs(90);
+/// Default bound of a `fleet-join`: 180 s, as merod's own client gives it. A join is about
+/// 35 s of direct admission, up to 30 s of admission wait, then the namespace's contexts join,
+/// which takes longer the more contexts there are.
+pub const JOIN_TIMEOUT: Duration = Duration::from_secs(180);
 /// Default bound of a namespace leave.
 pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default bound of a membership check or a namespace listing.
@@ -129,6 +131,13 @@ pub struct Admission {
     /// [`MAX_REFUSALS`] entries that are objects, `peer` and `reason` cut to
     /// [`MAX_REFUSAL_PEER`] and [`MAX_REFUSAL_REASON`] chars (a missing one reads as "").
     pub refusals: Vec<Refusal>,
+    /// `admitted_by` (flat or under `data`) when it is set: the admitting node's PeerId as
+    /// merod wrote it (at most [`MAX_REFUSAL_PEER`] chars), or the JSON text of any other
+    /// truthy value (`true`, a non-zero number, a non-empty array or object). `None` when
+    /// absent, `null`, `false`, `0`, `""`, `[]` or `{}`. It is shown to MDMA (join-status
+    /// `admitted`); it never stands in for `admitted: true`, the only admission the
+    /// sidecar confirms.
+    pub admitted_by: Option<String>,
 }
 
 /// The admin-API call an error is about.
@@ -212,8 +221,10 @@ pub enum MerodError {
         /// The HTTP status.
         status: u16,
     },
-    /// A non-2xx answer carrying merod's `{"error": "<message>"}`.
-    #[error("{op} {url}: HTTP {status}: {message}")]
+    /// A non-2xx answer carrying merod's `{"error": "<message>"}`, or a newer core's typed
+    /// refusal `{"error": "<message>", "type": "<kind>", "data": …}` (400 a bad proof, 403
+    /// not a member, 404 unknown, 409 a stale counter, 503 undecidable).
+    #[error("{op} {url}: HTTP {status}: {message}{}", typed(.kind))]
     Refused {
         /// The operation.
         op: MerodOp,
@@ -221,8 +232,11 @@ pub enum MerodError {
         url: String,
         /// The HTTP status.
         status: u16,
-        /// merod's message (at most 512 chars kept).
+        /// merod's message (at most [`MAX_REFUSAL_MESSAGE`] chars kept).
         message: String,
+        /// The refusal's `type`, when merod names one (at most [`MAX_REFUSAL_TYPE`] chars
+        /// kept). Its `data` is not kept.
+        kind: Option<String>,
     },
     /// A 2xx answer of an unexpected shape.
     #[error("{op} {url}: unexpected answer: {reason}")]
@@ -234,6 +248,17 @@ pub enum MerodError {
         /// What is wrong with it.
         reason: String,
     },
+}
+
+/// Longest message of a [`MerodError::Refused`] kept, in chars.
+pub const MAX_REFUSAL_MESSAGE: usize = 512;
+/// Longest `type` of a [`MerodError::Refused`] kept, in chars.
+pub const MAX_REFUSAL_TYPE: usize = 64;
+
+/// ` (type T)` for a typed refusal, else nothing.
+fn typed(kind: &Option<String>) -> String {
+    kind.as_deref()
+        .map_or_else(String::new, |k| format!(" (type {k})"))
 }
 
 /// An error and its causes, outermost first, joined with `: `.
@@ -260,6 +285,15 @@ impl MerodError {
             | MerodError::Status { op, .. }
             | MerodError::Refused { op, .. }
             | MerodError::Answer { op, .. } => *op,
+        }
+    }
+
+    /// The HTTP status of a non-2xx answer ([`MerodError::Status`] or
+    /// [`MerodError::Refused`]); `None` for any other failure.
+    pub fn status(&self) -> Option<u16> {
+        match self {
+            MerodError::Status { status, .. } | MerodError::Refused { status, .. } => Some(*status),
+            _ => None,
         }
     }
 
@@ -441,7 +475,7 @@ impl MerodClientBuilder {
         self
     }
 
-    /// Bound of [`MerodClient::fleet_join`] (default [`JOIN_TIMEOUT`], 90 s).
+    /// Bound of [`MerodClient::fleet_join`] (default [`JOIN_TIMEOUT`], 180 s).
     pub fn join_timeout(mut self, d: Duration) -> Self {
         self.deadlines.join = d;
         self
@@ -633,18 +667,14 @@ impl MerodClient {
                             source: e.without_url().into(),
                         })?;
                 let status = resp.status().as_u16();
-                if !resp.status().is_success() {
-                    return Err(MerodError::Status {
-                        op,
-                        url: url_text.clone(),
-                        status,
-                    });
-                }
                 let body = resp.bytes().await.map_err(|e| MerodError::Call {
                     op,
                     url: url_text.clone(),
                     source: e.without_url().into(),
                 })?;
+                if !(200..300).contains(&status) {
+                    return Err(refusal_of(op, &url_text, status, &body));
+                }
                 let list: NamespaceList =
                     serde_json::from_slice(&body).map_err(|e| answer_err(e.to_string()))?;
                 for entry in &list.data {
@@ -672,7 +702,8 @@ impl MerodClient {
     /// The node's account (`GET /admin-api/identity` → `data.accountId`, trimmed and
     /// lowercased), bounded by the check deadline (default 10 s).
     ///
-    /// Errors: [`MerodError::Status`] for a non-2xx other than merod's own "not minted yet"
+    /// Errors: [`MerodError::Refused`] (merod said why) or [`MerodError::Status`] for a
+    /// non-2xx other than merod's own "not minted yet"
     /// 404 (which is [`NodeAccount::NotMinted`]); [`MerodError::Answer`] for an account id
     /// that is empty or not printable ASCII without `|` (it is a field of the registration
     /// nonce); transport and timeout as usual.
@@ -700,11 +731,7 @@ impl MerodClient {
             }
         }
         if !(200..300).contains(&status) {
-            return Err(MerodError::Status {
-                op,
-                url: self.url(path).to_string(),
-                status,
-            });
+            return Err(refusal_of(op, self.url(path).as_str(), status, &body));
         }
         let value = value.map_err(|e| answer_err(&e.to_string()))?;
         let account = value
@@ -727,7 +754,8 @@ impl MerodClient {
     /// [`MerodClient::attest`]. The quote is `data.quoteB64` (else a top-level `quoteB64`),
     /// non-empty, returned verbatim.
     ///
-    /// Errors: [`MerodError::Status`] for a non-2xx other than 404 (400: a bad nonce),
+    /// Errors: [`MerodError::Refused`] or [`MerodError::Status`] for a non-2xx other than 404
+    /// (400: a bad nonce),
     /// [`MerodError::Answer`] for a 2xx without a quote; transport and timeout.
     pub async fn registration_attest(&self, nonce: &str) -> Result<Option<String>, MerodError> {
         match self
@@ -738,7 +766,7 @@ impl MerodClient {
             )
             .await
         {
-            Err(MerodError::Status { status: 404, .. }) => Ok(None),
+            Err(e) if e.status() == Some(404) => Ok(None),
             other => other.map(Some),
         }
     }
@@ -748,7 +776,8 @@ impl MerodClient {
     /// and 32 zero bytes, with no registration binding. The quote is `data.quoteB64` (else a
     /// top-level `quoteB64`), non-empty, returned verbatim.
     ///
-    /// Errors: [`MerodError::Status`] for a non-2xx, [`MerodError::Answer`] for a 2xx
+    /// Errors: [`MerodError::Refused`] or [`MerodError::Status`] for a non-2xx,
+    /// [`MerodError::Answer`] for a 2xx
     /// without a quote; transport and timeout.
     pub async fn attest(&self, nonce: &str) -> Result<String, MerodError> {
         self.quote(MerodOp::Attest, "admin-api/tee/attest", nonce)
@@ -759,11 +788,7 @@ impl MerodClient {
         let body = serde_json::json!({ "nonce": nonce });
         let (status, answer) = self.raw(op, path, Some(body), ATTEST_TIMEOUT).await?;
         if !(200..300).contains(&status) {
-            return Err(MerodError::Status {
-                op,
-                url: self.url(path).to_string(),
-                status,
-            });
+            return Err(refusal_of(op, self.url(path).as_str(), status, &answer));
         }
         let answer_err = |reason: String| MerodError::Answer {
             op,
@@ -892,21 +917,9 @@ impl MerodClient {
         })
     }
 
-    /// A non-2xx answer as an error: [`MerodError::Refused`] when it says why.
+    /// A non-2xx answer as an error (see [`refusal`]).
     fn refused(op: MerodOp, url: &Url, answer: &Answered) -> MerodError {
-        match error_message(&answer.body) {
-            Some(message) => MerodError::Refused {
-                op,
-                url: url.to_string(),
-                status: answer.status,
-                message: cut(message, 512),
-            },
-            None => MerodError::Status {
-                op,
-                url: url.to_string(),
-                status: answer.status,
-            },
-        }
+        refusal(op, url.as_str(), answer.status, &answer.body)
     }
 
     /// Whether a refusal of `admitterAddrs` was seen and not yet forgotten (see
@@ -1005,6 +1018,39 @@ fn error_message(body: &Value) -> Option<&str> {
     body.get("error").and_then(Value::as_str)
 }
 
+/// A non-2xx answer with `body` (`Null` when it was not JSON) as an error:
+/// [`MerodError::Refused`] when it says why (`error`, and a typed refusal's `type`), else
+/// [`MerodError::Status`]. Every non-2xx merod answer is read through here.
+fn refusal(op: MerodOp, url: &str, status: u16, body: &Value) -> MerodError {
+    match error_message(body) {
+        Some(message) => {
+            let kind = body
+                .get("type")
+                .and_then(Value::as_str)
+                .filter(|k| !k.is_empty())
+                .map(|k| cut(k, MAX_REFUSAL_TYPE));
+            MerodError::Refused {
+                op,
+                url: url.to_owned(),
+                status,
+                message: cut(message, MAX_REFUSAL_MESSAGE),
+                kind,
+            }
+        }
+        None => MerodError::Status {
+            op,
+            url: url.to_owned(),
+            status,
+        },
+    }
+}
+
+/// [`refusal`] of a body read as bytes (strictly: a key named twice reads as no message).
+fn refusal_of(op: MerodOp, url: &str, status: u16, body: &[u8]) -> MerodError {
+    let value = crate::strict_json::from_slice::<StrictValue>(body).map_or(Value::Null, |v| v.0);
+    refusal(op, url, status, &value)
+}
+
 /// `text` cut to at most `max` chars.
 fn cut(text: &str, max: usize) -> String {
     text.chars().take(max).collect()
@@ -1088,16 +1134,30 @@ impl Node for MerodClient {
         .await
     }
 
+    /// Sent with the connection's own HTTP client, as fleet-join is, so a refusal keeps its
+    /// status and a typed refusal its `type` (calimero-client keeps only the message). A 2xx
+    /// is a leave only with the `data.namespaceId` calimero-client's own type requires.
     async fn leave_namespace(&self, group_id: GroupId) -> Result<(), MerodError> {
         let op = MerodOp::Leave;
-        let id = group_id.to_string();
-        let path = format!("admin-api/namespaces/{id}/leave");
+        let path = format!("admin-api/namespaces/{group_id}/leave");
+        let url = self.url(&path);
         self.bounded(op, &path, self.deadlines.leave, async {
-            self.client
-                .leave_namespace(&id)
-                .await
-                .map(|_| ())
-                .map_err(|e| self.client_error(op, &path, e))
+            let answer = self
+                .send(op, &url, self.connection.client.post(url.clone()))
+                .await?;
+            if !(200..300).contains(&answer.status) {
+                return Err(Self::refused(op, &url, &answer));
+            }
+            match answer.body.pointer("/data/namespaceId") {
+                Some(Value::String(_)) => Ok(()),
+                _ => Err(MerodError::Answer {
+                    op,
+                    url: url.to_string(),
+                    reason: answer
+                        .unreadable
+                        .unwrap_or_else(|| "no string data.namespaceId".to_owned()),
+                }),
+            }
         })
         .await
     }
@@ -1193,11 +1253,20 @@ pub fn parse_fleet_join(answer: &Value) -> Result<Admission, NoAdmitted> {
                 .collect()
         })
         .unwrap_or_default();
+    let admitted_by = match inner.get("admitted_by") {
+        None | Some(Value::Null | Value::Bool(false)) => None,
+        Some(Value::String(s)) => (!s.is_empty()).then(|| cut(s, MAX_REFUSAL_PEER)),
+        Some(Value::Number(n)) => (n.as_f64() != Some(0.0)).then(|| n.to_string()),
+        Some(Value::Array(a)) if a.is_empty() => None,
+        Some(Value::Object(o)) if o.is_empty() => None,
+        Some(v) => Some(cut(&v.to_string(), MAX_REFUSAL_PEER)),
+    };
     Ok(Admission {
         admitted,
         status,
         reasons,
         refusals,
+        admitted_by,
     })
 }
 
@@ -1265,6 +1334,47 @@ mod tests {
         );
         let none = parse_fleet_join(&json!({"admitted": true, "refusals": "x"})).unwrap();
         assert!(none.refusals.is_empty());
+    }
+
+    #[test]
+    fn admitted_by_is_read_when_truthy_flat_or_under_data() {
+        let by = |answer: Value| parse_fleet_join(&answer).unwrap().admitted_by;
+        assert_eq!(
+            by(json!({"admitted": false, "admitted_by": "12D3KooWA", "refusals": []})),
+            Some("12D3KooWA".into())
+        );
+        assert_eq!(
+            by(json!({"data": {"admitted": false, "admitted_by": "p".repeat(300)}}))
+                .map(|p| p.chars().count()),
+            Some(MAX_REFUSAL_PEER)
+        );
+        assert_eq!(
+            by(json!({"admitted": false, "admitted_by": true})),
+            Some("true".into())
+        );
+        assert_eq!(
+            by(json!({"admitted": false, "admitted_by": 3})),
+            Some("3".into())
+        );
+        for falsy in [
+            json!(null),
+            json!(false),
+            json!(0),
+            json!(0.0),
+            json!(""),
+            json!([]),
+            json!({}),
+        ] {
+            assert_eq!(
+                by(json!({"admitted": false, "admitted_by": falsy})),
+                None,
+                "{falsy}"
+            );
+        }
+        assert_eq!(by(json!({"admitted": true})), None);
+        // It is shown, never taken for admission.
+        let a = parse_fleet_join(&json!({"admitted": false, "admitted_by": "12D3KooWA"})).unwrap();
+        assert!(!a.admitted);
     }
 
     #[test]

@@ -49,10 +49,30 @@ pub(crate) struct JoinOutcome {
     pub(crate) error: Option<String>,
 }
 
+/// One fleet-join's end as the job takes it: what MDMA is told, and whether merod admitted
+/// the node (`admitted: true`), which ends the namespace's count. An answer that only names
+/// `admitted_by` is reported `admitted` but keeps the count: the join is still retried, and
+/// the same outcome again is not due.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Attempt {
+    pub(crate) outcome: JoinOutcome,
+    pub(crate) settled: bool,
+}
+
+impl Attempt {
+    /// The attempt one fleet-join call made (see [`JoinOutcome::of`]).
+    pub(crate) fn of(answer: Result<&Admission, &str>) -> Self {
+        Self {
+            outcome: JoinOutcome::of(answer),
+            settled: answer.is_ok_and(|a| a.admitted),
+        }
+    }
+}
+
 impl JoinOutcome {
     /// The outcome of one fleet-join call: `error` when it failed (`failure`, cut to
-    /// [`MAX_ERROR`] chars), `admitted` on `admitted: true`, `refused` when admitting
-    /// nodes said why not, `waiting` otherwise.
+    /// [`MAX_ERROR`] chars), `admitted` on `admitted: true` or a set `admitted_by`,
+    /// `refused` when admitting nodes said why not, `waiting` otherwise.
     pub(crate) fn of(answer: Result<&Admission, &str>) -> Self {
         match answer {
             Err(failure) => JoinOutcome {
@@ -61,7 +81,7 @@ impl JoinOutcome {
                 error: Some(failure.chars().take(MAX_ERROR).collect()),
             },
             Ok(a) => JoinOutcome {
-                state: if a.admitted {
+                state: if a.admitted || a.admitted_by.is_some() {
                     JoinState::Admitted
                 } else if a.refusals.is_empty() {
                     JoinState::Waiting
@@ -118,7 +138,7 @@ pub(crate) fn file_beside(state_file: &Path) -> PathBuf {
 /// Hands join outcomes to the job; sending never waits.
 #[derive(Clone, Debug)]
 pub(crate) struct JoinStatusHandle {
-    tx: Option<mpsc::UnboundedSender<(GroupId, JoinOutcome)>>,
+    tx: Option<mpsc::UnboundedSender<(GroupId, Attempt)>>,
     job: JobHandle<()>,
 }
 
@@ -132,10 +152,10 @@ impl JoinStatusHandle {
     }
 
     /// Hands over the outcome of one fleet-join of `id`.
-    pub(crate) fn record(&self, id: GroupId, outcome: JoinOutcome) {
+    pub(crate) fn record(&self, id: GroupId, attempt: Attempt) {
         if let Some(tx) = &self.tx {
             // The job ends only at shutdown; an outcome after that is not reported.
-            if tx.send((id, outcome)).is_ok() {
+            if tx.send((id, attempt)).is_ok() {
                 self.job.run_soon();
             }
         }
@@ -204,7 +224,7 @@ impl Timed for JoinStatusFailed {
 /// run cut at its deadline leaves nothing lost: the next run takes it up.
 struct JoinStatusJob {
     deps: JobDeps,
-    outcomes: mpsc::UnboundedReceiver<(GroupId, JoinOutcome)>,
+    outcomes: mpsc::UnboundedReceiver<(GroupId, Attempt)>,
     /// Attempts per namespace; `None` until the file is loaded.
     entries: Option<BTreeMap<GroupId, Entry>>,
     /// Reports due, with the attempts they carry: the latest outcome per namespace.
@@ -296,19 +316,18 @@ impl JoinStatusJob {
         let Some(entries) = self.entries.as_mut() else {
             return;
         };
-        while let Ok((id, outcome)) = self.outcomes.try_recv() {
+        while let Ok((id, Attempt { outcome, settled })) = self.outcomes.try_recv() {
             let entry = entries.entry(id).or_default();
             let due = count_attempt(entry, &outcome);
             let attempts = entry.attempts;
-            let admitted = outcome.state == JoinState::Admitted;
             self.deps.telemetry.update(|st| {
-                if admitted {
+                if settled {
                     st.join_outcomes.remove(&id);
                 } else {
                     st.join_outcomes.insert(id, outcome.status(attempts));
                 }
             });
-            if admitted {
+            if settled {
                 entries.remove(&id);
             }
             if due {
@@ -520,13 +539,13 @@ mod tests {
     async fn a_report_mdma_did_not_take_is_sent_again_after_the_back_off() {
         let dir = tempfile::tempdir().unwrap();
         let (mdma, telemetry, stop, handle) = started(dir.path(), &[503]);
-        let waiting = JoinOutcome::of(Ok(&admission(false, &[])));
+        let waiting = Attempt::of(Ok(&admission(false, &[])));
         handle.record(A, waiting.clone());
         // Sent again without a new attempt, and then acknowledged in the file.
         until("the report sent again", || reports(&mdma).len() == 2).await;
         assert_eq!(reports(&mdma), [(JoinState::Waiting, 1); 2]);
         until("the second run ended", || runs(&telemetry) == 2).await;
-        assert_eq!(file(dir.path())[&A].reported, Some(waiting.clone()));
+        assert_eq!(file(dir.path())[&A].reported, Some(waiting.outcome.clone()));
         assert_eq!(telemetry.snapshot().jobs["join_status"].failing, None);
         // The same outcome again is not due: nothing is sent.
         handle.record(A, waiting);
@@ -540,7 +559,7 @@ mod tests {
     async fn a_report_answered_404_is_not_sent_again_until_a_later_outcome() {
         let dir = tempfile::tempdir().unwrap();
         let (mdma, telemetry, stop, handle) = started(dir.path(), &[404]);
-        let waiting = JoinOutcome::of(Ok(&admission(false, &[])));
+        let waiting = Attempt::of(Ok(&admission(false, &[])));
         handle.record(A, waiting.clone());
         until("the first run ended", || runs(&telemetry) == 1).await;
         assert_eq!(reports(&mdma).len(), 1);
@@ -561,6 +580,31 @@ mod tests {
         stop.cancel();
     }
 
+    #[tokio::test]
+    async fn an_answer_naming_admitted_by_alone_is_reported_admitted_and_keeps_its_count() {
+        let dir = tempfile::tempdir().unwrap();
+        let (mdma, telemetry, stop, handle) = started(dir.path(), &[]);
+        let by = Admission {
+            admitted_by: Some("12D3KooWA".into()),
+            ..admission(false, &[])
+        };
+        handle.record(A, Attempt::of(Ok(&by)));
+        until("the report", || reports(&mdma).len() == 1).await;
+        assert_eq!(reports(&mdma), [(JoinState::Admitted, 1)]);
+        until("the first run ended", || runs(&telemetry) == 1).await;
+        // merod did not say `admitted: true`: the join goes on, and so does the count, so
+        // the same answer again is not reported again.
+        handle.record(A, Attempt::of(Ok(&by)));
+        until("the second run ended", || runs(&telemetry) == 2).await;
+        assert_eq!(file(dir.path())[&A].attempts, 2);
+        assert_eq!(reports(&mdma).len(), 1);
+        // `admitted: true` ends the count.
+        handle.record(A, Attempt::of(Ok(&admission(true, &[]))));
+        until("the third run ended", || runs(&telemetry) == 3).await;
+        assert!(!file(dir.path()).contains_key(&A));
+        stop.cancel();
+    }
+
     fn admission(admitted: bool, refusals: &[(&str, &str)]) -> Admission {
         Admission {
             admitted,
@@ -573,6 +617,7 @@ mod tests {
                     reason: (*r).to_owned(),
                 })
                 .collect(),
+            admitted_by: None,
         }
     }
 

@@ -21,7 +21,7 @@ use crate::telemetry::{unix_now, Phase, Projection, Telemetry};
 
 use super::deps::{DaemonError, Deps, NotPersisted};
 use super::held::HELD_READ_TIMEOUT;
-use super::join_status::JoinOutcome;
+use super::join_status::Attempt;
 use super::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
 use super::merod_view::MerodView;
 use super::planner::Planner;
@@ -604,7 +604,7 @@ impl Sidecar {
         id: GroupId,
         end: JoinEnd,
         took: Duration,
-        attempt: Option<Box<JoinOutcome>>,
+        attempt: Option<Box<Attempt>>,
         role: Option<Option<TeeRole>>,
     ) {
         let t = &self.deps.telemetry;

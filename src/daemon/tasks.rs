@@ -25,7 +25,7 @@ use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
 use super::held::{ListUnread, HELD_READ_TIMEOUT};
-use super::join_status::JoinOutcome;
+use super::join_status::Attempt;
 use super::limits::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
 use crate::outcome::CallOutcome;
 
@@ -310,7 +310,7 @@ pub(super) enum Event {
         took: Duration,
         /// How the fleet-join call ended, for join-status (`None`: none was sent); boxed,
         /// so the other events stay small.
-        attempt: Option<Box<JoinOutcome>>,
+        attempt: Option<Box<Attempt>>,
         /// The role reported in the confirm, when one was sent.
         role: Option<Option<TeeRole>>,
     },
@@ -478,7 +478,7 @@ async fn confirm_if_assigned(
 /// the role confirmed (if a confirm was sent).
 struct JoinRun {
     end: JoinEnd,
-    attempt: Option<JoinOutcome>,
+    attempt: Option<Attempt>,
     role: Option<Option<TeeRole>>,
 }
 
@@ -601,12 +601,12 @@ async fn send_fleet_join(
     id: GroupId,
     calls: &Calls,
     join: &JoinArgs,
-) -> Result<(Admission, JoinOutcome), JoinRun> {
+) -> Result<(Admission, Attempt), JoinRun> {
     let limit = join.timeout;
     let sent = calls.merod.fleet_join(id, &join.admitter_addrs);
     let (end, failure) = match timed(&calls.telemetry, "fleet_join", limit, sent).await {
         Some(Ok(a)) => {
-            let attempt = JoinOutcome::of(Ok(&a));
+            let attempt = Attempt::of(Ok(&a));
             return Ok((a, attempt));
         }
         None => (
@@ -620,7 +620,7 @@ async fn send_fleet_join(
     };
     Err(JoinRun {
         end: JoinEnd::Failed(end),
-        attempt: Some(JoinOutcome::of(Err(&failure))),
+        attempt: Some(Attempt::of(Err(&failure))),
         role: None,
     })
 }

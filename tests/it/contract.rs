@@ -94,6 +94,7 @@ async fn fleet_join_answers() {
                 status: want.1.to_owned(),
                 reasons: Vec::new(),
                 refusals: Vec::new(),
+                admitted_by: None,
             },
             "{name}"
         );
@@ -601,7 +602,7 @@ async fn a_404_of_another_shape_is_not_an_answer_about_the_account() {
     let (_s, client) = answering(404, r#"{"error":"Not found"}"#).await;
     assert!(matches!(
         client.identity().await,
-        Err(MerodError::Status { status: 404, .. })
+        Err(MerodError::Refused { status: 404, .. })
     ));
     // An account id that would break the nonce's fields is refused.
     let (_s, client) = answering(200, r#"{"data":{"accountId":"a|b"}}"#).await;
@@ -642,7 +643,7 @@ async fn quotes_are_read_under_data_or_at_the_top_and_a_404_is_the_fallback_sign
     let (_s, recorded, _f) = replay("attest-short-nonce").await;
     assert!(matches!(
         recorded.attest("abcd").await,
-        Err(MerodError::Status { status: 400, .. })
+        Err(MerodError::Refused { status: 400, .. })
     ));
     // As recorded from rc.25 (404, empty, no content type): absent, fall back.
     let (_s, recorded, _f) = replay("registration-attest").await;
@@ -653,6 +654,60 @@ async fn quotes_are_read_under_data_or_at_the_top_and_a_404_is_the_fallback_sign
     let (_s, client) = answering(400, r#"{"error":"bad nonce"}"#).await;
     assert!(matches!(
         client.registration_attest(&nonce).await,
-        Err(MerodError::Status { status: 400, .. })
+        Err(MerodError::Refused { status: 400, .. })
+    ));
+}
+
+/// Newer cores refuse with `{"error", "type"?, "data"?}` (400, 403, 404, 409, 503): every call
+/// keeps the status, the message and the type, in the error and in its text (the log line).
+#[tokio::test]
+async fn a_typed_refusal_keeps_its_status_message_and_type_on_every_call() {
+    let body = r#"{"error":"stale counter","type":"StaleCounter","data":{"expected":4}}"#;
+    let (_s, client) = answering(409, body).await;
+    let id = GroupId::from_bytes([7; 32]);
+    let nonce = "ab".repeat(32);
+    let errors: Vec<(&str, MerodError)> = vec![
+        ("identity", client.identity().await.unwrap_err()),
+        ("attest", client.attest(&nonce).await.unwrap_err()),
+        (
+            "registration-attest",
+            client.registration_attest(&nonce).await.unwrap_err(),
+        ),
+        ("list", client.list_namespaces().await.unwrap_err()),
+        ("get", client.holds_namespace(id).await.unwrap_err()),
+        ("fleet-join", client.fleet_join(id, &[]).await.unwrap_err()),
+        ("leave", client.leave_namespace(id).await.unwrap_err()),
+        ("members", client.tee_role(id, "ab").await.unwrap_err()),
+    ];
+    for (call, err) in errors {
+        match &err {
+            MerodError::Refused {
+                status: 409,
+                message,
+                kind: Some(kind),
+                ..
+            } if message == "stale counter" && kind == "StaleCounter" => {}
+            other => panic!("{call}: {other:?}"),
+        }
+        let text = err.to_string();
+        assert!(
+            text.contains("HTTP 409: stale counter (type StaleCounter)"),
+            "{call}: {text}"
+        );
+    }
+    // The older shape, without a type, and a body that says nothing.
+    let (_s, client) = answering(503, r#"{"error":"undecidable"}"#).await;
+    assert!(matches!(
+        client.list_namespaces().await,
+        Err(MerodError::Refused {
+            status: 503,
+            kind: None,
+            ..
+        })
+    ));
+    let (_s, client) = answering(503, "").await;
+    assert!(matches!(
+        client.leave_namespace(id).await,
+        Err(MerodError::Status { status: 503, .. })
     ));
 }

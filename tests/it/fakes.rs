@@ -287,6 +287,7 @@ impl Node for Fake {
                     status: "joined".to_owned(),
                     reasons: Vec::new(),
                     refusals: Vec::new(),
+                    admitted_by: None,
                 })
             }
             Join::NotAdmitted => Ok(Admission {
@@ -294,6 +295,7 @@ impl Node for Fake {
                 status: "announced".to_owned(),
                 reasons: vec!["no verifier answered".to_owned()],
                 refusals: Vec::new(),
+                admitted_by: None,
             }),
             Join::Error => Err(merod_err(MerodOp::FleetJoin, "Internal server error")),
             Join::Hang => {
