@@ -116,10 +116,19 @@ impl Retries {
         self.entries.remove(&id);
     }
 
-    /// Forgets every namespace for which `candidate` is false (it becoming a candidate
-    /// again later starts afresh).
-    pub(crate) fn keep_only(&mut self, mut candidate: impl FnMut(&GroupId) -> bool) {
-        self.entries.retain(|id, _| candidate(id));
+    /// Forgets every namespace for which `candidate` is false once its wait ended at `now`
+    /// more than `linger` ago (it becoming a candidate again later starts afresh). A wait
+    /// still running is kept whatever `candidate` says: a namespace that stops and starts
+    /// being a candidate (flapping assignments) waits it out rather than starting afresh
+    /// at every flip.
+    pub(crate) fn keep_only(
+        &mut self,
+        now: Instant,
+        linger: Duration,
+        mut candidate: impl FnMut(&GroupId) -> bool,
+    ) {
+        self.entries
+            .retain(|id, e| candidate(id) || now < e.until + linger);
     }
 
     /// The namespaces still waiting at `now` (not to be joined this cycle).
@@ -200,7 +209,17 @@ mod tests {
         assert_eq!(r.fail(a, later, 0.999_999).0, 2);
         r.succeed(a);
         assert_eq!(r.fail(a, later, 0.0).0, 1);
-        r.keep_only(|_| false);
-        assert_eq!(r.fail(a, later, 0.0).0, 1);
+        // No longer a candidate, but its wait (2 s: jitter 0) runs: kept, and so is its
+        // count; once it ended, forgotten.
+        let s = Duration::from_secs;
+        r.keep_only(later + s(1), Duration::ZERO, |_| false);
+        assert!(r.waiting(later + s(1)).contains(&a));
+        r.keep_only(later + s(2), Duration::ZERO, |_| false);
+        assert_eq!(r.fail(a, later + s(2), 0.0).0, 1, "forgotten");
+        // With a linger of 10 s: kept until 10 s after its wait (to +4 s) ended.
+        r.keep_only(later + s(13), s(10), |_| false);
+        assert_eq!(r.fail(a, later + s(13), 0.0).0, 2, "kept");
+        r.keep_only(later + s(25), s(10), |_| false);
+        assert_eq!(r.fail(a, later + s(25), 0.0).0, 1, "forgotten");
     }
 }

@@ -33,8 +33,9 @@
 //!   (or leave) failed is joined (or left) again before its retry wait ends; a leave
 //!   backing off does not take from the rate limit.
 //! * Prune: `confirmed ← confirmed ∩ assigned` (the reference's `confirmed ∩ desired`): a
-//!   retained namespace stays admitted, is never left, and is joined (idempotent) and
-//!   confirmed anew once assigned again. `admitted` shrinks only when merod no longer
+//!   retained namespace stays admitted, is never left, and is planned as a join once
+//!   assigned again (the daemon's join task confirms it without a new fleet-join while merod
+//!   still holds it). `admitted` shrinks only when merod no longer
 //!   holds a namespace.
 
 use std::collections::{BTreeMap, BTreeSet};

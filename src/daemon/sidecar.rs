@@ -432,8 +432,9 @@ impl Sidecar {
                         .get(&id)
                         .cloned()
                         .unwrap_or_default();
+                    let recorded_held = self.record.state().admitted.contains(&id);
                     self.work
-                        .spawn_join(id, &calls, &self.identity.peer_id, addrs);
+                        .spawn_join(id, &calls, &self.identity.peer_id, addrs, recorded_held);
                 }
                 AfterWrite::Leave(id) if start => {
                     let desired = &self.planner.desired;
@@ -624,7 +625,9 @@ impl Sidecar {
         end.log(id, took.as_secs_f64(), retry);
         // `confirmed` follows what MDMA assigns: a poll that withdrew it while the confirm
         // ran has pruned it, and it stays pruned.
-        if matches!(end, JoinEnd::Confirmed) && self.planner.desired.assigned.contains(&id) {
+        if matches!(end, JoinEnd::Confirmed | JoinEnd::ConfirmedHeld)
+            && self.planner.desired.assigned.contains(&id)
+        {
             self.record(Outcome::Confirmed(id));
         }
     }

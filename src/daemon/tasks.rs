@@ -90,6 +90,9 @@ impl crate::outcome::Timed for JoinFailed {
 pub(super) enum JoinEnd {
     /// Admitted, recorded and confirmed to MDMA.
     Confirmed,
+    /// Assigned again while recorded as held, and merod still holds it: confirmed to MDMA
+    /// without a new fleet-join.
+    ConfirmedHeld,
     /// merod answered `admitted: false`.
     NotAdmitted {
         status: String,
@@ -124,9 +127,10 @@ impl JoinEnd {
             JoinEnd::NotAdmitted { .. } => "not_admitted",
             JoinEnd::Failed(f) => CallOutcome::of_error(f).label(),
             JoinEnd::NotHeld => "not_held",
-            JoinEnd::Confirmed | JoinEnd::ConfirmFailed(_) | JoinEnd::ConfirmTimedOut(_) => {
-                return None
-            }
+            JoinEnd::Confirmed
+            | JoinEnd::ConfirmedHeld
+            | JoinEnd::ConfirmFailed(_)
+            | JoinEnd::ConfirmTimedOut(_) => return None,
             JoinEnd::RoleUnread(_)
             | JoinEnd::NotPersisted
             | JoinEnd::NotAssigned
@@ -136,7 +140,10 @@ impl JoinEnd {
 
     /// Whether the join succeeded (else it backs off before the next attempt).
     pub(super) fn succeeded(&self) -> bool {
-        matches!(self, JoinEnd::Confirmed | JoinEnd::NotAssigned)
+        matches!(
+            self,
+            JoinEnd::Confirmed | JoinEnd::ConfirmedHeld | JoinEnd::NotAssigned
+        )
     }
 
     /// Whether it ended without a failure to back off from (nothing was tried).
@@ -151,6 +158,11 @@ impl JoinEnd {
         match self {
             JoinEnd::Confirmed => {
                 info!(namespace_id = %id, outcome = "confirmed", duration, "confirmed to MDMA");
+            }
+            JoinEnd::ConfirmedHeld => {
+                // `failures` here counts re-assignments in a row (flaps), each spaced
+                // further from the last.
+                info!(namespace_id = %id, outcome = "confirmed_held", duration, flaps = failures, "assigned again while merod held it throughout: confirmed to MDMA without a new fleet-join; if it flaps again, confirmed again no sooner than in {wait:?}");
             }
             JoinEnd::NotAdmitted { status, reasons } => {
                 let reasons = if reasons.is_empty() {
@@ -576,6 +588,25 @@ async fn join_task(
     if !calls.latest_poll.borrow().assigned.contains(&id) {
         return JoinEnd::Withdrawn.into();
     }
+    // Assigned again while recorded as held (a withdrawal that did not last, two MDMA
+    // replicas that disagree): merod's own answer decides. Held: confirmed again, with no
+    // attested fleet-join. Not held, or unknown: joined as ever (joining is idempotent).
+    if join.recorded_held
+        && check_held(&calls.telemetry, calls.merod.as_ref(), id)
+            .await
+            .is_ok_and(|held| held)
+    {
+        let (end, role) = confirm_with_role(id, calls, &peer_id).await;
+        let end = match end {
+            JoinEnd::Confirmed => JoinEnd::ConfirmedHeld,
+            other => other,
+        };
+        return JoinRun {
+            end,
+            attempt: None,
+            role,
+        };
+    }
     let (admission, attempt) = match send_fleet_join(id, calls, &join).await {
         Ok(answered) => answered,
         Err(failed) => return failed,
@@ -648,6 +679,16 @@ async fn after_admission(
         Ok(false) => return (JoinEnd::NotAssigned, None),
         Err(_) => return (JoinEnd::NotPersisted, None),
     }
+    confirm_with_role(id, calls, peer_id).await
+}
+
+/// A namespace merod holds and the state records: the role is read, and the confirm with
+/// it passes the gate. The join's end, and the role confirmed when a confirm was sent.
+async fn confirm_with_role(
+    id: GroupId,
+    calls: &Calls,
+    peer_id: &PeerId,
+) -> (JoinEnd, Option<Option<TeeRole>>) {
     let role = match read_role(calls, id).await {
         Ok(role) => role,
         Err(why) => return (JoinEnd::RoleUnread(why), None),
@@ -700,6 +741,8 @@ async fn role_check(
 
 /// What a join is sent with.
 struct JoinArgs {
+    /// The state records merod holding it (it was admitted, and assigned again since).
+    recorded_held: bool,
     /// Bound of the fleet-join.
     timeout: Duration,
     /// The assignment's `admitter_addrs` (empty: broadcast only).
@@ -766,6 +809,10 @@ pub(super) struct InFlight {
     join_retry: Retries,
     /// Back-off of failed leaves.
     leave_retry: Retries,
+    /// Re-assignments in a row of namespaces merod held throughout (flapping assignments),
+    /// each confirmed again no sooner than the back-off of joins allows; forgotten
+    /// [`RETRY_MAX`] after the last wait ended.
+    flaps: Retries,
     /// What the tasks send the loop.
     events_tx: mpsc::UnboundedSender<Event>,
     events_rx: mpsc::UnboundedReceiver<Event>,
@@ -788,6 +835,7 @@ impl InFlight {
             join_permits: Arc::new(Semaphore::new(cfg.max_concurrent_joins)),
             join_retry: Retries::default(),
             leave_retry: Retries::default(),
+            flaps: Retries::default(),
             events_tx,
             events_rx,
             join_timeout: cfg.join_timeout,
@@ -849,8 +897,11 @@ impl InFlight {
         calls: &Calls,
         peer_id: &PeerId,
         admitter_addrs: Vec<String>,
+        recorded_held: bool,
     ) {
-        if admitter_addrs.is_empty() {
+        if recorded_held {
+            info!(namespace_id = %id, "assigned again while recorded as held: confirming (a fleet-join only if merod no longer holds it)");
+        } else if admitter_addrs.is_empty() {
             info!(namespace_id = %id, "joining (fleet-join)");
         } else {
             info!(namespace_id = %id, admitters = admitter_addrs.len(), "joining (fleet-join, direct admission by the admitting nodes MDMA named)");
@@ -860,6 +911,7 @@ impl InFlight {
         let permits = Arc::clone(&self.join_permits);
         let events = self.events_tx.clone();
         let join = JoinArgs {
+            recorded_held,
             timeout: self.join_timeout,
             admitter_addrs,
         };
@@ -973,19 +1025,25 @@ impl InFlight {
         self.joins_or_leaves(id) || self.checking.contains(id)
     }
 
-    /// The namespaces whose joins and whose leaves back off at `now`, for planning; the
-    /// back-offs of joins `desired` no longer assigns, and of leaves of namespaces it
-    /// assigns or retains again, are forgotten first.
+    /// The namespaces whose joins (and re-confirms of flapping ones) and whose leaves back
+    /// off at `now`, for planning. The back-offs of joins `desired` no longer assigns, and
+    /// of leaves of namespaces it assigns or retains again, are forgotten first once their
+    /// wait ended [`RETRY_MAX`] ago: a namespace assigned, withdrawn and assigned again
+    /// (flapping) keeps its back-off across the flips rather than being tried at each.
     pub(super) fn backoffs(
         &mut self,
         desired: &Desired,
         now: Instant,
     ) -> (BTreeSet<GroupId>, BTreeSet<GroupId>) {
         self.join_retry
-            .keep_only(|id| desired.assigned.contains(id));
-        self.leave_retry
-            .keep_only(|id| !desired.assigned.contains(id) && !desired.retain.contains(id));
-        (self.join_retry.waiting(now), self.leave_retry.waiting(now))
+            .keep_only(now, RETRY_MAX, |id| desired.assigned.contains(id));
+        self.leave_retry.keep_only(now, RETRY_MAX, |id| {
+            !desired.assigned.contains(id) && !desired.retain.contains(id)
+        });
+        self.flaps.keep_only(now, RETRY_MAX, |_| false);
+        let mut joins = self.join_retry.waiting(now);
+        joins.extend(self.flaps.waiting(now));
+        (joins, self.leave_retry.waiting(now))
     }
 
     /// A check (drift or role) of `id` ended.
@@ -1002,6 +1060,9 @@ impl InFlight {
             (0, Duration::ZERO)
         } else if end.succeeded() {
             self.join_retry.succeed(id);
+            if matches!(end, JoinEnd::ConfirmedHeld) {
+                return self.flaps.fail(id, Instant::now(), fastrand::f64());
+            }
             (0, Duration::ZERO)
         } else {
             self.back_off_join(id)

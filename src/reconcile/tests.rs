@@ -1145,8 +1145,12 @@ fn simulate(
                 .and_modify(|o| *o += elapsed)
                 .or_insert(Duration::ZERO);
         }
-        join_retry.keep_only(|id| d.assigned.contains(id));
-        leave_retry.keep_only(|id| !d.assigned.contains(id) && !d.retain.contains(id));
+        // As the daemon does (`InFlight::backoffs`).
+        let linger = crate::backoff::RETRY_MAX;
+        join_retry.keep_only(now, linger, |id| d.assigned.contains(id));
+        leave_retry.keep_only(now, linger, |id| {
+            !d.assigned.contains(id) && !d.retain.contains(id)
+        });
         let in_flight: BTreeSet<GroupId> = hung.keys().copied().collect();
         let leave_backoff = leave_retry.waiting(now);
         let p = plan(PlanInput {

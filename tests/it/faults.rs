@@ -54,9 +54,22 @@ async fn a_failing_join_backs_off(answer: Join) {
     tokio::time::sleep(Duration::from_secs(600)).await;
     backed_off_over_600_s("fleet-joins", &join_times(&fake));
 
-    // Once MDMA no longer assigns it the retry state is dropped: a new assignment starts at 2 s.
+    // Withdrawn for 5 s and assigned again (flapping): the back-off is kept, so no retries
+    // 2 s apart follow.
     fake.with(|w| w.assignments.clear());
     tokio::time::sleep(Duration::from_secs(5)).await;
+    fake.with(|w| {
+        w.assignments.insert(c);
+        w.joins.clear();
+    });
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let kept = join_times(&fake);
+    assert!(kept.len() <= 1, "kept across a flip: {kept:?}");
+
+    // Not assigned for a minute past its wait (≤ 60 s): the retry state is dropped, and a
+    // new assignment starts at 2 s.
+    fake.with(|w| w.assignments.clear());
+    tokio::time::sleep(Duration::from_secs(125)).await;
     fake.with(|w| {
         w.assignments.insert(c);
         w.joins.clear();
@@ -214,7 +227,8 @@ async fn a_failing_state_write_backs_off_to_60_s() {
 
 /// A leave that keeps failing (merod errs and still lists the namespace) is retried 2 s,
 /// 4 s, 8 s … up to 60 s apart, not every poll; the status says it is backing off; MDMA
-/// assigning it again drops the retry state, and a leave that finally succeeds is recorded.
+/// assigning it again for a minute past the wait drops the retry state (a brief
+/// re-assignment does not), and a leave that finally succeeds is recorded.
 #[tokio::test(start_paused = true)]
 async fn a_failing_leave_backs_off_to_60_s() {
     let node = NodeDir::new();
@@ -244,10 +258,22 @@ async fn a_failing_leave_backs_off_to_60_s() {
         status.leaving
     );
 
-    // Assigned again, then withdrawn again: the retry state was dropped, so the first
-    // retry comes 2–3 s after the first failure again.
+    // Assigned again for 5 s, then withdrawn again (flapping): the back-off is kept, so
+    // no retries 2 s apart follow.
     fake.with(|w| w.assignments.insert(a));
     tokio::time::sleep(Duration::from_secs(5)).await;
+    fake.with(|w| {
+        w.assignments.remove(&a);
+        w.leaves.clear();
+    });
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    let kept = leave_times();
+    assert!(kept.len() <= 1, "kept across a flip: {kept:?}");
+
+    // Assigned again for a minute past its wait (≤ 60 s), then withdrawn again: the retry
+    // state was dropped, so the first retry comes 2–3 s after the first failure again.
+    fake.with(|w| w.assignments.insert(a));
+    tokio::time::sleep(Duration::from_secs(125)).await;
     fake.with(|w| {
         w.assignments.remove(&a);
         w.leaves.clear();

@@ -193,7 +193,10 @@ async fn a_retained_namespace_drops_out_of_confirmed_and_is_confirmed_again_once
     until_polls(&fake, 8).await;
     running.stop().await;
     fake.with(|w| {
-        assert!(w.joins.iter().any(|(g, _)| *g == moved), "joined again");
+        assert!(
+            !w.joins.iter().any(|(g, _)| *g == moved),
+            "merod held it throughout: no new fleet-join"
+        );
         assert!(
             w.confirms.iter().any(|(g, _)| *g == moved),
             "and confirmed again"

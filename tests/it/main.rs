@@ -34,6 +34,7 @@ mod registration;
 mod reliability;
 mod schema;
 mod soak;
+mod storms;
 mod time_rules;
 mod tls;
 mod transport;

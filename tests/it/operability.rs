@@ -186,9 +186,11 @@ async fn metrics_after_a_scripted_scenario() {
         1.0,
         "{text}"
     );
+    // B's confirm failed once: it is retried as a confirm alone, merod holding B (no new
+    // attested fleet-join).
     assert_eq!(
         metric(&text, "fleet_sidecar_joins_total{outcome=\"admitted\"}"),
-        3.0,
+        2.0,
         "{text}"
     );
     assert_eq!(
@@ -237,7 +239,7 @@ async fn metrics_after_a_scripted_scenario() {
         metric(
             &text,
             "fleet_sidecar_call_duration_seconds_count{call=\"fleet_join\"}"
-        ) >= 3.0
+        ) >= 2.0
     );
     assert!(
         metric(
