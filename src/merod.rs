@@ -17,8 +17,8 @@
 
 use std::collections::BTreeSet;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -48,6 +48,10 @@ pub const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 /// 35 s of direct admission, up to 30 s of admission wait, then the namespace's contexts join,
 /// which takes longer the more contexts there are.
 pub const JOIN_TIMEOUT: Duration = Duration::from_secs(180);
+/// How long a refusal of `admitterAddrs` (an older core) holds by default before the field
+/// is offered again: merod may have been upgraded and restarted between two readiness probes,
+/// unseen. Offering it to an older core costs one extra 400 per fleet-join this often.
+pub const ADMITTER_ADDRS_RETRY: Duration = Duration::from_secs(600);
 /// Default bound of a namespace leave.
 pub const LEAVE_TIMEOUT: Duration = Duration::from_secs(60);
 /// Default bound of a membership check or a namespace listing.
@@ -460,6 +464,7 @@ struct Deadlines {
 pub struct MerodClientBuilder {
     admin_url: Url,
     deadlines: Deadlines,
+    addrs_retry: Duration,
 }
 
 impl MerodClientBuilder {
@@ -500,6 +505,13 @@ impl MerodClientBuilder {
         self
     }
 
+    /// How long a refusal of `admitterAddrs` holds before the field is offered again
+    /// (default [`ADMITTER_ADDRS_RETRY`], 10 min; see [`MerodClient::admitter_addrs_refused`]).
+    pub fn admitter_addrs_retry(mut self, d: Duration) -> Self {
+        self.addrs_retry = d;
+        self
+    }
+
     /// Builds the client. Nothing is sent yet.
     ///
     /// Errors: [`MerodError::Call`] with [`MerodOp::Connect`] when the HTTP client cannot
@@ -529,7 +541,10 @@ impl MerodClientBuilder {
             client,
             connection,
             deadlines: self.deadlines,
-            addrs_refused: Arc::new(AtomicBool::new(false)),
+            addrs_refused: Arc::new(AddrsRefusal {
+                holds_for: self.addrs_retry,
+                since: Mutex::new(None),
+            }),
         })
     }
 }
@@ -554,8 +569,29 @@ pub struct MerodClient {
     connection: Connection,
     deadlines: Deadlines,
     /// merod refused `admitterAddrs` (an older core): not offered again until it is seen
-    /// down (a refused connection: it restarts) or this process restarts. Shared by clones.
-    addrs_refused: Arc<AtomicBool>,
+    /// down (a refused connection: it restarts), the refusal is older than its bound, or
+    /// this process restarts. Shared by clones.
+    addrs_refused: Arc<AddrsRefusal>,
+}
+
+/// When merod last refused `admitterAddrs`, and how long that holds.
+#[derive(Debug)]
+struct AddrsRefusal {
+    holds_for: Duration,
+    /// On the monotonic clock: a wall-clock step neither ends nor prolongs it.
+    since: Mutex<Option<std::time::Instant>>,
+}
+
+impl AddrsRefusal {
+    fn set(&self, refused: bool) {
+        let mut since = self.since.lock().unwrap_or_else(PoisonError::into_inner);
+        *since = refused.then(std::time::Instant::now);
+    }
+
+    fn holds(&self) -> bool {
+        let since = self.since.lock().unwrap_or_else(PoisonError::into_inner);
+        since.is_some_and(|t| t.elapsed() < self.holds_for)
+    }
 }
 
 impl MerodClient {
@@ -579,6 +615,7 @@ impl MerodClient {
                 check: CHECK_TIMEOUT,
                 members: MEMBERS_TIMEOUT,
             },
+            addrs_retry: ADMITTER_ADDRS_RETRY,
         }
     }
 
@@ -895,7 +932,7 @@ impl MerodClient {
     ) -> Result<Answered, MerodError> {
         let transport = |e: reqwest::Error| {
             if e.is_connect() {
-                self.addrs_refused.store(false, Ordering::Relaxed);
+                self.addrs_refused.set(false);
             }
             MerodError::Call {
                 op,
@@ -922,10 +959,13 @@ impl MerodClient {
         refusal(op, url.as_str(), answer.status, &answer.body)
     }
 
-    /// Whether a refusal of `admitterAddrs` was seen and not yet forgotten (see
-    /// [`Node::fleet_join`] on [`MerodClient`]).
+    /// Whether a refusal of `admitterAddrs` was seen and not yet forgotten: it is forgotten
+    /// when merod is seen down (a refused connection, a failed readiness probe) and once it
+    /// is older than [`MerodClientBuilder::admitter_addrs_retry`] (default
+    /// [`ADMITTER_ADDRS_RETRY`], 10 min), so a merod upgraded between two probes gets the
+    /// field again (see [`Node::fleet_join`] on [`MerodClient`]).
     pub fn admitter_addrs_refused(&self) -> bool {
-        self.addrs_refused.load(Ordering::Relaxed)
+        self.addrs_refused.holds()
     }
 
     /// The TEE role of `account` (lowercase 64 hex, from [`MerodClient::identity`]) in
@@ -1074,7 +1114,7 @@ impl Node for MerodClient {
                 .map(|_| ())
                 .map_err(|e| {
                     // merod down: the one that comes back may take admitterAddrs.
-                    self.addrs_refused.store(false, Ordering::Relaxed);
+                    self.addrs_refused.set(false);
                     self.client_error(op, path, e)
                 })
         })
@@ -1084,7 +1124,7 @@ impl Node for MerodClient {
     /// Sends `admitterAddrs` when `admitter_addrs` is not empty and merod has not refused
     /// the field. A 400 naming it ([`refuses_admitter_addrs`]: an older core) is asked again
     /// at once without it, and the field is not offered again until merod is seen down or
-    /// this client's process restarts ([`MerodClient::admitter_addrs_refused`]).
+    /// the refusal is [`ADMITTER_ADDRS_RETRY`] old ([`MerodClient::admitter_addrs_refused`]).
     async fn fleet_join(
         &self,
         group_id: GroupId,
@@ -1108,8 +1148,8 @@ impl Node for MerodClient {
                     .send(op, &url, self.connection.client.post(url.clone()).json(&body))
                     .await?;
                 if !addrs.is_empty() && refuses_admitter_addrs(answer.status, &answer.body) {
-                    self.addrs_refused.store(true, Ordering::Relaxed);
-                    tracing::warn!("merod refused admitterAddrs (an older core): joining without the admitting nodes' addresses until merod restarts");
+                    self.addrs_refused.set(true);
+                    tracing::warn!("merod refused admitterAddrs (an older core): joining without the admitting nodes' addresses until merod is seen restarting or the refusal is {:?} old", self.addrs_refused.holds_for);
                     addrs = &[];
                     continue;
                 }

@@ -288,3 +288,44 @@ async fn an_admission_merod_does_not_list_yet_stays_recorded_and_is_checked_agai
     .await;
     d.stop().await;
 }
+
+/// merod upgraded and restarted between two readiness probes (never seen down): a refusal of
+/// `admitterAddrs` does not stick for the life of the process, the field is offered again
+/// once the refusal is older than its bound.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_admitter_addrs_is_offered_again_after_its_bound() {
+    use fleet_sidecar::emulator::merod::MerodEmulator;
+    let merod = MerodEmulator::start().await.unwrap();
+    merod.set_older_core(true);
+    let bound = Duration::from_millis(500);
+    let client = MerodClient::builder(merod.url())
+        .admitter_addrs_retry(bound)
+        .build()
+        .unwrap();
+    let addrs = [ADMITTER.to_owned()];
+    let joins = || -> Vec<(u16, bool)> {
+        merod
+            .calls()
+            .into_iter()
+            .filter(|c| c.path == "/admin-api/tee/fleet-join")
+            .map(|c| (c.status, c.body.contains("admitterAddrs")))
+            .collect()
+    };
+    assert!(client.fleet_join(gid(A), &addrs).await.unwrap().admitted);
+    assert!(client.admitter_addrs_refused());
+    // The newer core is up now; the refusal still holds within its bound.
+    merod.set_older_core(false);
+    assert!(client.fleet_join(gid(A), &addrs).await.unwrap().admitted);
+    tokio::time::sleep(bound).await;
+    assert!(
+        !client.admitter_addrs_refused(),
+        "forgotten after its bound"
+    );
+    assert!(client.fleet_join(gid(A), &addrs).await.unwrap().admitted);
+    assert_eq!(
+        joins(),
+        [(400, true), (200, false), (200, false), (200, true)],
+        "asked again without the field, then offered it again"
+    );
+    assert!(!client.admitter_addrs_refused());
+}
