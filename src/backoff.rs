@@ -80,6 +80,18 @@ pub(crate) const RETRY_MAX: Duration = Duration::from_secs(60);
 /// [`RETRY_MAX`], each wait between half its base and its base (never below [`RETRY_MIN`]).
 pub(crate) const RETRY: Backoff = Backoff::new(RETRY_MIN, RETRY_MAX, Jitter::Down);
 
+/// The longest wait a `Retry-After` imposes on a request the daemon repeats (the poll, a
+/// confirm, a join-status report, a registration attempt). The poll is the node's heartbeat
+/// and MDMA treats a node that stops polling as gone: MDMA may ask for fewer requests, never
+/// for a silence longer than this (the back-off cap of joins, leaves and confirms too).
+pub(crate) const RETRY_AFTER_MAX: Duration = RETRY_MAX;
+
+/// The wait a `Retry-After` of `asked` imposes: `asked`, at most [`RETRY_AFTER_MAX`]; none
+/// when nothing was asked. A back-off waits at least this.
+pub(crate) fn asked_wait(asked: Option<Duration>) -> Duration {
+    asked.map_or(Duration::ZERO, |d| d.min(RETRY_AFTER_MAX))
+}
+
 #[derive(Clone, Copy, Debug)]
 struct Entry {
     failures: u32,
@@ -93,14 +105,21 @@ pub(crate) struct Retries {
 }
 
 impl Retries {
-    /// Records a failed attempt on `id` at `now`; returns the failures in a row (1 for the
-    /// first) and the wait before the next attempt.
-    pub(crate) fn fail(&mut self, id: GroupId, now: Instant, jitter: f64) -> (u32, Duration) {
+    /// Records a failed attempt on `id` at `now`, whose answer asked for `asked`
+    /// (`Retry-After`); returns the failures in a row (1 for the first) and the wait before
+    /// the next attempt: the back-off's, or what was asked if longer (see [`asked_wait`]).
+    pub(crate) fn fail(
+        &mut self,
+        id: GroupId,
+        now: Instant,
+        jitter: f64,
+        asked: Option<Duration>,
+    ) -> (u32, Duration) {
         let failures = self
             .entries
             .get(&id)
             .map_or(1, |e| e.failures.saturating_add(1));
-        let wait = RETRY.wait(failures, jitter);
+        let wait = RETRY.wait(failures, jitter).max(asked_wait(asked));
         self.entries.insert(
             id,
             Entry {
@@ -201,25 +220,25 @@ mod tests {
         let a = GroupId::from_bytes([1; 32]);
         let mut r = Retries::default();
         let t0 = Instant::now();
-        assert_eq!(r.fail(a, t0, 0.999_999).0, 1);
+        assert_eq!(r.fail(a, t0, 0.999_999, None).0, 1);
         assert!(r.waiting(t0).contains(&a));
         // Long after the wait ended, the next failure still doubles.
         let later = t0 + Duration::from_secs(600);
         assert!(r.waiting(later).is_empty());
-        assert_eq!(r.fail(a, later, 0.999_999).0, 2);
+        assert_eq!(r.fail(a, later, 0.999_999, None).0, 2);
         r.succeed(a);
-        assert_eq!(r.fail(a, later, 0.0).0, 1);
+        assert_eq!(r.fail(a, later, 0.0, None).0, 1);
         // No longer a candidate, but its wait (2 s: jitter 0) runs: kept, and so is its
         // count; once it ended, forgotten.
         let s = Duration::from_secs;
         r.keep_only(later + s(1), Duration::ZERO, |_| false);
         assert!(r.waiting(later + s(1)).contains(&a));
         r.keep_only(later + s(2), Duration::ZERO, |_| false);
-        assert_eq!(r.fail(a, later + s(2), 0.0).0, 1, "forgotten");
+        assert_eq!(r.fail(a, later + s(2), 0.0, None).0, 1, "forgotten");
         // With a linger of 10 s: kept until 10 s after its wait (to +4 s) ended.
         r.keep_only(later + s(13), s(10), |_| false);
-        assert_eq!(r.fail(a, later + s(13), 0.0).0, 2, "kept");
+        assert_eq!(r.fail(a, later + s(13), 0.0, None).0, 2, "kept");
         r.keep_only(later + s(25), s(10), |_| false);
-        assert_eq!(r.fail(a, later + s(25), 0.0).0, 1, "forgotten");
+        assert_eq!(r.fail(a, later + s(25), 0.0, None).0, 1, "forgotten");
     }
 }

@@ -32,7 +32,7 @@ use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::backoff::Backoff;
+use crate::backoff::{asked_wait, Backoff};
 use crate::outcome::{CallOutcome, Timed};
 use crate::telemetry::{unix_now, JobLabel, JobOutcomeLabel, Telemetry};
 
@@ -83,6 +83,13 @@ pub(crate) trait Job: Send + 'static {
     /// carries): what the job withdraws of its earlier results, or shows of the failure
     /// (the default: nothing).
     fn failed(&mut self, _why: &str) {}
+
+    /// The wait the failure's answer asked for (a `Retry-After`), if any: the next run waits
+    /// at least that long (at most `backoff::RETRY_AFTER_MAX`), a request included. The
+    /// default: none.
+    fn retry_after(_error: &Self::Error) -> Option<Duration> {
+        None
+    }
 
     /// After a good run: whether the job is done (it then ends; the default: never).
     fn finished(&self) -> bool {
@@ -260,6 +267,8 @@ async fn drive<J: Job>(
             () = shutdown.cancelled() => return,
             ran = timeout(schedule.deadline, job.run()) => ran,
         };
+        // What a failed run's answer asked for: no run, asked for or not, before it ends.
+        let mut asked_for = Duration::ZERO;
         let outcome = match ran {
             Ok(Ok(value)) => {
                 generation += 1;
@@ -272,6 +281,7 @@ async fn drive<J: Job>(
                 CallOutcome::Ok
             }
             Ok(Err(e)) => {
+                asked_for = asked_wait(J::retry_after(&e));
                 let outcome = CallOutcome::of_error(&e);
                 told.failed::<J>(e.to_string());
                 outcome
@@ -317,9 +327,9 @@ async fn drive<J: Job>(
             tx.send_replace(Latest::Failed);
             // From the end of the failed run: a run cut at its deadline still backs off.
             let wait = schedule.backoff.wait(told.failures, fastrand::f64());
-            Some(Instant::now() + wait)
+            Some(Instant::now() + wait.max(asked_for))
         };
-        let earliest = Some(started + schedule.min_gap);
+        let earliest = Some((started + schedule.min_gap).max(Instant::now() + asked_for));
         if !wait_for_next(&mut job, next, earliest, &asked, &shutdown).await {
             return;
         }

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, RwLock};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
@@ -78,12 +78,19 @@ pub enum RequestError {
         url: Url,
         /// The HTTP status.
         status: u16,
+        /// The wait the answer's `Retry-After` asked for, in whole seconds from when it
+        /// came (delay-seconds, or an HTTP date less the wall clock then, rounded up);
+        /// `None` when absent or unreadable. Read as a [`Duration`] with
+        /// [`RequestError::retry_after`]. The daemon waits at least this, at most 60 s,
+        /// before sending the same kind of request again. (Seconds in a `u32`, and the body
+        /// boxed, keep the error small.)
+        retry_after_secs: Option<u32>,
         /// The start of the answer's body, for people: read lossily as UTF-8 (at most 4 KiB
         /// read), surrounding whitespace trimmed, control characters escaped (`\n`,
         /// `\u{1b}`), cut to at most 512 chars (then ending in `…`), the client's own token
         /// replaced by `[redacted]` should MDMA echo it. Empty when the body was empty or
-        /// could not be read. Never holds a request header.
-        body: String,
+        /// could not be read. Never holds a request header. (Boxed: the error stays small.)
+        body: Box<str>,
     },
 }
 
@@ -91,6 +98,14 @@ pub enum RequestError {
 const REFUSAL_READ: usize = 4096;
 /// Chars of a refusal's body kept in [`RequestError::Status`]'s `body`.
 const REFUSAL_CHARS: usize = 512;
+
+/// An answer's `Retry-After` (see `net::retry_after`) in whole seconds, rounded up.
+fn retry_after_secs(headers: &reqwest::header::HeaderMap) -> Option<u32> {
+    crate::net::retry_after(headers, SystemTime::now()).map(|d| {
+        let secs = d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0));
+        u32::try_from(secs).unwrap_or(u32::MAX)
+    })
+}
 
 /// `: <body>` after the status, or nothing for an empty body.
 fn reason_suffix(body: &str) -> String {
@@ -145,6 +160,17 @@ impl RequestError {
     pub fn is_timeout(&self) -> bool {
         matches!(self, RequestError::Timeout { .. })
     }
+
+    /// The wait MDMA's answer asked for (its `Retry-After`), unbounded: see
+    /// [`RequestError::Status`]'s `retry_after`. `None` for a failure without an answer.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            RequestError::Status {
+                retry_after_secs, ..
+            } => retry_after_secs.map(|s| Duration::from_secs(s.into())),
+            _ => None,
+        }
+    }
 }
 
 #[cfg(feature = "daemon")]
@@ -196,6 +222,14 @@ pub enum MalformedAnswer {
 }
 
 impl PollError {
+    /// The wait MDMA's answer asked for (`Retry-After` on a refused poll), unbounded.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            PollError::Request(e) => e.retry_after(),
+            PollError::Deadline { .. } | PollError::Malformed { .. } => None,
+        }
+    }
+
     /// The failure's one classification: the `outcome` label of
     /// `fleet_sidecar_polls_total` and the `error_kind` of its log line — `transport`,
     /// `timeout` (the client's or the loop's deadline), `status`, `malformed`.
@@ -436,6 +470,9 @@ pub enum RegisterError {
     Unavailable {
         /// The request URL.
         url: Url,
+        /// The wait the answer's `Retry-After` asked for, in whole seconds (see
+        /// [`RequestError::Status`]'s `retry_after_secs`).
+        retry_after_secs: Option<u32>,
     },
     /// Another status than 2xx.
     #[error("{method} {url}: HTTP {status}")]
@@ -446,6 +483,9 @@ pub enum RegisterError {
         url: Url,
         /// The HTTP status.
         status: u16,
+        /// The wait the answer's `Retry-After` asked for, in whole seconds (see
+        /// [`RequestError::Status`]'s `retry_after_secs`).
+        retry_after_secs: Option<u32>,
     },
     /// A 2xx answer of the wrong shape (not JSON, no `challenge`, an unsendable token).
     #[error("{method} {url}: unexpected answer: {reason}")]
@@ -463,6 +503,19 @@ impl RegisterError {
     /// Whether the call ran out of time.
     pub fn is_timeout(&self) -> bool {
         matches!(self, RegisterError::Timeout { .. })
+    }
+
+    /// The wait MDMA's answer asked for (its `Retry-After`), unbounded; `None` without one.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            RegisterError::Unavailable {
+                retry_after_secs, ..
+            }
+            | RegisterError::Status {
+                retry_after_secs, ..
+            } => retry_after_secs.map(|s| Duration::from_secs(s.into())),
+            _ => None,
+        }
     }
 }
 
@@ -934,6 +987,10 @@ impl MdmaClient {
     /// [`RequestError::Status`] for a refusal, with the start of its body (never a header).
     async fn refused(&self, url: &Url, mut resp: reqwest::Response) -> RequestError {
         let status = resp.status().as_u16();
+        let retry_after_secs =
+            crate::net::retry_after(resp.headers(), SystemTime::now()).map(|d| {
+                u32::try_from(d.as_secs() + u64::from(d.subsec_nanos() > 0)).unwrap_or(u32::MAX)
+            });
         let mut bytes = Vec::new();
         // Within the request's own timeout; a body that fails to arrive is left out.
         while bytes.len() < REFUSAL_READ {
@@ -946,7 +1003,8 @@ impl MdmaClient {
         RequestError::Status {
             url: url.clone(),
             status,
-            body: refusal_excerpt(&bytes, self.token.get().as_ref()),
+            retry_after_secs,
+            body: refusal_excerpt(&bytes, self.token.get().as_ref()).into_boxed_str(),
         }
     }
 
@@ -1121,17 +1179,22 @@ impl MdmaClient {
         let call = async {
             let resp = req.send().await.map_err(fail)?;
             let status = resp.status().as_u16();
+            let retry_after_secs = || retry_after_secs(resp.headers());
             match status {
                 200..=299 => {}
                 403 if method == "POST" => return Err(RegisterError::Refused { url: url.clone() }),
                 503 if method == "POST" => {
-                    return Err(RegisterError::Unavailable { url: url.clone() })
+                    return Err(RegisterError::Unavailable {
+                        url: url.clone(),
+                        retry_after_secs: retry_after_secs(),
+                    })
                 }
                 _ => {
                     return Err(RegisterError::Status {
                         method,
                         url: url.clone(),
                         status,
+                        retry_after_secs: retry_after_secs(),
                     })
                 }
             }
@@ -1458,6 +1521,7 @@ mod tests {
         let refused = RequestError::Status {
             url: url.clone(),
             status: 403,
+            retry_after_secs: None,
             body: "no such node".into(),
         };
         assert_eq!(
@@ -1467,7 +1531,8 @@ mod tests {
         let bare = RequestError::Status {
             url,
             status: 503,
-            body: String::new(),
+            retry_after_secs: None,
+            body: Box::default(),
         };
         assert!(bare.to_string().ends_with("HTTP 503"), "{bare}");
     }

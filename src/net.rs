@@ -1,7 +1,33 @@
 //! What every HTTP client of the crate shares (MDMA's, merod's, the metadata server's): which
-//! URLs are loopback (never sent through a proxy) and the one capped read of an answer's body.
+//! URLs are loopback (never sent through a proxy), the one capped read of an answer's body,
+//! and the one reading of a `Retry-After`.
+
+use std::time::{Duration, SystemTime};
 
 use url::Url;
+
+/// The wait an answer's `Retry-After` header asks for, from `now` (the wall clock when it
+/// came): delay-seconds (`"30"`), or an HTTP date less `now` (a date already past is zero).
+/// `None` when absent, named twice, or unreadable (a negative or fractional number, a date
+/// in no HTTP format): no wait is read into garbage. Not bounded here: whoever waits bounds
+/// it (see `backoff::asked_wait`).
+pub(crate) fn retry_after(
+    headers: &reqwest::header::HeaderMap,
+    now: SystemTime,
+) -> Option<Duration> {
+    let mut values = headers.get_all(reqwest::header::RETRY_AFTER).iter();
+    let value = values.next()?;
+    if values.next().is_some() {
+        return None;
+    }
+    let text = value.to_str().ok()?.trim();
+    if !text.is_empty() && text.bytes().all(|b| b.is_ascii_digit()) {
+        // More digits than a u64 holds: as long as can be said (the waiter bounds it).
+        return Some(Duration::from_secs(text.parse().unwrap_or(u64::MAX)));
+    }
+    let at = httpdate::parse_http_date(text).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
 
 /// Whether `url`'s host is loopback: `localhost` (and `*.localhost`, a trailing dot allowed,
 /// any case), 127.0.0.0/8, `::1`. Calls to such a host never use the environment's proxies.
@@ -72,6 +98,39 @@ pub(crate) async fn read_capped(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use reqwest::header::{HeaderMap, HeaderValue, RETRY_AFTER};
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date_and_nothing_else() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_445_412_480);
+        let read = |values: &[&str]| {
+            let mut headers = HeaderMap::new();
+            for v in values {
+                headers.append(RETRY_AFTER, HeaderValue::from_str(v).unwrap());
+            }
+            retry_after(&headers, now)
+        };
+        assert_eq!(read(&["30"]), Some(Duration::from_secs(30)));
+        assert_eq!(read(&[" 0 "]), Some(Duration::ZERO));
+        assert_eq!(
+            read(&["99999999999999999999999"]),
+            Some(Duration::from_secs(u64::MAX))
+        );
+        // 2015-10-21 07:28:00 UTC is `now`; 07:28:30 is 30 s on; an earlier one is now.
+        assert_eq!(
+            read(&["Wed, 21 Oct 2015 07:28:30 GMT"]),
+            Some(Duration::from_secs(30))
+        );
+        assert_eq!(
+            read(&["Wed, 21 Oct 2015 07:00:00 GMT"]),
+            Some(Duration::ZERO)
+        );
+        for garbage in ["-5", "1.5", "soon", "", "30s"] {
+            assert_eq!(read(&[garbage]), None, "{garbage:?}");
+        }
+        assert_eq!(read(&[]), None);
+        assert_eq!(read(&["30", "60"]), None, "named twice");
+    }
 
     #[test]
     fn loopback_hosts_are_localhost_127_8_and_ipv6_one() {

@@ -825,6 +825,13 @@ impl Job for Registering {
         settled
     }
 
+    fn retry_after(error: &AttemptError) -> Option<Duration> {
+        match error {
+            AttemptError::Challenge(e) | AttemptError::Register(e) => e.retry_after(),
+            _ => None,
+        }
+    }
+
     fn failed(&mut self, why: &str) {
         // An attempt cut at its deadline still counts: it backs off like any other, and
         // what `once` waits for has happened.

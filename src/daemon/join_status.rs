@@ -267,6 +267,13 @@ impl Job for JoinStatusJob {
         reported
     }
 
+    fn retry_after(error: &JoinStatusFailed) -> Option<Duration> {
+        match error {
+            JoinStatusFailed::Refused(e) => e.retry_after(),
+            JoinStatusFailed::NoAnswer(_) | JoinStatusFailed::Write(_) => None,
+        }
+    }
+
     fn idle(&self) -> bool {
         self.entries.is_some()
             && self.outcomes.is_empty()
@@ -468,7 +475,8 @@ mod tests {
                 Some(status) => Err(RequestError::Status {
                     url: "http://127.0.0.1:1/api/fleet/join-status".parse().unwrap(),
                     status,
-                    body: String::new(),
+                    retry_after_secs: None,
+                    body: Box::default(),
                 }),
             }
         }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use crate::backoff::{Backoff, Jitter};
+use crate::backoff::{asked_wait, Backoff, Jitter};
 use crate::mdma::PollError;
 
 /// A poll failing the same way is logged again after this many repeats.
@@ -21,6 +21,9 @@ pub(super) struct Cadence {
     max_backoff: Duration,
     /// The failed polls in a row, and what the last one said.
     streak: FailureStreak,
+    /// No poll before this: the last failed poll's answer asked for a wait (`Retry-After`,
+    /// at most `backoff::RETRY_AFTER_MAX` from when it came).
+    not_before: Option<Instant>,
 }
 
 impl Cadence {
@@ -30,6 +33,7 @@ impl Cadence {
             interval,
             max_backoff,
             streak: FailureStreak::default(),
+            not_before: None,
         }
     }
 
@@ -38,27 +42,33 @@ impl Cadence {
         now + first_poll_delay(self.interval, fastrand::f64())
     }
 
-    /// When the poll after one that started at `started` is due.
+    /// When the poll after one that started at `started` is due: the cadence's time, or
+    /// later if the last failed poll's answer asked for a longer wait.
     pub(super) fn next_poll(&self, started: Instant) -> Instant {
-        started
+        let due = started
             + next_poll_delay(
                 self.interval,
                 self.max_backoff,
                 self.streak.count,
                 fastrand::f64(),
-            )
+            );
+        self.not_before.map_or(due, |at| due.max(at))
     }
 
-    /// Records a failed poll (logged once per new reason, then every [`REPEAT_LOG_EVERY`]);
-    /// returns the failures in a row.
+    /// Records a failed poll (logged once per new reason, then every [`REPEAT_LOG_EVERY`])
+    /// and the wait its answer asked for; returns the failures in a row.
     pub(super) fn fail(&mut self, e: &PollError) -> u64 {
         self.streak.fail(e);
+        self.not_before = e
+            .retry_after()
+            .map(|asked| Instant::now() + asked_wait(Some(asked)));
         self.streak.count
     }
 
     /// Records a successful poll (the recovery is logged once).
     pub(super) fn succeed(&mut self) {
         self.streak.succeed();
+        self.not_before = None;
     }
 }
 
@@ -203,8 +213,35 @@ mod tests {
         let status = PollError::Request(RequestError::Status {
             url,
             status: 503,
-            body: String::new(),
+            retry_after_secs: None,
+            body: Box::default(),
         });
         assert_eq!(status.metric_label(), "status");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refused_poll_s_retry_after_is_waited_out_up_to_60_s() {
+        let refused = |asked: Option<u32>| {
+            PollError::Request(RequestError::Status {
+                url: "https://mdma.test/api/fleet/should-join".parse().unwrap(),
+                status: 429,
+                retry_after_secs: asked,
+                body: Box::default(),
+            })
+        };
+        let mut cadence = Cadence::new(S, Duration::from_secs(10));
+        let now = Instant::now();
+        cadence.fail(&refused(Some(30)));
+        assert_eq!(cadence.next_poll(now), now + Duration::from_secs(30));
+        // Never silent for longer than 60 s, whatever MDMA asks.
+        cadence.fail(&refused(Some(3600)));
+        assert_eq!(cadence.next_poll(now), now + Duration::from_secs(60));
+        // An answer without it: the back-off alone (at most `max_backoff`).
+        cadence.fail(&refused(None));
+        assert!(cadence.next_poll(now) <= now + Duration::from_secs(10));
+        // A good poll ends it.
+        cadence.fail(&refused(Some(30)));
+        cadence.succeed();
+        assert_eq!(cadence.next_poll(now), now + S);
     }
 }

@@ -146,6 +146,14 @@ impl JoinEnd {
         )
     }
 
+    /// The wait MDMA asked for in its answer to the confirm (`Retry-After`), if it did.
+    pub(super) fn retry_after(&self) -> Option<Duration> {
+        match self {
+            JoinEnd::ConfirmFailed(e) => e.retry_after(),
+            _ => None,
+        }
+    }
+
     /// Whether it ended without a failure to back off from (nothing was tried).
     pub(super) fn not_tried(&self) -> bool {
         matches!(self, JoinEnd::Withdrawn)
@@ -995,14 +1003,17 @@ impl InFlight {
         );
     }
 
-    /// Records a failed join; returns the failures in a row and the wait before the next.
-    fn back_off_join(&mut self, id: GroupId) -> (u32, Duration) {
-        self.join_retry.fail(id, Instant::now(), fastrand::f64())
+    /// Records a failed join, whose last answer asked for `asked` (a confirm's
+    /// `Retry-After`); returns the failures in a row and the wait before the next.
+    fn back_off_join(&mut self, id: GroupId, asked: Option<Duration>) -> (u32, Duration) {
+        self.join_retry
+            .fail(id, Instant::now(), fastrand::f64(), asked)
     }
 
     /// Records a failed leave; returns the failures in a row and the wait before the next.
     fn back_off_leave(&mut self, id: GroupId) -> (u32, Duration) {
-        self.leave_retry.fail(id, Instant::now(), fastrand::f64())
+        self.leave_retry
+            .fail(id, Instant::now(), fastrand::f64(), None)
     }
 
     /// The namespaces with a join task running.
@@ -1061,11 +1072,11 @@ impl InFlight {
         } else if end.succeeded() {
             self.join_retry.succeed(id);
             if matches!(end, JoinEnd::ConfirmedHeld) {
-                return self.flaps.fail(id, Instant::now(), fastrand::f64());
+                return self.flaps.fail(id, Instant::now(), fastrand::f64(), None);
             }
             (0, Duration::ZERO)
         } else {
-            self.back_off_join(id)
+            self.back_off_join(id, end.retry_after())
         }
     }
 
@@ -1100,7 +1111,7 @@ impl InFlight {
             return false;
         };
         if self.joining.remove(&group) {
-            self.back_off_join(group);
+            self.back_off_join(group, None);
         }
         if self.leaving.remove(&group) {
             self.back_off_leave(group);

@@ -34,6 +34,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hyper::body::Bytes;
+use hyper::header::{HeaderValue, RETRY_AFTER};
 use hyper::{HeaderMap, Method, StatusCode};
 use serde_json::{json, Map, Value};
 use tokio::sync::watch;
@@ -250,6 +251,8 @@ struct Inner {
     admitter_addrs: HashMap<String, Vec<String>>,
     /// The `expires_at_ms` sent with each challenge (`None`: now + 5 min, an integer).
     challenge_expiry: Option<Value>,
+    /// The `Retry-After` header of every answer that is not a 2xx.
+    retry_after: Option<String>,
 }
 
 struct Shared {
@@ -296,6 +299,7 @@ impl MdmaEmulator {
                 join_status_route: true,
                 admitter_addrs: HashMap::new(),
                 challenge_expiry: None,
+                retry_after: None,
             }),
             poll_count,
         });
@@ -345,6 +349,12 @@ impl MdmaEmulator {
     /// integer five minutes ahead.
     pub fn set_challenge_expiry(&self, value: Value) {
         lock(&self.shared.inner).challenge_expiry = Some(value);
+    }
+
+    /// Sends this `Retry-After` header (`"30"`, an HTTP date, or garbage) with every answer
+    /// that is not a 2xx from now on, on every route; `None`: none (the default).
+    pub fn set_retry_after(&self, value: Option<&str>) {
+        lock(&self.shared.inner).retry_after = value.map(str::to_owned);
     }
 
     /// Every `register` so far, in arrival order.
@@ -536,16 +546,28 @@ impl Planned {
 
 /// should-join and confirm (POST), then any scripted path.
 async fn route(shared: Arc<Shared>, request: Received) -> Answer {
+    let mut answer = answer(&shared, request).await;
+    if !answer.status().is_success() {
+        let retry_after = lock(&shared.inner).retry_after.clone();
+        if let Some(value) = retry_after.and_then(|v| HeaderValue::from_str(&v).ok()) {
+            answer.headers_mut().insert(RETRY_AFTER, value);
+        }
+    }
+    answer
+}
+
+/// The answer of the route `request` is for.
+async fn answer(shared: &Shared, request: Received) -> Answer {
     let body = request.body.unwrap_or_default();
     match (request.uri.path(), &request.method) {
         ("/api/fleet/should-join", &Method::POST) => {
-            should_join(&shared, &request.headers, &body).await
+            should_join(shared, &request.headers, &body).await
         }
-        ("/api/fleet/confirm", &Method::POST) => confirm(&shared, &request.headers, &body),
-        ("/api/fleet/nodes/challenge", &Method::GET) => challenge(&shared),
-        ("/api/fleet/nodes/register", &Method::POST) => register(&shared, &request.headers, &body),
-        ("/api/fleet/join-status", &Method::POST) => join_status(&shared, &request.headers, &body),
-        (path, method) => other(&shared, method, path, &request.headers, &body).await,
+        ("/api/fleet/confirm", &Method::POST) => confirm(shared, &request.headers, &body),
+        ("/api/fleet/nodes/challenge", &Method::GET) => challenge(shared),
+        ("/api/fleet/nodes/register", &Method::POST) => register(shared, &request.headers, &body),
+        ("/api/fleet/join-status", &Method::POST) => join_status(shared, &request.headers, &body),
+        (path, method) => other(shared, method, path, &request.headers, &body).await,
     }
 }
 

@@ -107,6 +107,12 @@ mod tests {
     // subscriber.
     #[tokio::test]
     async fn a_job_of_one_file_and_one_line_runs_in_the_daemon_told_counted_and_shown() {
+        // Were this test's subscriber the only live dispatcher, tracing-core would compute a
+        // callsite's interest from the asking thread's default alone: another test's thread
+        // meeting one of the harness's callsites first (its "failing" line) would cache it
+        // as "never" for every thread, and this test would miss the line. With a second live
+        // dispatcher it asks every registered one, whichever thread asks.
+        let _second = tracing::Dispatch::new(tracing_subscriber::registry());
         let logs = Captured::default();
         let writer = logs.clone();
         let _subscriber = tracing::subscriber::set_default(

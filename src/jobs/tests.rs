@@ -11,13 +11,15 @@ use crate::backoff::Jitter;
 enum Step {
     Ok(u32),
     Fail(&'static str),
+    /// A failure whose answer asked for a wait (`Retry-After`), in seconds.
+    FailAsking(u64),
     Hang,
 }
 
-/// Why a scripted run failed.
+/// Why a scripted run failed, and the wait its answer asked for.
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
-struct Failed(&'static str);
+struct Failed(&'static str, Option<Duration>);
 
 impl Timed for Failed {
     fn is_timeout(&self) -> bool {
@@ -70,9 +72,14 @@ impl Job for Scripted {
             .unwrap_or(Step::Ok(0));
         match step {
             Step::Ok(n) => Ok(n),
-            Step::Fail(why) => Err(Failed(why)),
+            Step::Fail(why) => Err(Failed(why, None)),
+            Step::FailAsking(secs) => Err(Failed("busy", Some(Duration::from_secs(secs)))),
             Step::Hang => std::future::pending().await,
         }
+    }
+
+    fn retry_after(error: &Failed) -> Option<Duration> {
+        error.1
     }
 
     fn failed(&mut self, _why: &str) {
@@ -159,6 +166,20 @@ async fn runs_at_once_then_every_interval_and_soon_when_asked_never_closer_than_
         })
     ));
     assert_eq!(runs(&t, "ok"), 3);
+    stop.cancel();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_s_retry_after_is_waited_out_even_when_a_run_is_asked_for_up_to_60_s() {
+    let job = scripted(&[Step::FailAsking(30), Step::FailAsking(3600), Step::Ok(1)]);
+    let (_t, stop, t0, handle) = start(&job);
+    // Asked to run soon all along: the back-off (2 s) and the gap (5 s) would allow it.
+    for _ in 0..100 {
+        handle.run_soon();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    // 30 s as asked, then 60 s for an hour asked.
+    assert_eq!(starts(&job, t0)[..3], [0, 30, 90]);
     stop.cancel();
 }
 

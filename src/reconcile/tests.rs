@@ -1107,8 +1107,8 @@ fn simulate(
         });
         for (id, task) in ended {
             match task {
-                Task::Join => join_retry.fail(id, now, JITTER),
-                Task::Leave => leave_retry.fail(id, now, JITTER),
+                Task::Join => join_retry.fail(id, now, JITTER, None),
+                Task::Leave => leave_retry.fail(id, now, JITTER, None),
             };
         }
         let (a, r) = match st {
@@ -1207,14 +1207,14 @@ fn simulate(
                 JoinResult::AdmittedConfirmFailed => {
                     held.insert(j);
                     apply(&mut s, Outcome::Admitted(j));
-                    join_retry.fail(j, now, JITTER);
+                    join_retry.fail(j, now, JITTER, None);
                 }
                 JoinResult::AdmittedUnrecorded => {
                     held.insert(j);
-                    join_retry.fail(j, now, JITTER);
+                    join_retry.fail(j, now, JITTER, None);
                 }
                 JoinResult::NotAdmitted | JoinResult::Error => {
-                    join_retry.fail(j, now, JITTER);
+                    join_retry.fail(j, now, JITTER, None);
                 }
                 JoinResult::Hang => {
                     hung.insert(j, (2, Task::Join));
@@ -1231,7 +1231,7 @@ fn simulate(
                     leave_retry.succeed(l);
                 }
                 LeaveResult::Failed => {
-                    leave_retry.fail(l, now, JITTER);
+                    leave_retry.fail(l, now, JITTER, None);
                 }
                 LeaveResult::Hang => {
                     hung.insert(l, (2, Task::Leave));

@@ -67,6 +67,8 @@ pub struct World {
     pub retain: BTreeSet<GroupId>,
     /// Every live poll fails with HTTP 503.
     pub mdma_down: bool,
+    /// The `Retry-After` (seconds) of every refused poll and confirm.
+    pub retry_after_secs: Option<u32>,
     /// The first polls' answers, in order; later polls get the live answer.
     pub poll_script: Vec<Poll>,
     /// Fleet-join answers, cycled; empty: admitted.
@@ -96,6 +98,8 @@ pub struct World {
     pub join_statuses: Vec<JoinStatus>,
     /// Every confirm call, in order, with the role it carried.
     pub confirms: Vec<(GroupId, Option<TeeRole>)>,
+    /// When each confirm call came.
+    pub confirm_times: Vec<Instant>,
     /// The node's role in every namespace it holds (`None`: no TEE role).
     pub role: Option<TeeRole>,
     /// How long each read of the member list (the role read) takes to answer.
@@ -192,7 +196,8 @@ impl ControlPlane for Fake {
             Some(Poll::Status) => Err(RequestError::Status {
                 url,
                 status: 503,
-                body: String::new(),
+                retry_after_secs: self.with(|w| w.retry_after_secs),
+                body: Box::default(),
             }
             .into()),
             Some(Poll::Malformed) => Err(PollError::Malformed {
@@ -223,6 +228,7 @@ impl ControlPlane for Fake {
     ) -> Result<(), ConfirmError> {
         let ok = self.with(|w| {
             w.confirms.push((g, role));
+            w.confirm_times.push(Instant::now());
             if !w
                 .last_good
                 .as_ref()
@@ -240,7 +246,8 @@ impl ControlPlane for Fake {
             Err(RequestError::Status {
                 url: url::Url::parse("https://mdma.test/api/fleet/confirm").unwrap(),
                 status: 500,
-                body: String::new(),
+                retry_after_secs: self.with(|w| w.retry_after_secs),
+                body: Box::default(),
             })
         }
     }

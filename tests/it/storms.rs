@@ -88,3 +88,63 @@ async fn a_failing_join_of_a_flapping_namespace_backs_off_across_the_flips() {
         );
     });
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_poll_s_retry_after_is_honoured_up_to_60_s() {
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.mdma_down = true;
+        w.retry_after_secs = Some(30);
+    });
+    let running = fake.run(node.config(""));
+    // `429, Retry-After: 30`: one poll, and the next 30 s later (the back-off alone would
+    // send 5 or 6 in those 30 s, at most `max_backoff` = 10 s apart).
+    tokio::time::sleep(Duration::from_secs(65)).await;
+    let gaps = |w: &crate::fakes::World| -> Vec<Duration> {
+        w.polls.windows(2).map(|p| p[1].0 - p[0].0).collect()
+    };
+    fake.with(|w| {
+        let g = gaps(w);
+        assert_eq!(w.polls.len(), 3, "{g:?}");
+        assert!(g.iter().all(|d| *d >= Duration::from_secs(30)), "{g:?}");
+    });
+    // An hour asked: never silent longer than 60 s.
+    fake.with(|w| {
+        w.retry_after_secs = Some(3600);
+        w.polls.clear();
+    });
+    tokio::time::sleep(Duration::from_secs(200)).await;
+    fake.with(|w| {
+        let g = gaps(w);
+        assert!(w.polls.len() >= 3, "{g:?}");
+        assert!(g.iter().all(|d| *d <= Duration::from_secs(61)), "{g:?}");
+    });
+    running.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_confirm_s_retry_after_is_honoured_before_it_is_sent_again() {
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.assignments.insert(id(1));
+        w.confirm_script = vec![false, false, true];
+        w.retry_after_secs = Some(30);
+    });
+    let running = fake.run(node.config(""));
+    tokio::time::sleep(Duration::from_secs(100)).await;
+    running.stop().await;
+    fake.with(|w| {
+        // Refused twice with `Retry-After: 30`: sent again 30 s later each time (the
+        // back-off alone would wait 2 s, then 4 s), as a confirm alone (merod holds it).
+        let gaps: Vec<Duration> = w.confirm_times.windows(2).map(|t| t[1] - t[0]).collect();
+        assert_eq!(w.confirms.len(), 3, "{gaps:?}");
+        assert!(
+            gaps.iter().all(|d| *d >= Duration::from_secs(30)),
+            "{gaps:?}"
+        );
+        assert_eq!(w.joins.len(), 1, "{:?}", w.joins);
+    });
+    assert!(node.state().confirmed.contains(&id(1)));
+}

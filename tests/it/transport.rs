@@ -366,3 +366,33 @@ async fn a_merod_that_moves_to_its_second_listen_address_is_followed_without_a_r
     .await;
     assert!(sb.merod.held().contains(A), "nothing was left meanwhile");
 }
+
+/// MDMA's `Retry-After`, as seconds or as an HTTP date, reaches the error of a refused poll
+/// and confirm (what the daemon waits out); garbage reads as nothing asked.
+#[tokio::test]
+async fn retry_after_reaches_the_error_as_seconds_or_an_http_date() {
+    use fleet_sidecar::ControlPlane;
+    let emu = MdmaEmulator::start(None).await.unwrap();
+    let mdma = MdmaClient::new(&emu.url(), None, None).unwrap();
+    let peer: fleet_sidecar::PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let poll = || mdma.should_join(&peer, None, fleet_sidecar::NodeReport::default());
+    emu.set_reply(PollReply::Status(429));
+    emu.set_retry_after(Some("30"));
+    let e = poll().await.unwrap_err();
+    assert_eq!(e.retry_after(), Some(Duration::from_secs(30)), "{e}");
+    let at = std::time::SystemTime::now() + Duration::from_secs(40);
+    emu.set_retry_after(Some(&httpdate::fmt_http_date(at)));
+    let asked = poll().await.unwrap_err().retry_after().unwrap();
+    assert!(
+        (Duration::from_secs(38)..=Duration::from_secs(41)).contains(&asked),
+        "{asked:?}"
+    );
+    emu.set_retry_after(Some("soon"));
+    assert_eq!(poll().await.unwrap_err().retry_after(), None);
+    // A confirm refused with one.
+    emu.set_retry_after(Some("7"));
+    emu.fail_next_confirms(&"ab".repeat(32), 1);
+    let id: fleet_sidecar::GroupId = "ab".repeat(32).parse().unwrap();
+    let e = mdma.confirm(&peer, id, None).await.unwrap_err();
+    assert_eq!(e.retry_after(), Some(Duration::from_secs(7)), "{e}");
+}
