@@ -121,6 +121,69 @@ pub(crate) struct RawConfig {
     /// The `[registration]` table: earn a per-node token by attested registration instead
     /// of a configured one (only when neither `fleet_token` nor `fleet_token_file` is set).
     pub registration: Option<RawRegistration>,
+    /// The `[tls]` table: the certificate whose expiry every poll reports.
+    #[serde(default)]
+    pub tls: TlsConfig,
+    /// The `[logs_token]` table: the log-shipping token whose fingerprint every poll reports.
+    #[serde(default)]
+    pub logs_token: LogsTokenConfig,
+}
+
+/// The `[tls]` table: the node's TLS certificate (`{dir}/cert.pem`), whose expiry every
+/// poll reports as `tls_cert_not_after` so MDMA can send a certificate or a renewal.
+/// Unknown keys are rejected; every key is optional.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// Whether polls report it (default `true`; `false` leaves the field out of the body,
+    /// which MDMA reads as "not reported", not as "no certificate").
+    pub report: bool,
+    /// The directory holding `cert.pem`. Default `/mnt/data/tls`.
+    pub dir: PathBuf,
+}
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        Self {
+            report: true,
+            dir: PathBuf::from("/mnt/data/tls"),
+        }
+    }
+}
+
+impl TlsConfig {
+    /// `{dir}/cert.pem`, when reported.
+    pub fn cert_file(&self) -> Option<PathBuf> {
+        self.report.then(|| self.dir.join("cert.pem"))
+    }
+}
+
+/// The `[logs_token]` table: the log-shipping token MDMA delivers, whose SHA-256 every poll
+/// reports as `logs_token_fp` (never the token). Unknown keys are rejected; every key is
+/// optional.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogsTokenConfig {
+    /// Whether polls report it (default `true`; `false` leaves the field out).
+    pub report: bool,
+    /// The token's file. Default `/etc/vector/provided_token`.
+    pub file: PathBuf,
+}
+
+impl Default for LogsTokenConfig {
+    fn default() -> Self {
+        Self {
+            report: true,
+            file: PathBuf::from("/etc/vector/provided_token"),
+        }
+    }
+}
+
+impl LogsTokenConfig {
+    /// The token's file, when reported.
+    pub fn reported_file(&self) -> Option<&Path> {
+        self.report.then_some(self.file.as_path())
+    }
 }
 
 /// The `[registration]` table as written.
@@ -290,6 +353,10 @@ pub struct Config {
     pub merod: MerodConfig,
     /// MRTD sources.
     pub tdx: TdxConfig,
+    /// The TLS certificate whose expiry polls report (`[tls]`).
+    pub tls: TlsConfig,
+    /// The log-shipping token whose fingerprint polls report (`[logs_token]`).
+    pub logs_token: LogsTokenConfig,
     /// Things worth a warning that are not errors (e.g. plain `http://` to loopback); the
     /// daemon logs them once logging is up.
     pub warnings: Vec<String>,
@@ -933,6 +1000,8 @@ impl RawConfig {
             leave_orphans: self.leave_orphans,
             merod,
             tdx: self.tdx,
+            tls: self.tls,
+            logs_token: self.logs_token,
             warnings,
         })
     }

@@ -34,6 +34,7 @@ mod join_status;
 mod limits;
 mod merod_view;
 mod merod_watch;
+mod node_files;
 mod planner;
 mod poll;
 mod readiness;

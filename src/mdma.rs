@@ -613,6 +613,13 @@ pub struct NodeReport<'a> {
     /// [`MAX_HELD_REPORTED`]; `None` leaves the field out ("no report"), `Some(&[])` says
     /// merod holds nothing.
     pub held_namespaces: Option<&'a [GroupId]>,
+    /// `tls_cert_not_after`: the node's TLS certificate's `notAfter` as
+    /// `YYYY-MM-DDTHH:MM:SSZ`; `""` when there is none, it is unreadable or self-signed (MDMA
+    /// then sends a certificate); `None` leaves the field out (not reported).
+    pub tls_cert_not_after: Option<&'a str>,
+    /// `logs_token_fp`: lowercase hex SHA-256 of the log-shipping token MDMA delivered,
+    /// never the token; `""` when there is none; `None` leaves the field out.
+    pub logs_token_fp: Option<&'a str>,
 }
 
 /// Most ids sent as `held_namespaces`: MDMA cannot tell a cut list from a whole one, so a
@@ -798,6 +805,10 @@ struct PollRequest<'a> {
     mrtd: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     held_namespaces: Option<&'a [GroupId]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tls_cert_not_after: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logs_token_fp: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -1302,6 +1313,8 @@ impl ControlPlane for MdmaClient {
             peer_id: peer_id.as_str(),
             mrtd: mrtd.map(Mrtd::to_hex),
             held_namespaces: report.held_namespaces,
+            tls_cert_not_after: report.tls_cert_not_after,
+            logs_token_fp: report.logs_token_fp,
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));

@@ -178,6 +178,14 @@ pub struct LiveStatus {
     /// good read or after a failed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_namespaces: Option<HeldStatus>,
+    /// What polls report as `tls_cert_not_after` (`""`: no certificate, a self-signed
+    /// placeholder, or unreadable); `None` when `[tls] report = false` or not looked at yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls_cert_not_after: Option<String>,
+    /// What polls report as `logs_token_fp` (`""`: no token); `None` when
+    /// `[logs_token] report = false` or not looked at yet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logs_token_fp: Option<String>,
     /// The latest join outcome of each namespace whose joins have not gone through yet
     /// (the entry goes when merod admits it).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]

@@ -120,7 +120,7 @@ fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
 /// holds the entry points and re-exports, and a file below it names neither `daemon.rs`'s
 /// own items (an arrow back up) nor a module on its own floor or above.
 const DAEMON_FLOORS: &[&[&str]] = &[
-    &["held", "limits", "poll", "record", "roles"],
+    &["held", "limits", "node_files", "poll", "record", "roles"],
     &["join_status", "planner", "readiness"],
     &["deps", "merod_watch", "tasks"],
     &["merod_view", "startup"],

@@ -165,6 +165,14 @@ fn render(file: &Path, cfg: &Config) -> String {
         line(format!("retry_interval = {}", duration(reg.retry_interval)));
     }
     line(String::new());
+    line("[tls]".to_owned());
+    line(format!("report = {}", cfg.tls.report));
+    line(format!("dir = {}", path(&cfg.tls.dir)));
+    line(String::new());
+    line("[logs_token]".to_owned());
+    line(format!("report = {}", cfg.logs_token.report));
+    line(format!("file = {}", path(&cfg.logs_token.file)));
+    line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     line(match check_state_dir(&cfg.state_file) {
         Ok(Some(fs)) => format!(
@@ -191,6 +199,28 @@ fn render(file: &Path, cfg: &Config) -> String {
             "# {}",
             crate::registration::token_file_presence(&reg.token_file)
         ));
+    }
+    if let Some(cert) = cfg.tls.cert_file() {
+        line(match std::fs::File::open(&cert) {
+            Ok(_) => format!("# ok    [tls] {} is readable", cert.display()),
+            Err(e) if cfg.tls.dir.is_dir() => format!(
+                "# note  [tls] {}: {e} (polls report tls_cert_not_after = \"\": MDMA sends a certificate)",
+                cert.display()
+            ),
+            Err(_) => format!(
+                "# fail  [tls] dir {}: not a directory (polls report tls_cert_not_after = \"\")",
+                cfg.tls.dir.display()
+            ),
+        });
+    }
+    if let Some(file) = cfg.logs_token.reported_file() {
+        line(match std::fs::File::open(file) {
+            Ok(_) => format!("# ok    [logs_token] {} is readable", file.display()),
+            Err(e) => format!(
+                "# note  [logs_token] {}: {e} (polls report logs_token_fp = \"\" until MDMA delivers one)",
+                file.display()
+            ),
+        });
     }
     for &source in &cfg.tdx.sources {
         line(match source {

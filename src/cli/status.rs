@@ -243,6 +243,28 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                     out.push_str("  merod holds: unknown (no good read yet, or the last failed)\n")
                 }
             }
+            let reported = |v: &str, unknown: &str| {
+                if v.is_empty() {
+                    format!("\"\" ({unknown})")
+                } else {
+                    v.to_owned()
+                }
+            };
+            if let Some(v) = &l.tls_cert_not_after {
+                out.push_str(&format!(
+                    "  tls_cert_not_after: {}\n",
+                    reported(
+                        v,
+                        "no certificate, a self-signed placeholder, or unreadable: MDMA sends one"
+                    )
+                ));
+            }
+            if let Some(v) = &l.logs_token_fp {
+                out.push_str(&format!(
+                    "  logs_token_fp: {}\n",
+                    reported(v, "no logs token")
+                ));
+            }
             for (name, j) in &l.jobs {
                 let good = j.last_good_at.map_or_else(
                     || "no good run yet".to_owned(),
@@ -436,6 +458,8 @@ mod tests {
                 ),
             ]
             .into(),
+            tls_cert_not_after: Some(String::new()),
+            logs_token_fp: Some("ab".repeat(32)),
             ..LiveStatus::default()
         };
         let r = Report {
@@ -451,6 +475,14 @@ mod tests {
         let text = render_text(&r, 100.0);
         assert!(
             text.contains("merod holds: 600 namespaces (read 10 s ago; not reported to MDMA)"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  tls_cert_not_after: \"\" (no certificate"),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("  logs_token_fp: {}\n", "ab".repeat(32))),
             "{text}"
         );
         assert!(

@@ -24,6 +24,7 @@ use super::held::HELD_READ_TIMEOUT;
 use super::join_status::Attempt;
 use super::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
 use super::merod_view::MerodView;
+use super::node_files::NodeFilesView;
 use super::planner::Planner;
 use super::poll::Cadence;
 use super::record::{AfterWrite, Record, Written};
@@ -72,6 +73,9 @@ pub struct Sidecar {
     /// The background jobs watching merod (readiness, what it holds, join-status) and
     /// what the loop keeps of their reads.
     view: MerodView,
+    /// What the node's files say (the TLS certificate's expiry, the logs token's
+    /// fingerprint), as a job last looked.
+    files: NodeFilesView,
 }
 
 impl Sidecar {
@@ -121,8 +125,10 @@ impl Sidecar {
                 &shutdown,
             )
         };
+        let files = NodeFilesView::start(&cfg, Arc::clone(&telemetry), shutdown.clone());
         let sidecar = Self {
             view,
+            files,
             identity,
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
@@ -247,8 +253,11 @@ impl Sidecar {
         let started = Instant::now();
         // Whatever the held refresh last published; the poll never waits for merod.
         let held = self.view.held.poll_field(started);
+        let files = self.files.poll_fields();
         let report = NodeReport {
             held_namespaces: held.as_deref(),
+            tls_cert_not_after: files.tls_cert_not_after.as_deref(),
+            logs_token_fp: files.logs_token_fp.as_deref(),
         };
         let polled = match timeout(
             MDMA_DEADLINE,

@@ -168,6 +168,10 @@ pub struct PollRecord {
     pub token: Option<String>,
     /// `held_namespaces` of the body, when present and an array (its strings).
     pub held_namespaces: Option<Vec<String>>,
+    /// `tls_cert_not_after` of the body, when present and a string.
+    pub tls_cert_not_after: Option<String>,
+    /// `logs_token_fp` of the body, when present and a string.
+    pub logs_token_fp: Option<String>,
     /// What was answered; 0 for [`PollReply::Hang`].
     pub status: u16,
     /// When the request arrived.
@@ -626,7 +630,13 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
                 .map(str::to_owned)
                 .collect()
         });
-    let valid = check_fields(parsed, &["peer_id"], &["mrtd"]);
+    let tls_cert_not_after = string_field(&parsed, "tls_cert_not_after");
+    let logs_token_fp = string_field(&parsed, "logs_token_fp");
+    let valid = check_fields(
+        parsed,
+        &["peer_id"],
+        &["mrtd", "tls_cert_not_after", "logs_token_fp"],
+    );
 
     let (answer, count) = {
         let mut inner = lock(&shared.inner);
@@ -663,6 +673,8 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
             mrtd,
             token,
             held_namespaces,
+            tls_cert_not_after,
+            logs_token_fp,
             status: answer.status(),
             at,
         });

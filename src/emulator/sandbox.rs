@@ -85,12 +85,14 @@ impl Sandbox {
             .map(|t| format!("fleet_token = \"{t}\"\n"))
             .unwrap_or_default();
         format!(
-            "mdma_url = \"{mdma}\"\n{token}poll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\n{extra}\n\n[merod]\nhome = \"{home}\"\nnode = \"default\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n",
+            "mdma_url = \"{mdma}\"\n{token}poll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\n{extra}\n\n[merod]\nhome = \"{home}\"\nnode = \"default\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[tls]\ndir = \"{tls}\"\n\n[logs_token]\nfile = \"{logs_token}\"\n",
             mdma = self.mdma.url(),
             state = self.state_file().display(),
             log = self.log_file().display(),
             home = self.dir.path().join("calimero").display(),
             mrtd = self.dir.path().join("mrtd-sha384").display(),
+            tls = self.dir.path().join("tls").display(),
+            logs_token = self.dir.path().join("provided_token").display(),
         )
     }
 

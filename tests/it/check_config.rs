@@ -66,6 +66,10 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
         "max_leaves_per_hour = 4",
         "node = \"default\"",
         "sources = [\"sysfs\", \"sysfs-legacy\", \"tdreport\", \"quote\"]",
+        "[tls]",
+        "dir = \"/mnt/data/tls\"",
+        "[logs_token]",
+        "file = \"/etc/vector/provided_token\"",
     ] {
         assert!(
             stdout.lines().any(|l| l == line),

@@ -216,7 +216,7 @@ impl NodeDir {
     pub fn config(&self, extra: &str) -> fleet_sidecar::Config {
         let d = self.dir.path().display();
         let text = format!(
-            "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\n{extra}\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n"
+            "mdma_url = \"http://127.0.0.1:9\"\nstate_file = \"{d}/state.json\"\nlog_file = \"{d}/log\"\n{extra}\n[merod]\nhome = \"{d}/calimero\"\n[tdx]\nmrtd_path = \"{d}/none\"\nsources = [\"sysfs\"]\n[tls]\ndir = \"{d}/tls\"\n[logs_token]\nfile = \"{d}/provided_token\"\n"
         );
         fleet_sidecar::Config::from_toml(&text, std::path::Path::new("test.toml"))
             .expect("test config")

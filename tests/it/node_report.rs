@@ -329,3 +329,75 @@ async fn a_refused_admitter_addrs_is_offered_again_after_its_bound() {
     );
     assert!(!client.admitter_addrs_refused());
 }
+
+/// A certificate for `node-1` issued by a fleet CA (not self-signed), valid until
+/// 2031-02-03 00:00:00 UTC.
+fn issued_cert_pem() -> String {
+    use rcgen::{BasicConstraints, CertificateParams, DistinguishedName, DnType, IsCa, KeyPair};
+    let named = |cn: &str| {
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, cn);
+        dn
+    };
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.distinguished_name = named("fleet CA");
+    let ca = ca.self_signed(&ca_key).unwrap();
+    let key = KeyPair::generate().unwrap();
+    let mut leaf = CertificateParams::new(vec!["node.test".to_owned()]).unwrap();
+    leaf.not_after = rcgen::date_time_ymd(2031, 2, 3);
+    leaf.distinguished_name = named("node-1");
+    leaf.signed_by(&key, &ca, &ca_key).unwrap().pem()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_carry_the_certificate_s_expiry_and_the_logs_token_s_fingerprint() {
+    use sha2::Digest;
+    let sb = Sandbox::start(None).await.unwrap();
+    let dir = sb.dir().to_owned();
+    let fp = |t: &str| hex::encode(sha2::Sha256::digest(t.as_bytes()));
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    // Before any file: both reported, unknown.
+    let d = start(&sb, "");
+    eventually("a poll", LIMIT, || !sb.mdma.polls().is_empty()).await;
+    let first = &sb.mdma.polls()[0];
+    assert_eq!(
+        (
+            first.tls_cert_not_after.as_deref(),
+            first.logs_token_fp.as_deref()
+        ),
+        (Some(""), Some(""))
+    );
+    // The files appear: the next look (within 10 s) reports them.
+    std::fs::create_dir_all(dir.join("tls")).unwrap();
+    std::fs::write(dir.join("tls/cert.pem"), issued_cert_pem()).unwrap();
+    std::fs::write(dir.join("provided_token"), "token-one").unwrap();
+    let latest = || sb.mdma.polls().last().cloned().unwrap();
+    eventually("both reported", LIMIT, || {
+        let p = latest();
+        p.tls_cert_not_after.as_deref() == Some("2031-02-03T00:00:00Z")
+            && p.logs_token_fp.as_deref() == Some(fp("token-one").as_str())
+    })
+    .await;
+    // A new token (written beside and renamed over, as a delivery does) is reported.
+    std::fs::write(dir.join("provided_token.new"), "token-two").unwrap();
+    std::fs::rename(dir.join("provided_token.new"), dir.join("provided_token")).unwrap();
+    eventually("the new token's fingerprint", LIMIT, || {
+        latest().logs_token_fp.as_deref() == Some(fp("token-two").as_str())
+    })
+    .await;
+    // Never the token itself, in any poll.
+    assert!(sb.mdma.polls().iter().all(|p| {
+        p.logs_token_fp.as_deref() != Some("token-one")
+            && p.logs_token_fp.as_deref() != Some("token-two")
+    }));
+    // `/status` shows what polls report.
+    let status = d.telemetry.snapshot();
+    assert_eq!(
+        status.tls_cert_not_after.as_deref(),
+        Some("2031-02-03T00:00:00Z")
+    );
+    assert_eq!(status.logs_token_fp, Some(fp("token-two")));
+    d.stop().await;
+}

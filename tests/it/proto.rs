@@ -68,6 +68,8 @@ async fn the_requests_are_what_the_clients_send() {
         "peer_id": poll.peer_id,
         "mrtd": poll.mrtd,
         "held_namespaces": poll.held_namespaces,
+        "tls_cert_not_after": poll.tls_cert_not_after,
+        "logs_token_fp": poll.logs_token_fp,
     });
     assert_eq!(sent, json(&proto("mdma-should-join.request.json")));
     let confirm = &sb.mdma.confirms()[0];
