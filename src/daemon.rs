@@ -28,6 +28,7 @@
 //!
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 
+mod account;
 mod deps;
 mod held;
 mod join_status;

@@ -620,6 +620,9 @@ pub struct NodeReport<'a> {
     /// `logs_token_fp`: lowercase hex SHA-256 of the log-shipping token MDMA delivered,
     /// never the token; `""` when there is none; `None` leaves the field out.
     pub logs_token_fp: Option<&'a str>,
+    /// `executor_account`: merod's account id (lowercase 64 hex), `""` while merod holds
+    /// none yet; `None` leaves the field out.
+    pub executor_account: Option<&'a str>,
 }
 
 /// Most ids sent as `held_namespaces`: MDMA cannot tell a cut list from a whole one, so a
@@ -809,6 +812,8 @@ struct PollRequest<'a> {
     tls_cert_not_after: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     logs_token_fp: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    executor_account: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -1315,6 +1320,7 @@ impl ControlPlane for MdmaClient {
             held_namespaces: report.held_namespaces,
             tls_cert_not_after: report.tls_cert_not_after,
             logs_token_fp: report.logs_token_fp,
+            executor_account: report.executor_account,
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));

@@ -178,6 +178,9 @@ pub struct LiveStatus {
     /// good read or after a failed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_namespaces: Option<HeldStatus>,
+    /// The node's executor account (what polls report as `executor_account`), once known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub executor_account: Option<String>,
     /// What polls report as `tls_cert_not_after` (`""`: no certificate, a self-signed
     /// placeholder, or unreadable); `None` when `[tls] report = false` or not looked at yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]

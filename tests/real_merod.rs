@@ -216,7 +216,7 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     std::fs::write(
         &config,
         format!(
-            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[registration]\ntoken_file = \"{token}\"\nenrolment_token_file = \"{enrolment}\"\nrelay_url = \"{RELAY}\"\nretry_interval = \"1s\"\n",
+            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[registration]\ntoken_file = \"{token}\"\nenrolment_token_file = \"{enrolment}\"\nrelay_url = \"{RELAY}\"\nretry_interval = \"1s\"\n\n[tls]\ndir = \"{tls}\"\n\n[logs_token]\nfile = \"{logs_token}\"\n",
             mdma = mdma.url(),
             state = state_file.display(),
             log = log_file.display(),
@@ -224,6 +224,8 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
             mrtd = work.join("mrtd").display(),
             token = work.join("fleet/fleet-token").display(),
             enrolment = work.join("enrolment-token").display(),
+            tls = work.join("tls").display(),
+            logs_token = work.join("provided_token").display(),
         ),
     )
     .expect("config");
@@ -280,6 +282,32 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     let s = state();
     assert_eq!((&s.admitted, &s.confirmed), (&both, &both), "{s:?}");
     assert!(s.joining.is_empty(), "{s:?}");
+    // The node's report: merod's account once it holds one (read for the confirms' roles),
+    // `""` before; no certificate or logs token in the lab.
+    eventually(
+        "a poll carrying merod's account",
+        Duration::from_secs(30),
+        why,
+        || async {
+            mdma.polls().last().is_some_and(|p| {
+                p.executor_account.as_deref().is_some_and(|a| {
+                    a.len() == 64
+                        && a.bytes()
+                            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+                })
+            })
+        },
+    )
+    .await;
+    let reported = mdma.polls().last().cloned().unwrap();
+    println!(
+        "real merod: executor_account {:?}, tls_cert_not_after {:?}, logs_token_fp {:?}",
+        reported.executor_account, reported.tls_cert_not_after, reported.logs_token_fp
+    );
+    assert!(mdma
+        .polls()
+        .iter()
+        .all(|p| p.executor_account.is_some() && p.tls_cert_not_after.is_some()));
 
     // 2. An MDMA outage: failed polls, then an answer that cannot be read. Nothing is left.
     let before = mdma.polls().len();

@@ -250,6 +250,12 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                     v.to_owned()
                 }
             };
+            out.push_str(&format!(
+                "  executor_account: {}\n",
+                l.executor_account.as_deref().unwrap_or(
+                    "\"\" (merod holds no account yet: it has it once the node takes part in a namespace)"
+                )
+            ));
             if let Some(v) = &l.tls_cert_not_after {
                 out.push_str(&format!(
                     "  tls_cert_not_after: {}\n",
@@ -479,6 +485,10 @@ mod tests {
         );
         assert!(
             text.contains("  tls_cert_not_after: \"\" (no certificate"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  executor_account: \"\" (merod holds no account yet"),
             "{text}"
         );
         assert!(

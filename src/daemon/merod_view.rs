@@ -14,12 +14,12 @@ use tokio_util::sync::CancellationToken;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::TeeRole;
 
+use super::account::{self, AccountCache};
 use super::deps::Deps;
 use super::held::{self, HeldView};
 use super::join_status::{self, JoinStatusHandle};
 use super::merod_watch::{self, MerodUp};
 use super::roles::Roles;
-use super::tasks::AccountCache;
 
 /// The jobs watching merod and what the loop keeps of their reads.
 pub(super) struct MerodView {
@@ -31,7 +31,8 @@ pub(super) struct MerodView {
     pub(super) join_status: JoinStatusHandle,
     /// The roles MDMA was told per confirmed namespace, and the round robin of re-reads.
     pub(super) roles: Roles,
-    /// The node's account, read for the role in each confirm.
+    /// The node's account, asked for by its job until known, read for the role in each
+    /// confirm and reported in every poll.
     pub(super) account: Arc<AccountCache>,
     /// The generation of the latest held read looked at.
     seen: u64,
@@ -55,7 +56,12 @@ pub(super) struct Checks {
 impl MerodView {
     /// No job runs (a dry run calls no merod): merod counts as up, nothing is reported.
     pub(super) fn idle() -> Self {
-        Self::with(MerodUp::known(), HeldView::idle(), JoinStatusHandle::idle())
+        Self::with(
+            MerodUp::known(),
+            HeldView::idle(),
+            JoinStatusHandle::idle(),
+            Arc::default(),
+        )
     }
 
     /// Starts the held refresh and the join-status job (its file beside `state_file`),
@@ -98,16 +104,28 @@ impl MerodView {
                 shutdown.clone(),
             )
         };
-        Self::with(up, held, join_status)
+        let account = Arc::new(AccountCache::shown_in(Arc::clone(telemetry)));
+        account::spawn(
+            Arc::clone(&deps.merod),
+            Arc::clone(&account),
+            Arc::clone(telemetry),
+            shutdown.clone(),
+        );
+        Self::with(up, held, join_status, account)
     }
 
-    fn with(up: MerodUp, held: HeldView, join_status: JoinStatusHandle) -> Self {
+    fn with(
+        up: MerodUp,
+        held: HeldView,
+        join_status: JoinStatusHandle,
+        account: Arc<AccountCache>,
+    ) -> Self {
         Self {
             up,
             held,
             join_status,
             roles: Roles::default(),
-            account: Arc::default(),
+            account,
             seen: 0,
             missing: BTreeSet::new(),
         }

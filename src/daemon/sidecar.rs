@@ -254,7 +254,9 @@ impl Sidecar {
         // Whatever the held refresh last published; the poll never waits for merod.
         let held = self.view.held.poll_field(started);
         let files = self.files.poll_fields();
+        let account = self.view.account.get();
         let report = NodeReport {
+            executor_account: Some(account.as_deref().unwrap_or_default()),
             held_namespaces: held.as_deref(),
             tls_cert_not_after: files.tls_cert_not_after.as_deref(),
             logs_token_fp: files.logs_token_fp.as_deref(),

@@ -24,6 +24,7 @@ use crate::merod::{Admission, MerodError, Node, NodeAccount, TeeRole, CHECK_TIME
 use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
+use super::account::AccountCache;
 use super::held::{ListUnread, HELD_READ_TIMEOUT};
 use super::join_status::Attempt;
 use super::limits::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
@@ -364,21 +365,6 @@ pub(super) struct Calls {
     pub(super) latest_poll: watch::Receiver<Arc<Desired>>,
     /// The node's account, read once for the role in each confirm.
     pub(super) account: Arc<AccountCache>,
-}
-
-/// The node's account (merod's `GET /admin-api/identity`), read once it exists and then
-/// kept: it does not change while merod keeps its data.
-#[derive(Debug, Default)]
-pub(super) struct AccountCache(std::sync::Mutex<Option<String>>);
-
-impl AccountCache {
-    fn get(&self) -> Option<String> {
-        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
-    }
-
-    fn set(&self, account: String) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(account);
-    }
 }
 
 /// Why the node's role in a namespace is unknown: its account or its row of the member

@@ -172,6 +172,8 @@ pub struct PollRecord {
     pub tls_cert_not_after: Option<String>,
     /// `logs_token_fp` of the body, when present and a string.
     pub logs_token_fp: Option<String>,
+    /// `executor_account` of the body, when present and a string.
+    pub executor_account: Option<String>,
     /// What was answered; 0 for [`PollReply::Hang`].
     pub status: u16,
     /// When the request arrived.
@@ -632,10 +634,16 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
         });
     let tls_cert_not_after = string_field(&parsed, "tls_cert_not_after");
     let logs_token_fp = string_field(&parsed, "logs_token_fp");
+    let executor_account = string_field(&parsed, "executor_account");
     let valid = check_fields(
         parsed,
         &["peer_id"],
-        &["mrtd", "tls_cert_not_after", "logs_token_fp"],
+        &[
+            "mrtd",
+            "tls_cert_not_after",
+            "logs_token_fp",
+            "executor_account",
+        ],
     );
 
     let (answer, count) = {
@@ -675,6 +683,7 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
             held_namespaces,
             tls_cert_not_after,
             logs_token_fp,
+            executor_account,
             status: answer.status(),
             at,
         });

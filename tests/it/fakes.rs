@@ -67,6 +67,10 @@ pub struct World {
     pub retain: BTreeSet<GroupId>,
     /// Every live poll fails with HTTP 503.
     pub mdma_down: bool,
+    /// merod holds no account yet: its identity answers "not minted".
+    pub account_not_minted: bool,
+    /// Every read of merod's identity, with when it came.
+    pub identity_reads: Vec<Instant>,
     /// The `Retry-After` (seconds) of every refused poll and confirm.
     pub retry_after_secs: Option<u32>,
     /// The first polls' answers, in order; later polls get the live answer.
@@ -94,6 +98,8 @@ pub struct World {
     pub polls: Vec<(Instant, Option<String>)>,
     /// The `held_namespaces` each poll carried (`None`: left out).
     pub held_reported: Vec<Option<Vec<GroupId>>>,
+    /// The `executor_account` each poll carried (`None`: left out).
+    pub accounts_reported: Vec<Option<String>>,
     /// Every join-status report.
     pub join_statuses: Vec<JoinStatus>,
     /// Every confirm call, in order, with the role it carried.
@@ -168,6 +174,8 @@ impl ControlPlane for Fake {
             w.polls.push((Instant::now(), mrtd.map(Mrtd::to_hex)));
             w.held_reported
                 .push(report.held_namespaces.map(<[GroupId]>::to_vec));
+            w.accounts_reported
+                .push(report.executor_account.map(str::to_owned));
             let scripted = w.poll_script.get(w.polls.len() - 1);
             match scripted {
                 Some(p) if !w.settled => Some(p.clone()),
@@ -352,7 +360,15 @@ impl Node for Fake {
     }
 
     async fn identity(&self) -> Result<NodeAccount, MerodError> {
-        Ok(NodeAccount::Account("ab".repeat(32)))
+        let minted = self.with(|w| {
+            w.identity_reads.push(Instant::now());
+            !w.account_not_minted
+        });
+        Ok(if minted {
+            NodeAccount::Account("ab".repeat(32))
+        } else {
+            NodeAccount::NotMinted
+        })
     }
 
     async fn tee_role(&self, g: GroupId, _: &str) -> Result<Option<TeeRole>, MerodError> {

@@ -401,3 +401,34 @@ async fn polls_carry_the_certificate_s_expiry_and_the_logs_token_s_fingerprint()
     assert_eq!(status.logs_token_fp, Some(fp("token-two")));
     d.stop().await;
 }
+
+/// merod answers "no account yet" until the node takes part in a namespace: the account is
+/// asked for every 15 s meanwhile, then kept (never asked again), and every poll carries it
+/// (`""` until then).
+#[tokio::test(start_paused = true)]
+async fn the_executor_account_is_asked_every_15_s_until_known_then_kept_and_reported() {
+    use crate::fakes::Fake;
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    fake.with(|w| w.account_not_minted = true);
+    let running = fake.run(node.config(""));
+    tokio::time::sleep(Duration::from_secs(40)).await;
+    fake.with(|w| {
+        assert_eq!(w.identity_reads.len(), 3, "at 0, 15 and 30 s");
+        assert!(w.accounts_reported.iter().all(|a| a.as_deref() == Some("")));
+        w.account_not_minted = false;
+    });
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let shown = running.telemetry.snapshot().executor_account;
+    running.stop().await;
+    fake.with(|w| {
+        assert_eq!(
+            w.identity_reads.len(),
+            4,
+            "known at 45 s, then never asked again"
+        );
+        let last = w.accounts_reported.last().unwrap().clone();
+        assert_eq!(last, Some("ab".repeat(32)));
+    });
+    assert_eq!(shown, Some("ab".repeat(32)), "shown in /status");
+}
