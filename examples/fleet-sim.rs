@@ -30,7 +30,7 @@ use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::Config;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::MdmaClient;
-use fleet_sidecar::{Admission, MerodError, Node, NodeAccount, TeeRole};
+use fleet_sidecar::{Admission, MerodError, NetworkStatus, Node, NodeAccount, TeeRole};
 use fleet_sidecar::{State, StateStore};
 use tokio_util::sync::CancellationToken;
 
@@ -69,6 +69,9 @@ impl Node for StandIn {
     }
     async fn identity(&self) -> Result<NodeAccount, MerodError> {
         Ok(NodeAccount::NotMinted)
+    }
+    async fn network_status(&self) -> Result<NetworkStatus, MerodError> {
+        Ok(NetworkStatus::default())
     }
     async fn tee_role(
         &self,

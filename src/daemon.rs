@@ -43,6 +43,7 @@ mod record;
 mod roles;
 mod sidecar;
 mod startup;
+mod swarm;
 mod tasks;
 
 pub use crate::telemetry::serve as serve_status;

@@ -254,11 +254,11 @@ pub use mdma::{
     CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY, MDMA_TIMEOUT, REGISTER_TIMEOUT,
 };
 pub use merod::{
-    refuses_admitter_addrs, Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp, Node,
-    NodeAccount, Refusal, TeeRole, ADMITTER_ADDRS_RETRY, ATTEST_TIMEOUT, CHECK_TIMEOUT,
-    JOIN_TIMEOUT, LEAVE_TIMEOUT, LIST_PAGES, MAX_REFUSALS, MAX_REFUSAL_MESSAGE, MAX_REFUSAL_PEER,
-    MAX_REFUSAL_REASON, MAX_REFUSAL_TYPE, MEMBERS_TIMEOUT, MEMBER_PAGES, MEROD_CONNECT_TIMEOUT,
-    NOT_HELD_MESSAGES, PROBE_TIMEOUT,
+    refuses_admitter_addrs, Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp,
+    NetworkStatus, Node, NodeAccount, Refusal, TeeRole, ADMITTER_ADDRS_RETRY, ATTEST_TIMEOUT,
+    CHECK_TIMEOUT, JOIN_TIMEOUT, LEAVE_TIMEOUT, LIST_PAGES, MAX_REFUSALS, MAX_REFUSAL_MESSAGE,
+    MAX_REFUSAL_PEER, MAX_REFUSAL_REASON, MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS, MEMBERS_TIMEOUT,
+    MEMBER_PAGES, MEROD_CONNECT_TIMEOUT, NOT_HELD_MESSAGES, PROBE_TIMEOUT,
 };
 pub use mrtd::{
     parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded,

@@ -623,6 +623,10 @@ pub struct NodeReport<'a> {
     /// `executor_account`: merod's account id (lowercase 64 hex), `""` while merod holds
     /// none yet; `None` leaves the field out.
     pub executor_account: Option<&'a str>,
+    /// `swarm_addrs`: the multiaddrs other nodes reach this one at, each ending
+    /// `/p2p/<PeerId>`, at most 16 (MDMA hands them to other joiners as `admitter_addrs`);
+    /// `[]` means "not reported" (MDMA keeps what it had); `None` leaves the field out.
+    pub swarm_addrs: Option<&'a [String]>,
 }
 
 /// Most ids sent as `held_namespaces`: MDMA cannot tell a cut list from a whole one, so a
@@ -814,6 +818,8 @@ struct PollRequest<'a> {
     logs_token_fp: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     executor_account: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    swarm_addrs: Option<&'a [String]>,
 }
 
 #[derive(Serialize)]
@@ -1321,6 +1327,7 @@ impl ControlPlane for MdmaClient {
             tls_cert_not_after: report.tls_cert_not_after,
             logs_token_fp: report.logs_token_fp,
             executor_account: report.executor_account,
+            swarm_addrs: report.swarm_addrs,
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));

@@ -167,6 +167,8 @@ pub enum MerodOp {
     Attest,
     /// `GET /admin-api/groups/{id}/members`.
     Members,
+    /// `GET /admin-api/network/status`.
+    NetworkStatus,
 }
 
 impl fmt::Display for MerodOp {
@@ -182,6 +184,7 @@ impl fmt::Display for MerodOp {
             MerodOp::RegistrationAttest => "registration-attest",
             MerodOp::Attest => "attest",
             MerodOp::Members => "members",
+            MerodOp::NetworkStatus => "network status",
         })
     }
 }
@@ -412,6 +415,84 @@ pub trait Node: Send + Sync + 'static {
         group_id: GroupId,
         account: &str,
     ) -> Result<Option<TeeRole>, MerodError>;
+
+    /// The node's network status ([`MerodClient::network_status`]: `GET
+    /// /admin-api/network/status`): its own PeerId and the addresses others reach it at.
+    ///
+    /// Errors: [`MerodError`].
+    async fn network_status(&self) -> Result<NetworkStatus, MerodError>;
+}
+
+/// What `GET /admin-api/network/status` says of how others reach the node (core 0.11
+/// answers flat `{"localPeerId", "listenAddrs", "externalAddrs", "relays", …}`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct NetworkStatus {
+    /// `localPeerId`, trimmed (`""` when absent or not a string).
+    pub local_peer_id: String,
+    /// `externalAddrs`: each item as a string (a non-string as its JSON text), trimmed,
+    /// those starting with `/` only, in merod's order.
+    pub external_addrs: Vec<String>,
+}
+
+/// Most addresses reported as `swarm_addrs`.
+pub const MAX_SWARM_ADDRS: usize = 16;
+
+impl NetworkStatus {
+    /// The addresses reported to MDMA as `swarm_addrs` (and handed by MDMA to other joiners
+    /// as `admitter_addrs`): each external address ending `/p2p/<localPeerId>` (appended
+    /// unless it already ends so; a relay circuit `…/p2p/<relay>/p2p-circuit` gets it
+    /// appended), duplicates dropped in order, at most [`MAX_SWARM_ADDRS`]. Empty when the
+    /// PeerId is unknown.
+    pub fn swarm_addrs(&self) -> Vec<String> {
+        let peer = self.local_peer_id.trim();
+        if peer.is_empty() {
+            return Vec::new();
+        }
+        let suffix = format!("/p2p/{peer}");
+        let mut out: Vec<String> = Vec::new();
+        for addr in &self.external_addrs {
+            let full = if addr.ends_with(&suffix) {
+                addr.clone()
+            } else {
+                format!("{addr}{suffix}")
+            };
+            if !out.contains(&full) {
+                out.push(full);
+            }
+            if out.len() == MAX_SWARM_ADDRS {
+                break;
+            }
+        }
+        out
+    }
+}
+
+/// Reads a `network/status` answer, flat or under `data`.
+///
+/// Errors: why it is not one (no `externalAddrs` array).
+fn parse_network_status(body: &Value) -> Result<NetworkStatus, &'static str> {
+    let inner = match body.get("data") {
+        Some(d) if d.is_object() => d,
+        _ => body,
+    };
+    let addrs = inner
+        .get("externalAddrs")
+        .and_then(Value::as_array)
+        .ok_or("no externalAddrs array")?;
+    Ok(NetworkStatus {
+        local_peer_id: inner
+            .get("localPeerId")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .trim()
+            .to_owned(),
+        external_addrs: addrs
+            .iter()
+            .map(|v| v.as_str().map_or_else(|| v.to_string(), str::to_owned))
+            .map(|s| s.trim().to_owned())
+            .filter(|s| s.starts_with('/'))
+            .collect(),
+    })
 }
 
 /// calimero-client wants somewhere to keep JWTs; a headless proxy-mode caller has none.
@@ -959,6 +1040,35 @@ impl MerodClient {
         refusal(op, url.as_str(), answer.status, &answer.body)
     }
 
+    /// `GET /admin-api/network/status`: the node's PeerId and external addresses, bounded by
+    /// the check deadline (default 10 s).
+    ///
+    /// Errors: [`MerodError::Refused`] or [`MerodError::Status`] for a non-2xx,
+    /// [`MerodError::Answer`] for a 2xx without an `externalAddrs` array; transport and
+    /// timeout.
+    pub async fn network_status(&self) -> Result<NetworkStatus, MerodError> {
+        let op = MerodOp::NetworkStatus;
+        let path = "admin-api/network/status";
+        let url = self.url(path);
+        self.bounded(op, path, self.deadlines.check, async {
+            let answer = self
+                .send(op, &url, self.connection.client.get(url.clone()))
+                .await?;
+            if !(200..300).contains(&answer.status) {
+                return Err(Self::refused(op, &url, &answer));
+            }
+            parse_network_status(&answer.body).map_err(|reason| MerodError::Answer {
+                op,
+                url: url.to_string(),
+                reason: answer
+                    .unreadable
+                    .clone()
+                    .unwrap_or_else(|| reason.to_owned()),
+            })
+        })
+        .await
+    }
+
     /// Whether a refusal of `admitterAddrs` was seen and not yet forgotten: it is forgotten
     /// when merod is seen down (a refused connection, a failed readiness probe) and once it
     /// is older than [`MerodClientBuilder::admitter_addrs_retry`] (default
@@ -1222,6 +1332,10 @@ impl Node for MerodClient {
         MerodClient::list_namespaces(self).await
     }
 
+    async fn network_status(&self) -> Result<NetworkStatus, MerodError> {
+        MerodClient::network_status(self).await
+    }
+
     async fn identity(&self) -> Result<NodeAccount, MerodError> {
         MerodClient::identity(self).await
     }
@@ -1374,6 +1488,42 @@ mod tests {
         );
         let none = parse_fleet_join(&json!({"admitted": true, "refusals": "x"})).unwrap();
         assert!(none.refusals.is_empty());
+    }
+
+    #[test]
+    fn swarm_addrs_end_with_the_node_s_own_peer_id_deduplicated_at_most_16() {
+        let answer = json!({
+            "localPeerId": " SELF ",
+            "listenAddrs": ["/ip4/0.0.0.0/tcp/2528"],
+            "externalAddrs": [
+                "/ip4/1.2.3.4/udp/2528/quic-v1",
+                "/ip4/1.2.3.4/tcp/2528/p2p/SELF",
+                "/ip4/9.9.9.9/udp/4001/quic-v1/p2p/RELAY/p2p-circuit",
+                " /ip4/1.2.3.4/udp/2528/quic-v1 ",
+                "not/an/addr",
+                7
+            ],
+            "relays": []
+        });
+        let status = parse_network_status(&answer).unwrap();
+        assert_eq!(
+            status.swarm_addrs(),
+            [
+                "/ip4/1.2.3.4/udp/2528/quic-v1/p2p/SELF",
+                "/ip4/1.2.3.4/tcp/2528/p2p/SELF",
+                "/ip4/9.9.9.9/udp/4001/quic-v1/p2p/RELAY/p2p-circuit/p2p/SELF",
+            ]
+        );
+        let many: Vec<String> = (0..40).map(|i| format!("/ip4/10.0.0.{i}/tcp/1")).collect();
+        let status =
+            parse_network_status(&json!({"data": {"localPeerId": "P", "externalAddrs": many}}))
+                .unwrap();
+        assert_eq!(status.swarm_addrs().len(), MAX_SWARM_ADDRS);
+        // No PeerId: nothing can be reported.
+        let status =
+            parse_network_status(&json!({"externalAddrs": ["/ip4/1.2.3.4/tcp/1"]})).unwrap();
+        assert!(status.swarm_addrs().is_empty());
+        assert!(parse_network_status(&json!({"localPeerId": "P"})).is_err());
     }
 
     #[test]

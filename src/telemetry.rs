@@ -178,6 +178,11 @@ pub struct LiveStatus {
     /// good read or after a failed one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_namespaces: Option<HeldStatus>,
+    /// What polls report as `swarm_addrs` (the latest good read of merod's external
+    /// addresses); `None` before the first good read and after a failed one (polls then
+    /// send `[]`, not reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub swarm_addrs: Option<Vec<String>>,
     /// The node's executor account (what polls report as `executor_account`), once known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub executor_account: Option<String>,

@@ -121,7 +121,7 @@ fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
 /// own items (an arrow back up) nor a module on its own floor or above.
 const DAEMON_FLOORS: &[&[&str]] = &[
     &["held", "limits", "node_files", "poll", "record", "roles"],
-    &["account", "join_status", "planner", "readiness"],
+    &["account", "join_status", "planner", "readiness", "swarm"],
     &["deps", "merod_watch", "tasks"],
     &["merod_view", "startup"],
     &["sidecar"],

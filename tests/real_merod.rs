@@ -301,9 +301,15 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     .await;
     let reported = mdma.polls().last().cloned().unwrap();
     println!(
-        "real merod: executor_account {:?}, tls_cert_not_after {:?}, logs_token_fp {:?}",
-        reported.executor_account, reported.tls_cert_not_after, reported.logs_token_fp
+        "real merod: executor_account {:?}, tls_cert_not_after {:?}, logs_token_fp {:?}, swarm_addrs {:?}",
+        reported.executor_account, reported.tls_cert_not_after, reported.logs_token_fp, reported.swarm_addrs
     );
+    let status = merod
+        .network_status()
+        .await
+        .expect("rc.25 answers GET /admin-api/network/status");
+    println!("real merod: network/status {status:?}");
+    assert_eq!(status.local_peer_id, lab.str("b_peer_id"));
     assert!(mdma
         .polls()
         .iter()

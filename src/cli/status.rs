@@ -256,6 +256,12 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                     "\"\" (merod holds no account yet: it has it once the node takes part in a namespace)"
                 )
             ));
+            out.push_str(&match &l.swarm_addrs {
+                Some(a) if !a.is_empty() => format!("  swarm_addrs: {}\n", a.join(" ")),
+                Some(_) => "  swarm_addrs: [] (merod has no external address)\n".to_owned(),
+                None => "  swarm_addrs: [] (not read yet, or the last read failed: not reported)\n"
+                    .to_owned(),
+            });
             if let Some(v) = &l.tls_cert_not_after {
                 out.push_str(&format!(
                     "  tls_cert_not_after: {}\n",

@@ -20,6 +20,7 @@ use super::held::{self, HeldView};
 use super::join_status::{self, JoinStatusHandle};
 use super::merod_watch::{self, MerodUp};
 use super::roles::Roles;
+use super::swarm::SwarmView;
 
 /// The jobs watching merod and what the loop keeps of their reads.
 pub(super) struct MerodView {
@@ -29,6 +30,8 @@ pub(super) struct MerodView {
     pub(super) held: HeldView,
     /// Join outcomes go to MDMA's join-status through this.
     pub(super) join_status: JoinStatusHandle,
+    /// merod's external addresses, as its job last read them.
+    pub(super) swarm: SwarmView,
     /// The roles MDMA was told per confirmed namespace, and the round robin of re-reads.
     pub(super) roles: Roles,
     /// The node's account, asked for by its job until known, read for the role in each
@@ -61,6 +64,7 @@ impl MerodView {
             HeldView::idle(),
             JoinStatusHandle::idle(),
             Arc::default(),
+            SwarmView::idle(),
         )
     }
 
@@ -111,7 +115,12 @@ impl MerodView {
             Arc::clone(telemetry),
             shutdown.clone(),
         );
-        Self::with(up, held, join_status, account)
+        let swarm = SwarmView::start(
+            Arc::clone(&deps.merod),
+            Arc::clone(telemetry),
+            shutdown.clone(),
+        );
+        Self::with(up, held, join_status, account, swarm)
     }
 
     fn with(
@@ -119,11 +128,13 @@ impl MerodView {
         held: HeldView,
         join_status: JoinStatusHandle,
         account: Arc<AccountCache>,
+        swarm: SwarmView,
     ) -> Self {
         Self {
             up,
             held,
             join_status,
+            swarm,
             roles: Roles::default(),
             account,
             seen: 0,

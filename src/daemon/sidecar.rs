@@ -255,7 +255,9 @@ impl Sidecar {
         let held = self.view.held.poll_field(started);
         let files = self.files.poll_fields();
         let account = self.view.account.get();
+        let swarm = self.view.swarm.poll_field();
         let report = NodeReport {
+            swarm_addrs: Some(&swarm),
             executor_account: Some(account.as_deref().unwrap_or_default()),
             held_namespaces: held.as_deref(),
             tls_cert_not_after: files.tls_cert_not_after.as_deref(),

@@ -174,6 +174,8 @@ pub struct PollRecord {
     pub logs_token_fp: Option<String>,
     /// `executor_account` of the body, when present and a string.
     pub executor_account: Option<String>,
+    /// `swarm_addrs` of the body, when present and an array (its strings).
+    pub swarm_addrs: Option<Vec<String>>,
     /// What was answered; 0 for [`PollReply::Hang`].
     pub status: u16,
     /// When the request arrived.
@@ -635,6 +637,17 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
     let tls_cert_not_after = string_field(&parsed, "tls_cert_not_after");
     let logs_token_fp = string_field(&parsed, "logs_token_fp");
     let executor_account = string_field(&parsed, "executor_account");
+    let swarm_addrs = parsed
+        .as_ref()
+        .ok()
+        .and_then(|map| map.get("swarm_addrs"))
+        .and_then(Value::as_array)
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_str)
+                .map(str::to_owned)
+                .collect()
+        });
     let valid = check_fields(
         parsed,
         &["peer_id"],
@@ -684,6 +697,7 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
             tls_cert_not_after,
             logs_token_fp,
             executor_account,
+            swarm_addrs,
             status: answer.status(),
             at,
         });

@@ -17,6 +17,8 @@
 //! - `GET /identity`: 404 "holds neither a device nor an account root yet" until the node
 //!   first takes part in a namespace (an admission, [`MerodEmulator::hold`] or
 //!   [`MerodEmulator::set_minted`]), then the recorded account;
+//! - `GET /network/status`: flat `{"localPeerId", "listenAddrs", "externalAddrs", …}`, the
+//!   sandbox's PeerId and [`MerodEmulator::set_external_addrs`] (none by default);
 //! - `POST /tee/attest` `{"nonce": "<64 hex>"}`: 200 `{"data":{"quoteB64": …, "quote": {…}}}`,
 //!   a mock quote (`quote` is the recorded parsed quote, its report data the nonce and 32 zero
 //!   bytes); a bad nonce 400 worded as merod words it;
@@ -372,6 +374,8 @@ struct Inner {
     leave_counts: HashMap<String, usize>,
     /// Whether the device and account exist (minted on first taking part in a namespace).
     minted: bool,
+    /// `externalAddrs` of `GET /network/status`.
+    external_addrs: Vec<String>,
     /// Whether `registration-attest` exists (newer than rc.25).
     registration_attest: bool,
     /// An error status `attest` and `registration-attest` answer, when set.
@@ -440,6 +444,7 @@ impl MerodEmulator {
                 join_counts: HashMap::new(),
                 leave_counts: HashMap::new(),
                 minted: false,
+                external_addrs: Vec::new(),
                 registration_attest: false,
                 attest_error: None,
                 older_core: false,
@@ -517,6 +522,13 @@ impl MerodEmulator {
         let mut inner = lock(&self.shared.inner);
         inner.held.insert(group_id.to_ascii_lowercase());
         inner.minted = true;
+    }
+
+    /// The `externalAddrs` `GET /admin-api/network/status` answers from now on (default
+    /// none, as a real merod on loopback answers), beside `localPeerId` = the sandbox's
+    /// PeerId.
+    pub fn set_external_addrs(&self, addrs: &[&str]) {
+        lock(&self.shared.inner).external_addrs = addrs.iter().map(|a| (*a).to_owned()).collect();
     }
 
     /// Whether the node's device and account exist (`GET /admin-api/identity` answers 404
@@ -689,7 +701,9 @@ async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
     let get = request.method == Method::GET;
     let post = request.method == Method::POST;
     match rest {
-        "health" | "ready" | "peers" | "namespaces" | "identity" if !get => method_not_allowed(),
+        "health" | "ready" | "peers" | "namespaces" | "identity" | "network/status" if !get => {
+            method_not_allowed()
+        }
         "tee/fleet-join" | "tee/attest" if !post => method_not_allowed(),
         "health" => health(shared),
         "ready" => ready(shared),
@@ -697,6 +711,7 @@ async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
         "tee/fleet-join" => fleet_join(shared, &request.headers, body).await,
         "namespaces" => list_namespaces(shared, &request.uri).await,
         "identity" => identity(shared),
+        "network/status" => network_status(shared),
         "tee/attest" => quote(shared, &request.headers, &body),
         // Only with set_registration_attest (rc.25 predates it: an unknown route, 404).
         "tee/registration-attest" if post => registration_attest(shared, &request.headers, &body),
@@ -977,6 +992,27 @@ fn error_status(status: u16) -> Answer {
         Ok(code) => code.canonical_reason().unwrap_or("Internal server error"),
     };
     json_response(status, json!({ "error": message }))
+}
+
+/// The emulated node's PeerId: `localPeerId` of `GET /network/status`, and what the
+/// sandbox writes into its merod config.toml.
+pub const PEER_ID: &str = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk";
+
+/// Flat, as core 0.11 answers: the node's PeerId and addresses.
+fn network_status(shared: &Shared) -> Answer {
+    let external = lock(&shared.inner).external_addrs.clone();
+    json_response(
+        200,
+        json!({
+            "localPeerId": PEER_ID,
+            "listenAddrs": ["/ip4/127.0.0.1/tcp/2428"],
+            "externalAddrs": external,
+            "relays": [],
+            "rendezvous": [],
+            "directUpgrades": 0,
+            "autonat": null
+        }),
+    )
 }
 
 fn identity(shared: &Shared) -> Answer {

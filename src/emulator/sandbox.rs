@@ -16,8 +16,8 @@ use crate::mdma::MdmaClient;
 use crate::merod::{ListenCandidates, MerodClient};
 use crate::telemetry::Telemetry;
 
-/// The PeerId written into the sandbox's merod config.toml.
-pub const PEER_ID: &str = "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk";
+/// The PeerId written into the sandbox's merod config.toml (the merod emulator's own).
+pub use super::merod::PEER_ID;
 /// The sandbox's MRTD: 48 bytes 0x00, 0x01, … 0x2f, hex-encoded.
 pub const MRTD_HEX: &str = "000102030405060708090a0b0c0d0e0f101112131415161718191a1b1c1d1e1f202122232425262728292a2b2c2d2e2f";
 

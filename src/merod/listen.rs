@@ -11,7 +11,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tracing::info;
 
-use super::{Admission, MerodClient, MerodError, Node, NodeAccount, TeeRole, PROBE_TIMEOUT};
+use super::{
+    Admission, MerodClient, MerodError, NetworkStatus, Node, NodeAccount, TeeRole, PROBE_TIMEOUT,
+};
 use crate::ids::GroupId;
 
 /// merod behind several admin URLs, in the order of `[server].listen`: [`Node::probe`]
@@ -136,6 +138,11 @@ impl Node for ListenCandidates {
 
     async fn identity(&self) -> Result<NodeAccount, MerodError> {
         let r = self.current().identity().await;
+        self.follow(r).await
+    }
+
+    async fn network_status(&self) -> Result<NetworkStatus, MerodError> {
+        let r = self.current().network_status().await;
         self.follow(r).await
     }
 

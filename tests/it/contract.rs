@@ -658,6 +658,25 @@ async fn quotes_are_read_under_data_or_at_the_top_and_a_404_is_the_fallback_sign
     ));
 }
 
+/// `GET /admin-api/network/status` as the emulator answers it (flat, as core 0.11 does).
+#[tokio::test]
+async fn network_status_gives_the_peer_id_and_external_addresses() {
+    use fleet_sidecar::emulator::merod::MerodEmulator;
+    let merod = MerodEmulator::start().await.unwrap();
+    let client = MerodClient::new(&merod.url()).unwrap();
+    let status = client.network_status().await.unwrap();
+    assert!(status.external_addrs.is_empty() && status.swarm_addrs().is_empty());
+    merod.set_external_addrs(&["/ip4/1.2.3.4/udp/2528/quic-v1"]);
+    let status = client.network_status().await.unwrap();
+    assert_eq!(
+        status.swarm_addrs(),
+        [format!(
+            "/ip4/1.2.3.4/udp/2528/quic-v1/p2p/{}",
+            fleet_sidecar::emulator::sandbox::PEER_ID
+        )]
+    );
+}
+
 /// Newer cores refuse with `{"error", "type"?, "data"?}` (400, 403, 404, 409, 503): every call
 /// keeps the status, the message and the type, in the error and in its text (the log line).
 #[tokio::test]

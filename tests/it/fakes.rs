@@ -67,6 +67,12 @@ pub struct World {
     pub retain: BTreeSet<GroupId>,
     /// Every live poll fails with HTTP 503.
     pub mdma_down: bool,
+    /// merod's `externalAddrs`.
+    pub external_addrs: Vec<String>,
+    /// Every read of merod's network status, with when it came.
+    pub network_reads: Vec<Instant>,
+    /// The `swarm_addrs` each poll carried (`None`: left out).
+    pub swarm_reported: Vec<Option<Vec<String>>>,
     /// merod holds no account yet: its identity answers "not minted".
     pub account_not_minted: bool,
     /// Every read of merod's identity, with when it came.
@@ -176,6 +182,8 @@ impl ControlPlane for Fake {
                 .push(report.held_namespaces.map(<[GroupId]>::to_vec));
             w.accounts_reported
                 .push(report.executor_account.map(str::to_owned));
+            w.swarm_reported
+                .push(report.swarm_addrs.map(<[String]>::to_vec));
             let scripted = w.poll_script.get(w.polls.len() - 1);
             match scripted {
                 Some(p) if !w.settled => Some(p.clone()),
@@ -368,6 +376,16 @@ impl Node for Fake {
             NodeAccount::Account("ab".repeat(32))
         } else {
             NodeAccount::NotMinted
+        })
+    }
+
+    async fn network_status(&self) -> Result<fleet_sidecar::NetworkStatus, MerodError> {
+        self.with(|w| {
+            w.network_reads.push(Instant::now());
+            Ok(fleet_sidecar::NetworkStatus {
+                local_peer_id: "SELF".to_owned(),
+                external_addrs: w.external_addrs.clone(),
+            })
         })
     }
 

@@ -432,3 +432,38 @@ async fn the_executor_account_is_asked_every_15_s_until_known_then_kept_and_repo
     });
     assert_eq!(shown, Some("ab".repeat(32)), "shown in /status");
 }
+
+/// merod's external addresses reach every poll as `swarm_addrs`, each ending in the node's
+/// own PeerId, read every 60 s (never by the poll itself); `[]` before the first read.
+#[tokio::test(start_paused = true)]
+async fn swarm_addrs_are_merod_s_external_addresses_read_every_60_s() {
+    use crate::fakes::Fake;
+    let node = NodeDir::new();
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.external_addrs = vec![
+            "/ip4/1.2.3.4/udp/2528/quic-v1".to_owned(),
+            "/ip4/1.2.3.4/tcp/2528/p2p/SELF".to_owned(),
+        ]
+    });
+    let running = fake.run(node.config(""));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let want = vec![
+        "/ip4/1.2.3.4/udp/2528/quic-v1/p2p/SELF".to_owned(),
+        "/ip4/1.2.3.4/tcp/2528/p2p/SELF".to_owned(),
+    ];
+    fake.with(|w| {
+        assert_eq!(w.swarm_reported.last().unwrap().as_ref(), Some(&want));
+        w.external_addrs.push("/ip4/5.6.7.8/tcp/1".to_owned());
+    });
+    tokio::time::sleep(Duration::from_secs(120)).await;
+    running.stop().await;
+    fake.with(|w| {
+        // At start, 60 s and 120 s: not once per poll (125 of them).
+        assert_eq!(w.network_reads.len(), 3, "{:?}", w.network_reads);
+        assert!(w.polls.len() > 100);
+        let last = w.swarm_reported.last().unwrap().clone().unwrap();
+        assert_eq!(last.len(), 3);
+        assert_eq!(last[2], "/ip4/5.6.7.8/tcp/1/p2p/SELF");
+    });
+}
