@@ -40,6 +40,7 @@ mod planner;
 mod poll;
 mod readiness;
 mod record;
+mod relay;
 mod roles;
 mod sidecar;
 mod startup;

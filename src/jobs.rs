@@ -186,6 +186,15 @@ impl<T: Clone> JobHandle<T> {
         f(&self.latest.borrow())
     }
 
+    /// The latest good run's value (a cheap clone, such as an `Arc`), `None` before the
+    /// first and after a failed one: what a poll field reads.
+    pub(crate) fn latest_good(&self) -> Option<T> {
+        self.with_latest(|l| match l {
+            Latest::Good(p) => Some(p.value.clone()),
+            Latest::NotYet | Latest::Failed => None,
+        })
+    }
+
     /// Asks for a run soon (once `min_gap` after the last start has passed); returns at once.
     pub(crate) fn run_soon(&self) {
         self.soon.notify_one();

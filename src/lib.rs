@@ -224,6 +224,7 @@ mod jobs;
 mod logging;
 mod mdma;
 mod merod;
+mod metadata;
 mod mrtd;
 mod net;
 #[cfg(feature = "daemon")]
@@ -259,6 +260,10 @@ pub use merod::{
     CHECK_TIMEOUT, JOIN_TIMEOUT, LEAVE_TIMEOUT, LIST_PAGES, MAX_REFUSALS, MAX_REFUSAL_MESSAGE,
     MAX_REFUSAL_PEER, MAX_REFUSAL_REASON, MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS, MEMBERS_TIMEOUT,
     MEMBER_PAGES, MEROD_CONNECT_TIMEOUT, NOT_HELD_MESSAGES, PROBE_TIMEOUT,
+};
+pub use metadata::{
+    server_port, MetadataAttribute, MetadataClient, MetadataError, DEFAULT_SERVER_PORT,
+    MAX_METADATA_ATTRIBUTE, METADATA_TIMEOUT,
 };
 pub use mrtd::{
     parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded,

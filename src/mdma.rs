@@ -627,6 +627,10 @@ pub struct NodeReport<'a> {
     /// `/p2p/<PeerId>`, at most 16 (MDMA hands them to other joiners as `admitter_addrs`);
     /// `[]` means "not reported" (MDMA keeps what it had); `None` leaves the field out.
     pub swarm_addrs: Option<&'a [String]>,
+    /// `relay_url`: the relay the node registers with (`[registration] relay_url`, else
+    /// the instance metadata's `relay-url`), `""` when unknown or none; `None` leaves the
+    /// field out.
+    pub relay_url: Option<&'a str>,
 }
 
 /// Most ids sent as `held_namespaces`: MDMA cannot tell a cut list from a whole one, so a
@@ -820,6 +824,8 @@ struct PollRequest<'a> {
     executor_account: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
     swarm_addrs: Option<&'a [String]>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    relay_url: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -1328,6 +1334,7 @@ impl ControlPlane for MdmaClient {
             logs_token_fp: report.logs_token_fp,
             executor_account: report.executor_account,
             swarm_addrs: report.swarm_addrs,
+            relay_url: report.relay_url,
         };
         let fail =
             |e: reqwest::Error| PollError::from(RequestError::from_reqwest(url, self.timeout, e));

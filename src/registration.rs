@@ -35,7 +35,6 @@ use tokio::sync::{watch, Notify};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
-use url::Url;
 
 use crate::backoff::{Backoff, Jitter, RETRY};
 use crate::config::{read_token_file, Config, RegistrationConfig, TokenFileProblem};
@@ -47,7 +46,7 @@ use crate::mdma::{
     CHALLENGE_TIMEOUT, REGISTER_TIMEOUT,
 };
 use crate::merod::{ListenCandidates, MerodError, NodeAccount, ATTEST_TIMEOUT, CHECK_TIMEOUT};
-use crate::net::read_capped;
+use crate::metadata::{MetadataAttribute, MetadataClient, MetadataError};
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -59,10 +58,6 @@ pub(crate) const RETRY_CAP: Duration = Duration::from_secs(600);
 /// How often, while a token is held, the identity (account, relay URL) is read again to
 /// find a change.
 pub(crate) const IDENTITY_CHECK_INTERVAL: Duration = Duration::from_secs(60);
-/// Bound of one read of a metadata attribute.
-pub(crate) const METADATA_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest metadata attribute read.
-const MAX_ATTRIBUTE: usize = 64 * 1024;
 /// The identity a token was issued to, beside the token file (the reference's name).
 pub(crate) const RECORD_FILE: &str = "fleet-registration.json";
 
@@ -276,14 +271,9 @@ pub(crate) enum AttemptError {
     /// The account could not be read.
     #[error("the account is unknown: {0}")]
     Identity(#[source] MerodError),
-    /// A metadata attribute could not be read.
-    #[error("metadata attribute {url}: {reason}")]
-    Metadata {
-        /// The attribute's URL.
-        url: Url,
-        /// What failed.
-        reason: String,
-    },
+    /// A metadata attribute could not be read (and none was read before).
+    #[error(transparent)]
+    Metadata(MetadataError),
     /// The enrolment token file could not be read.
     #[error("cannot read enrolment_token_file {path}: {source}")]
     EnrolmentFile {
@@ -432,55 +422,9 @@ struct Registrar {
     /// merod at the `[server].listen` address the loop chose.
     merod: Arc<ListenCandidates>,
     cfg: RegistrationConfig,
-    metadata: reqwest::Client,
-    /// The relay URL last read from the metadata.
-    relay_url: std::sync::Mutex<RelayUrlMemory>,
-}
-
-/// The metadata's `relay-url` as last read. Only a value read changes it: a failed read (an
-/// error status, a timeout, no connection) is "unknown", and so is a 404 once a value was
-/// read, since a metadata server's blip would otherwise make the node's identity "no relay
-/// URL" and register it again with `relay_url: ""` (and again when the URL returns). Before
-/// anything was read, a 404 is "not set" (`""`) and a failed read fails the attempt.
-/// Seeded with the relay URL the stored token was issued to, a value an earlier run read.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub(crate) struct RelayUrlMemory {
-    last: Option<String>,
-}
-
-impl RelayUrlMemory {
-    /// What an earlier run read (the registration record), unless this run read already.
-    fn seed(&mut self, record: Option<&Identity>) {
-        if self.last.is_none() {
-            self.last = record.map(|r| r.relay_url.clone());
-        }
-    }
-
-    /// Folds one read of the attribute (`Ok(Some(text))`: read; `Ok(None)`: 404; `Err`:
-    /// failed) into the relay URL to use now.
-    ///
-    /// Errors: the read's error, when nothing was read before.
-    fn fold<E: std::fmt::Display>(&mut self, read: Result<Option<String>, E>) -> Result<String, E> {
-        match (read, &self.last) {
-            (Ok(Some(value)), _) => {
-                self.last = Some(value.clone());
-                Ok(value)
-            }
-            (Ok(None), None) => {
-                self.last = Some(String::new());
-                Ok(String::new())
-            }
-            (Ok(None), Some(last)) => {
-                debug!("metadata relay-url answered 404 after a value was read: keeping the last one read");
-                Ok(last.clone())
-            }
-            (Err(e), Some(last)) => {
-                debug!("metadata relay-url unreadable ({e}): keeping the last one read");
-                Ok(last.clone())
-            }
-            (Err(e), None) => Err(e),
-        }
-    }
+    /// The instance metadata (`relay-url`, `enrolment-token`), shared with the poll's
+    /// `relay_url`, so both send the value last read.
+    metadata: MetadataClient,
 }
 
 /// The fleet token's job: keeps the token the MDMA client sends (see the module docs).
@@ -495,33 +439,30 @@ pub(crate) struct TokenJob {
 
 /// Why the token job could not be built.
 #[derive(Debug, thiserror::Error)]
-#[error("cannot build the metadata HTTP client: {0}")]
-pub(crate) struct JobError(#[source] reqwest::Error);
+#[error(transparent)]
+pub(crate) struct JobError(#[from] MetadataError);
 
 impl TokenJob {
     /// The job for `cfg`, sending through `mdma` (whose clones share its token), or `None`
     /// when there is nothing to keep (an inline `fleet_token`, or no token at all).
+    /// Registration reads the instance metadata through `metadata` (a client of its own
+    /// when `None`).
     ///
     /// Errors: [`JobError`] when the metadata HTTP client cannot be built.
     pub(crate) fn for_config(
         cfg: &Config,
         mdma: &MdmaClient,
         merod: &Arc<ListenCandidates>,
+        metadata: Option<&MetadataClient>,
     ) -> Result<Option<Arc<Self>>, JobError> {
         let source = match (&cfg.registration, &cfg.fleet_token_file) {
             (Some(reg), _) => Source::Registration(Box::new(Registrar {
                 merod: Arc::clone(merod),
                 cfg: reg.clone(),
-                // Never through a proxy: the metadata server is link-local, and a proxy
-                // would see the enrolment token.
-                metadata: reqwest::Client::builder()
-                    .no_proxy()
-                    .timeout(METADATA_TIMEOUT)
-                    .connect_timeout(METADATA_TIMEOUT)
-                    .redirect(reqwest::redirect::Policy::none())
-                    .build()
-                    .map_err(JobError)?,
-                relay_url: std::sync::Mutex::default(),
+                metadata: match metadata {
+                    Some(m) => m.clone(),
+                    None => MetadataClient::new(reg.metadata_url.clone())?,
+                },
             })),
             (None, Some(file)) => Source::File(file.clone()),
             (None, None) => return Ok(None),
@@ -615,10 +556,11 @@ impl TokenJob {
             Held::None
         };
         self.mdma.set_token(stored.token);
-        reg.relay_url
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .seed(stored.record.as_ref());
+        if let Some(record) = &stored.record {
+            // What the stored token was issued to was read by an earlier run.
+            reg.metadata
+                .remember(MetadataAttribute::RelayUrl, &record.relay_url);
+        }
         let machine = Machine::new(reg.cfg.retry_interval, held, stored.record);
         telemetry.update(|st| {
             st.fleet_token = held.word().to_owned();
@@ -762,7 +704,7 @@ const TOKEN_FILE_DEADLINE: Duration = Duration::from_secs(10);
 /// account, two metadata attributes, the challenge, a quote and its fallback, `register`),
 /// and the writes of the token and its record.
 const ATTEMPT_DEADLINE: Duration = CHECK_TIMEOUT
-    .saturating_add(METADATA_TIMEOUT.saturating_mul(2))
+    .saturating_add(crate::metadata::METADATA_TIMEOUT.saturating_mul(2))
     .saturating_add(CHALLENGE_TIMEOUT)
     .saturating_add(ATTEST_TIMEOUT.saturating_mul(2))
     .saturating_add(REGISTER_TIMEOUT)
@@ -977,13 +919,11 @@ impl Registrar {
         };
         let relay_url = match &self.cfg.relay_url {
             Some(r) => r.clone(),
-            None => {
-                let read = self.attribute("relay-url").await;
-                self.relay_url
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner)
-                    .fold(read)?
-            }
+            None => self
+                .metadata
+                .value(MetadataAttribute::RelayUrl)
+                .await
+                .map_err(AttemptError::Metadata)?,
         };
         Ok(Identity {
             executor_account: account,
@@ -1015,9 +955,12 @@ impl Registrar {
                     })?;
                 EnrolmentToken::new(text.trim())
             }
-            None => {
-                EnrolmentToken::new(self.attribute("enrolment-token").await?.unwrap_or_default())
-            }
+            None => EnrolmentToken::new(
+                self.metadata
+                    .value(MetadataAttribute::EnrolmentToken)
+                    .await
+                    .map_err(AttemptError::Metadata)?,
+            ),
         };
         let challenge = mdma.challenge().await.map_err(AttemptError::Challenge)?;
         let nonce = nonce(&challenge.challenge, &id);
@@ -1053,46 +996,6 @@ impl Registrar {
             .await
             .map_err(AttemptError::Register)?;
         Ok((id, registered.token))
-    }
-
-    /// A metadata attribute (`Metadata-Flavor: Google`, no proxy, [`METADATA_TIMEOUT`]):
-    /// its text with CR/LF and surrounding whitespace removed; `None` on a 404 (not set).
-    async fn attribute(&self, name: &str) -> Result<Option<String>, AttemptError> {
-        let url = self
-            .cfg
-            .metadata_url
-            .join(name)
-            .map_err(|e| AttemptError::Metadata {
-                url: self.cfg.metadata_url.clone(),
-                reason: e.to_string(),
-            })?;
-        let fail = |reason: String| AttemptError::Metadata {
-            url: url.clone(),
-            reason,
-        };
-        let read = async {
-            let resp = self
-                .metadata
-                .get(url.clone())
-                .header("Metadata-Flavor", "Google")
-                .send()
-                .await
-                .map_err(|e| fail(e.without_url().to_string()))?;
-            match resp.status().as_u16() {
-                200 => {}
-                404 => return Ok(None),
-                status => return Err(fail(format!("HTTP {status}"))),
-            }
-            let bytes = read_capped(resp, MAX_ATTRIBUTE)
-                .await
-                .map_err(|e| e.into_error(fail, |e| fail(e.without_url().to_string())))?;
-            let text = String::from_utf8(bytes).map_err(|_| fail("not UTF-8".to_owned()))?;
-            Ok(Some(text.replace(['\r', '\n'], "").trim().to_owned()))
-        };
-        match tokio::time::timeout(METADATA_TIMEOUT, read).await {
-            Ok(r) => r,
-            Err(_) => Err(fail(format!("no answer within {METADATA_TIMEOUT:?}"))),
-        }
     }
 
     /// Writes the record of whom the token was issued to (a failure is logged: the next
@@ -1318,46 +1221,6 @@ mod tests {
         // Without a token nothing is adopted.
         let mut none = Machine::new(RETRY, Held::None, None);
         assert!(!none.observe(id("acc")));
-    }
-
-    #[test]
-    fn only_a_relay_url_read_changes_the_one_registration_sends() {
-        // What `Registrar::attribute` gives: the error is what the attempt would fail with.
-        let failed = || Err::<Option<String>, _>("metadata relay-url: HTTP 503".to_owned());
-        let read = |v: &str| Ok::<_, String>(Some(v.to_owned()));
-        let not_found = || Ok::<_, String>(None);
-        // Nothing read yet: a failure is a failure, a 404 is "not set".
-        let mut m = RelayUrlMemory::default();
-        assert!(m.fold(failed()).is_err());
-        assert_eq!(m.fold(not_found()).unwrap(), "");
-        // A value read replaces it; a 404 blip, an error or a timeout afterwards keep it.
-        assert_eq!(
-            m.fold(read("https://relay.example")).unwrap(),
-            "https://relay.example"
-        );
-        assert_eq!(m.fold(not_found()).unwrap(), "https://relay.example");
-        assert_eq!(m.fold(failed()).unwrap(), "https://relay.example");
-        assert_eq!(
-            m.fold(read("https://r2.example")).unwrap(),
-            "https://r2.example"
-        );
-        // An empty value read is a value: the operator cleared it.
-        assert_eq!(m.fold(read("")).unwrap(), "");
-        assert_eq!(m.fold(not_found()).unwrap(), "");
-        // What the stored token was issued to counts as read, across a restart; this run's
-        // own reads win over it.
-        let record = id("acc");
-        let mut m = RelayUrlMemory::default();
-        m.seed(Some(&record));
-        assert_eq!(m.fold(not_found()).unwrap(), "https://relay.example");
-        assert_eq!(m.fold(failed()).unwrap(), "https://relay.example");
-        let mut m = RelayUrlMemory::default();
-        m.fold(read("https://r2.example")).unwrap();
-        m.seed(Some(&record));
-        assert_eq!(m.fold(not_found()).unwrap(), "https://r2.example");
-        let mut m = RelayUrlMemory::default();
-        m.seed(None);
-        assert!(m.fold(failed()).is_err());
     }
 
     #[test]

@@ -186,6 +186,10 @@ pub struct LiveStatus {
     /// The node's executor account (what polls report as `executor_account`), once known.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub executor_account: Option<String>,
+    /// What polls report as `relay_url` (`""`: none); `None` before the first read of the
+    /// instance metadata.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay_url: Option<String>,
     /// What polls report as `tls_cert_not_after` (`""`: no certificate, a self-signed
     /// placeholder, or unreadable); `None` when `[tls] report = false` or not looked at yet.
     #[serde(default, skip_serializing_if = "Option::is_none")]

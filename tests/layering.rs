@@ -10,7 +10,7 @@ use std::path::Path;
 /// The floors, bottom first.
 const FLOORS: &[&[&str]] = &[
     &["dropped", "durable", "ids", "net", "outcome", "strict_json"],
-    &["backoff", "merod", "mrtd", "state"],
+    &["backoff", "merod", "metadata", "mrtd", "state"],
     &["mdma"],
     &["reconcile"],
     &["config"],
@@ -120,7 +120,15 @@ fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
 /// holds the entry points and re-exports, and a file below it names neither `daemon.rs`'s
 /// own items (an arrow back up) nor a module on its own floor or above.
 const DAEMON_FLOORS: &[&[&str]] = &[
-    &["held", "limits", "node_files", "poll", "record", "roles"],
+    &[
+        "held",
+        "limits",
+        "node_files",
+        "poll",
+        "record",
+        "relay",
+        "roles",
+    ],
     &["account", "join_status", "planner", "readiness", "swarm"],
     &["deps", "merod_watch", "tasks"],
     &["merod_view", "startup"],

@@ -256,6 +256,15 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
                     "\"\" (merod holds no account yet: it has it once the node takes part in a namespace)"
                 )
             ));
+            if let Some(v) = &l.relay_url {
+                out.push_str(&format!(
+                    "  relay_url: {}\n",
+                    reported(
+                        v,
+                        "none: no [registration] relay_url, and the metadata's relay-url is unset or not read yet"
+                    )
+                ));
+            }
             out.push_str(&match &l.swarm_addrs {
                 Some(a) if !a.is_empty() => format!("  swarm_addrs: {}\n", a.join(" ")),
                 Some(_) => "  swarm_addrs: [] (merod has no external address)\n".to_owned(),
@@ -472,6 +481,7 @@ mod tests {
             .into(),
             tls_cert_not_after: Some(String::new()),
             logs_token_fp: Some("ab".repeat(32)),
+            relay_url: Some("https://relay.example".to_owned()),
             ..LiveStatus::default()
         };
         let r = Report {
@@ -495,6 +505,10 @@ mod tests {
         );
         assert!(
             text.contains("  executor_account: \"\" (merod holds no account yet"),
+            "{text}"
+        );
+        assert!(
+            text.contains("  relay_url: https://relay.example\n"),
             "{text}"
         );
         assert!(

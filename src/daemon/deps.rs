@@ -8,6 +8,7 @@ use crate::config::Config;
 use crate::identity::IdentityError;
 use crate::mdma::{ControlPlane, MdmaClient};
 use crate::merod::{ListenCandidates, Node};
+use crate::metadata::MetadataClient;
 use crate::registration::TokenJob;
 use crate::state::StateError;
 use crate::telemetry::Telemetry;
@@ -26,6 +27,9 @@ pub struct Deps {
     /// The fleet token's job (a `fleet_token_file` to re-read, or `[registration]`), when
     /// the config has one; started once the PeerId is known.
     pub(crate) token_job: Option<Arc<TokenJob>>,
+    /// The instance metadata (`[registration]` only), shared by registration and the
+    /// poll's `relay_url`.
+    pub(crate) metadata: Option<MetadataClient>,
 }
 
 impl Deps {
@@ -36,6 +40,7 @@ impl Deps {
             merod,
             telemetry: Arc::new(Telemetry::new()),
             token_job: None,
+            metadata: None,
         }
     }
 
@@ -51,12 +56,17 @@ impl Deps {
         registration_merod: Arc<ListenCandidates>,
         telemetry: Arc<Telemetry>,
     ) -> Result<Self, crate::registration::JobError> {
-        let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod)?;
+        let metadata = match &cfg.registration {
+            Some(reg) => Some(MetadataClient::new(reg.metadata_url.clone())?),
+            None => None,
+        };
+        let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod, metadata.as_ref())?;
         Ok(Self {
             mdma: Arc::new(mdma),
             merod,
             telemetry,
             token_job,
+            metadata,
         })
     }
 

@@ -15,7 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::RETRY;
 use crate::config::Config;
-use crate::jobs::{self, Job, JobHandle, Latest, Schedule};
+use crate::jobs::{self, Job, JobHandle, Schedule};
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -258,12 +258,7 @@ impl NodeFilesView {
     pub(crate) fn poll_fields(&self) -> Arc<NodeFiles> {
         self.job
             .as_ref()
-            .and_then(|job| {
-                job.with_latest(|l| match l {
-                    Latest::Good(p) => Some(Arc::clone(&p.value)),
-                    Latest::NotYet | Latest::Failed => None,
-                })
-            })
+            .and_then(JobHandle::latest_good)
             .unwrap_or_else(|| Arc::clone(&self.unknown))
     }
 }

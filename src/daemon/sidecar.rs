@@ -28,6 +28,7 @@ use super::node_files::NodeFilesView;
 use super::planner::Planner;
 use super::poll::Cadence;
 use super::record::{AfterWrite, Record, Written};
+use super::relay::RelayView;
 use super::startup::{self, Identity};
 use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
 
@@ -76,6 +77,8 @@ pub struct Sidecar {
     /// What the node's files say (the TLS certificate's expiry, the logs token's
     /// fingerprint), as a job last looked.
     files: NodeFilesView,
+    /// The relay URL polls report (fixed, or as a job last read it from the metadata).
+    relay: RelayView,
 }
 
 impl Sidecar {
@@ -126,9 +129,16 @@ impl Sidecar {
             )
         };
         let files = NodeFilesView::start(&cfg, Arc::clone(&telemetry), shutdown.clone());
+        let relay = RelayView::start(
+            &cfg,
+            deps.metadata.as_ref(),
+            Arc::clone(&telemetry),
+            shutdown.clone(),
+        );
         let sidecar = Self {
             view,
             files,
+            relay,
             identity,
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
@@ -256,7 +266,9 @@ impl Sidecar {
         let files = self.files.poll_fields();
         let account = self.view.account.get();
         let swarm = self.view.swarm.poll_field();
+        let relay_url = self.relay.poll_field();
         let report = NodeReport {
+            relay_url: Some(&relay_url),
             swarm_addrs: Some(&swarm),
             executor_account: Some(account.as_deref().unwrap_or_default()),
             held_namespaces: held.as_deref(),

@@ -14,7 +14,7 @@ use tokio_util::sync::CancellationToken;
 
 use super::limits::IDENTITY_DEADLINE;
 use crate::backoff::RETRY;
-use crate::jobs::{self, Job, JobHandle, Latest, Schedule};
+use crate::jobs::{self, Job, JobHandle, Schedule};
 use crate::merod::{MerodError, NetworkStatus, Node};
 use crate::telemetry::Telemetry;
 
@@ -85,12 +85,7 @@ impl SwarmView {
     pub(crate) fn poll_field(&self) -> Arc<Vec<String>> {
         self.0
             .as_ref()
-            .and_then(|job| {
-                job.with_latest(|l| match l {
-                    Latest::Good(p) => Some(Arc::clone(&p.value)),
-                    Latest::NotYet | Latest::Failed => None,
-                })
-            })
+            .and_then(JobHandle::latest_good)
             .unwrap_or_default()
     }
 }

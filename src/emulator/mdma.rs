@@ -176,6 +176,8 @@ pub struct PollRecord {
     pub executor_account: Option<String>,
     /// `swarm_addrs` of the body, when present and an array (its strings).
     pub swarm_addrs: Option<Vec<String>>,
+    /// `relay_url` of the body, when present and a string.
+    pub relay_url: Option<String>,
     /// What was answered; 0 for [`PollReply::Hang`].
     pub status: u16,
     /// When the request arrived.
@@ -637,6 +639,7 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
     let tls_cert_not_after = string_field(&parsed, "tls_cert_not_after");
     let logs_token_fp = string_field(&parsed, "logs_token_fp");
     let executor_account = string_field(&parsed, "executor_account");
+    let relay_url = string_field(&parsed, "relay_url");
     let swarm_addrs = parsed
         .as_ref()
         .ok()
@@ -656,6 +659,7 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
             "tls_cert_not_after",
             "logs_token_fp",
             "executor_account",
+            "relay_url",
         ],
     );
 
@@ -698,6 +702,7 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
             logs_token_fp,
             executor_account,
             swarm_addrs,
+            relay_url,
             status: answer.status(),
             at,
         });

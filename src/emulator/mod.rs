@@ -14,14 +14,17 @@
 //!   fleet-join, namespace leave / get / list (paged), health, ready and peers, with
 //!   scriptable join, leave and listing behaviour (delays, refusals, hangs, errors) and a
 //!   record of every call.
+//! - [`metadata::MetadataEmulator`] plays the GCE instance metadata server (`relay-url`,
+//!   `enrolment-token`, …), with attributes set, cleared, failing or late.
 //!
-//! Both are started with `start(..).await` inside a tokio runtime and stop when
+//! All are started with `start(..).await` inside a tokio runtime and stop when
 //! `shutdown()` is called or when the last clone of the emulator is dropped. Requests that were
 //! told to hang keep their connection open until the client gives up; no new connection is
 //! accepted after shutdown.
 
 pub mod mdma;
 pub mod merod;
+pub mod metadata;
 #[cfg(feature = "daemon")]
 pub mod sandbox;
 

@@ -106,6 +106,8 @@ pub struct World {
     pub held_reported: Vec<Option<Vec<GroupId>>>,
     /// The `executor_account` each poll carried (`None`: left out).
     pub accounts_reported: Vec<Option<String>>,
+    /// The `relay_url` each poll carried (`None`: left out).
+    pub relays_reported: Vec<Option<String>>,
     /// Every join-status report.
     pub join_statuses: Vec<JoinStatus>,
     /// Every confirm call, in order, with the role it carried.
@@ -184,6 +186,7 @@ impl ControlPlane for Fake {
                 .push(report.executor_account.map(str::to_owned));
             w.swarm_reported
                 .push(report.swarm_addrs.map(<[String]>::to_vec));
+            w.relays_reported.push(report.relay_url.map(str::to_owned));
             let scripted = w.poll_script.get(w.polls.len() - 1);
             match scripted {
                 Some(p) if !w.settled => Some(p.clone()),

@@ -467,3 +467,33 @@ async fn swarm_addrs_are_merod_s_external_addresses_read_every_60_s() {
         assert_eq!(last[2], "/ip4/5.6.7.8/tcp/1/p2p/SELF");
     });
 }
+
+/// `[registration] relay_url` is what every poll reports as `relay_url`, from the first
+/// poll on; without `[registration]` the node reads no metadata and reports `""`.
+#[tokio::test(start_paused = true)]
+async fn polls_report_the_configured_relay_url_and_empty_without_registration() {
+    use crate::fakes::Fake;
+    for (extra, want) in [
+        (
+            "[registration]\ntoken_file = \"/nonexistent/tok\"\nrelay_url = \"https://relay.example\"\n",
+            "https://relay.example",
+        ),
+        ("", ""),
+    ] {
+        let node = NodeDir::new();
+        let fake = Fake::default();
+        let running = fake.run(node.config(extra));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        let shown = running.telemetry.snapshot().relay_url;
+        running.stop().await;
+        fake.with(|w| {
+            assert!(w.relays_reported.len() >= 3, "{extra}");
+            assert!(
+                w.relays_reported.iter().all(|r| r.as_deref() == Some(want)),
+                "{extra}: {:?}",
+                w.relays_reported
+            );
+        });
+        assert_eq!(shown.as_deref(), Some(want), "shown in /status");
+    }
+}

@@ -70,6 +70,7 @@ async fn the_requests_are_what_the_clients_send() {
         "held_namespaces": poll.held_namespaces,
         "tls_cert_not_after": poll.tls_cert_not_after,
         "logs_token_fp": poll.logs_token_fp,
+        "relay_url": poll.relay_url,
     });
     assert_eq!(sent, json(&proto("mdma-should-join.request.json")));
     let confirm = &sb.mdma.confirms()[0];

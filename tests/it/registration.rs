@@ -5,84 +5,51 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::http::{HeaderMap, StatusCode};
-use axum::response::IntoResponse;
-use axum::routing::get;
-use axum::Router;
 use fleet_sidecar::emulator::mdma::{PollReply, RegisterReply, ISSUED_TOKEN};
 use fleet_sidecar::emulator::merod::{mock_quote, ACCOUNT_ID};
+use fleet_sidecar::emulator::metadata::MetadataEmulator;
 use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
 use crate::common::*;
-use crate::contract::{serve, ServerHandle};
 
 const RELAY: &str = "https://relay.example";
 const ENROLMENT: &str = "NEVER-LOGGED-TOKEN-enrolment";
 /// What MDMA wants before the node registered: a token the node does not have.
 const UNKNOWN: &str = "NEVER-LOGGED-TOKEN-not-the-nodes";
 
-/// A loopback GCE metadata server: `relay-url` and `enrolment-token`, answered only with
-/// `Metadata-Flavor: Google` (403 otherwise, as GCE does); records whether a request came
-/// without the header.
-struct Metadata {
-    server: ServerHandle,
-    without_header: Arc<Mutex<u32>>,
-}
-
-async fn metadata() -> Metadata {
+/// The metadata server of the fleet's images: `relay-url` and `enrolment-token` set.
+async fn metadata() -> MetadataEmulator {
     metadata_after(Duration::ZERO).await
 }
 
 /// [`metadata`], each answer sent `delay` after its request.
-async fn metadata_after(delay: Duration) -> Metadata {
-    let without_header = Arc::new(Mutex::new(0));
-    let seen = Arc::clone(&without_header);
-    let router = Router::new().route(
-        "/attrs/:name",
-        get(
-            move |axum::extract::Path(name): axum::extract::Path<String>, headers: HeaderMap| {
-                let seen = Arc::clone(&seen);
-                async move {
-                    tokio::time::sleep(delay).await;
-                    if headers.get("metadata-flavor").map(|v| v.as_bytes()) != Some(b"Google") {
-                        *seen.lock().unwrap() += 1;
-                        return (StatusCode::FORBIDDEN, "").into_response();
-                    }
-                    match name.as_str() {
-                        "relay-url" => (StatusCode::OK, format!("{RELAY}\r\n")).into_response(),
-                        "enrolment-token" => (StatusCode::OK, ENROLMENT).into_response(),
-                        _ => (StatusCode::NOT_FOUND, "").into_response(),
-                    }
-                }
-            },
-        ),
-    );
-    Metadata {
-        server: serve(router).await.unwrap(),
-        without_header,
-    }
+async fn metadata_after(delay: Duration) -> MetadataEmulator {
+    let md = MetadataEmulator::start().await.unwrap();
+    md.set("relay-url", &format!("{RELAY}\r\n"));
+    md.set("enrolment-token", ENROLMENT);
+    md.set_delay(delay);
+    md
 }
 
 fn token_file(sb: &Sandbox) -> PathBuf {
     sb.dir().join("data/fleet/fleet-token")
 }
 
-fn registration(sb: &Sandbox, md: &Metadata) -> String {
+fn registration(sb: &Sandbox, md: &MetadataEmulator) -> String {
     format!(
-        "[registration]\ntoken_file = \"{}\"\nmetadata_url = \"{}attrs/\"\nretry_interval = \"1s\"\n",
+        "[registration]\ntoken_file = \"{}\"\nmetadata_url = \"{}\"\nretry_interval = \"1s\"\n",
         token_file(sb).display(),
-        md.server.url()
+        md.attributes_url()
     )
 }
 
 /// A sandbox whose MDMA refuses every poll until the node registered, and whose merod has
 /// an account.
-async fn fleet() -> (Sandbox, Metadata) {
+async fn fleet() -> (Sandbox, MetadataEmulator) {
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.set_token(Some(UNKNOWN.to_owned()));
     sb.merod.set_minted(true);
@@ -120,6 +87,54 @@ async fn polls_carry(sb: &Sandbox, token: &str, limit: Duration) {
 
 fn mode(p: &Path) -> u32 {
     std::fs::metadata(p).unwrap().permissions().mode() & 0o777
+}
+
+/// Every poll reports as `relay_url` the metadata's `relay-url` that registration sends,
+/// read by a job (once a minute), never by the poll; a metadata server that fails
+/// afterwards changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn polls_report_the_metadata_relay_url_read_by_a_job_never_by_the_poll() {
+    let (sb, md) = fleet().await;
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+    eventually(
+        "a poll carrying the relay URL",
+        Duration::from_secs(20),
+        || {
+            sb.mdma
+                .polls()
+                .last()
+                .and_then(|p| p.relay_url.clone())
+                .as_deref()
+                == Some(RELAY)
+        },
+    )
+    .await;
+    md.set_failing("relay-url", Some(503));
+    let from = sb.mdma.polls().len();
+    eventually("five more polls", Duration::from_secs(20), || {
+        sb.mdma.polls().len() >= from + 5
+    })
+    .await;
+    let polls = sb.mdma.polls();
+    assert!(
+        polls[from..]
+            .iter()
+            .all(|p| p.relay_url.as_deref() == Some(RELAY)),
+        "{:?}",
+        polls
+            .iter()
+            .map(|p| p.relay_url.clone())
+            .collect::<Vec<_>>()
+    );
+    // Before the first read polls say "" (unknown), never anything else.
+    assert!(polls
+        .iter()
+        .all(|p| matches!(p.relay_url.as_deref(), Some("" | RELAY))));
+    // Registration's one read and the job's first: not one per poll.
+    assert!(md.reads("relay-url") <= 3, "{}", md.reads("relay-url"));
+    assert_eq!(d.telemetry.snapshot().relay_url.as_deref(), Some(RELAY));
+    d.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -166,7 +181,7 @@ async fn a_node_registers_through_the_attest_fallback_and_polls_with_its_token_a
             "{path}"
         );
     }
-    assert_eq!(*md.without_header.lock().unwrap(), 0);
+    assert_eq!(md.without_header(), 0);
 
     // Stored atomically, 0600 in a 0700 directory, with whom it was issued to.
     let file = token_file(&sb);
