@@ -799,7 +799,13 @@ fn resolve_token(
 
 /// A path key must name a file (not be empty or end in `..`/`/`).
 fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), ConfigError> {
-    if value.as_os_str().is_empty() || value.file_name().is_none() {
+    // `Path::file_name` ignores a final `/` (`/etc/vector/` names `vector`), so it is
+    // looked for in the bytes: such a path names a directory.
+    let names_a_directory = {
+        use std::os::unix::ffi::OsStrExt;
+        value.as_os_str().as_bytes().ends_with(b"/")
+    };
+    if value.as_os_str().is_empty() || value.file_name().is_none() || names_a_directory {
         return Err(ConfigError::Invalid {
             path: path.to_owned(),
             key,
@@ -914,8 +920,17 @@ impl RawConfig {
         for (key, p) in [
             ("state_file", &self.state_file),
             ("log_file", &self.log_file),
+            ("logs_token.file", &self.logs_token.file),
         ] {
             check_file_path(path, key, p)?;
+        }
+        // An empty dir would look for `cert.pem` in the daemon's working directory.
+        if self.tls.dir.as_os_str().is_empty() {
+            return Err(invalid(
+                "tls.dir",
+                String::new(),
+                "must be a directory path".to_owned(),
+            ));
         }
 
         let merod = self.merod.validate(path)?;
@@ -1540,6 +1555,33 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
         );
         let err = load("mdma_url = \"https://m\"\n[registration]\ntoken_file = \"/t/tok\"\nrelay_url = \"https://r\\nX\"\n").unwrap_err();
         assert!(err.to_string().contains("registration.relay_url"), "{err}");
+    }
+
+    #[test]
+    fn the_node_files_default_to_the_images_paths_and_an_empty_one_is_refused() {
+        let cfg = load("mdma_url = \"https://m\"\n").unwrap();
+        assert_eq!(
+            cfg.tls.cert_file().as_deref(),
+            Some(Path::new("/mnt/data/tls/cert.pem"))
+        );
+        assert_eq!(cfg.logs_token.file, Path::new("/etc/vector/provided_token"));
+        let cfg = load("mdma_url = \"https://m\"\n[tls]\nreport = false\n").unwrap();
+        assert_eq!(cfg.tls.cert_file(), None);
+        for (text, key) in [
+            ("[tls]\ndir = \"\"\n", "tls.dir"),
+            ("[logs_token]\nfile = \"\"\n", "logs_token.file"),
+            ("[logs_token]\nfile = \"/etc/vector/\"\n", "logs_token.file"),
+            // The same rule for every file key: a final `/` names a directory.
+            ("state_file = \"/var/lib/calimero/\"\n", "state_file"),
+        ] {
+            let err = load(&format!("mdma_url = \"https://m\"\n{text}")).unwrap_err();
+            assert!(
+                matches!(&err, ConfigError::Invalid { key: k, .. } if *k == key),
+                "{text}: {err}"
+            );
+        }
+        let err = load("mdma_url = \"https://m\"\n[tls]\ndirectory = \"/x\"\n").unwrap_err();
+        assert!(err.to_string().contains("directory"), "{err}");
     }
 
     #[test]
