@@ -250,9 +250,10 @@ pub use identity::{
 pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
     CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, JoinState,
-    JoinStatus, MalformedAnswer, MdmaAnswer, MdmaClient, MdmaClientBuilder, MdmaClientError,
-    NodeReport, PollError, RegisterError, RegisterRequest, Registered, RequestError, ShouldJoin,
-    CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY, MDMA_TIMEOUT, REGISTER_TIMEOUT,
+    JoinStatus, LogsToken, MalformedAnswer, MdmaAnswer, MdmaClient, MdmaClientBuilder,
+    MdmaClientError, NodeReport, PollError, RegisterError, RegisterRequest, Registered,
+    RequestError, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY, MDMA_TIMEOUT,
+    REGISTER_TIMEOUT,
 };
 pub use merod::{
     refuses_admitter_addrs, Admission, MerodClient, MerodClientBuilder, MerodError, MerodOp,

@@ -388,6 +388,14 @@ secret_string!(
     /// The token itself, for the one place that sends it (the `register` body).
 );
 
+secret_string!(
+    /// The log shippers' token MDMA delivers in a `should-join` answer (`logs_token`).
+    /// Only its SHA-256 is ever reported (`logs_token_fp`); like [`FleetToken`], its
+    /// `Debug` prints `[redacted]` and it has no `Display`.
+    LogsToken,
+    /// The token itself, for the one place that writes it (the token file).
+);
+
 /// No enrolment token (an empty one), as a node without the metadata attribute has.
 impl Default for EnrolmentToken {
     fn default() -> Self {
@@ -604,6 +612,12 @@ pub struct ShouldJoin {
     /// assignment (direct admission), in MDMA's order, only the strings starting with `/`
     /// and holding no line break; only assignments with at least one such address.
     pub admitter_addrs: BTreeMap<GroupId, Vec<String>>,
+    /// `tls_certificate`: a PEM certificate MDMA signed for the node (over the CSR its
+    /// registration sent), when the answer carries a non-empty string; anything else is no
+    /// delivery.
+    pub tls_certificate: Option<String>,
+    /// `logs_token`: the log shippers' token, when the answer carries a non-empty string.
+    pub logs_token: Option<LogsToken>,
 }
 
 /// What the node tells MDMA about itself in a `should-join`, besides its identity.
@@ -1415,6 +1429,10 @@ struct PollAnswer {
     assignments: Vec<PollEntry>,
     #[serde(default)]
     retain: Vec<GroupId>,
+    #[serde(default)]
+    tls_certificate: Option<serde_json::Value>,
+    #[serde(default)]
+    logs_token: Option<serde_json::Value>,
 }
 
 #[derive(Deserialize)]
@@ -1448,10 +1466,12 @@ pub(crate) fn keep_admitter_addrs(addrs: Vec<String>) -> Vec<String> {
 /// the fault as before.
 pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
     match answer::read(body) {
-        Ok((assignments, retain, admitter_addrs)) => Ok(ShouldJoin {
-            assignments,
-            retain,
-            admitter_addrs,
+        Ok(read) => Ok(ShouldJoin {
+            assignments: read.assignments,
+            retain: read.retain,
+            admitter_addrs: read.admitter_addrs,
+            tls_certificate: read.tls_certificate,
+            logs_token: read.logs_token.map(LogsToken::new),
         }),
         Err(fast) => Err(match parse_two_step(body) {
             Err(e) => e,
@@ -1477,10 +1497,16 @@ fn parse_two_step(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
             admitter_addrs.insert(entry.group_id, addrs);
         }
     }
+    let text = |v: Option<serde_json::Value>| match v {
+        Some(serde_json::Value::String(s)) if !s.is_empty() => Some(s),
+        _ => None,
+    };
     Ok(ShouldJoin {
         assignments,
         retain: answer.retain.into_iter().collect(),
         admitter_addrs,
+        tls_certificate: text(answer.tls_certificate),
+        logs_token: text(answer.logs_token).map(LogsToken::new),
     })
 }
 
@@ -1647,6 +1673,55 @@ mod tests {
                 .len(),
             10_000
         );
+    }
+
+    #[test]
+    fn delivered_items_are_taken_only_as_non_empty_strings_and_never_fail_a_poll() {
+        let id = "ab".repeat(32);
+        let body = |extra: &str| format!(r#"{{"assignments":[{{"group_id":"{id}"}}]{extra}}}"#);
+        let delivered = body(
+            r#","tls_certificate":"-----BEGIN CERTIFICATE-----\nX","logs_token":"NEVER-LOGGED-TOKEN-logs""#,
+        );
+        let got = parse_should_join(delivered.as_bytes()).unwrap();
+        agrees_with_two_step(delivered.as_bytes());
+        assert_eq!(
+            got.tls_certificate.as_deref(),
+            Some("-----BEGIN CERTIFICATE-----\nX")
+        );
+        assert_eq!(
+            got.logs_token.as_ref().map(LogsToken::expose),
+            Some("NEVER-LOGGED-TOKEN-logs")
+        );
+        assert!(!format!("{got:?}").contains("NEVER-LOGGED"), "{got:?}");
+        for extra in [
+            "",
+            r#","tls_certificate":"","logs_token":"""#,
+            r#","tls_certificate":null,"logs_token":5"#,
+            r#","tls_certificate":{"pem":"x"},"logs_token":["x"]"#,
+            r#","tls_certificate":true,"logs_token":1.5"#,
+        ] {
+            let text = body(extra);
+            let got = parse_should_join(text.as_bytes()).unwrap();
+            agrees_with_two_step(text.as_bytes());
+            assert_eq!(got.assignments.len(), 1, "{text}");
+            assert_eq!(got.tls_certificate, None, "{text}");
+            assert!(got.logs_token.is_none(), "{text}");
+        }
+        // Ambiguity stays a failed poll, in a delivery as anywhere.
+        for extra in [
+            r#","tls_certificate":{"a":1,"a":2}"#,
+            r#","logs_token":"a","logs_token":"b""#,
+        ] {
+            let text = body(extra);
+            assert!(
+                matches!(
+                    parse_should_join(text.as_bytes()),
+                    Err(MalformedAnswer::Ambiguous(_))
+                ),
+                "{text}"
+            );
+            agrees_with_two_step(text.as_bytes());
+        }
     }
 
     /// The one-pass reader against the strict two-step reading it replaces, on `body`:

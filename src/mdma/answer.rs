@@ -16,12 +16,17 @@ use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visit
 use crate::ids::GroupId;
 use crate::strict_json::{Key, NoDuplicates, SeenKeys};
 
-/// What [`read`] gives: `(assignments, retain, admitter_addrs)`.
-pub(super) type Read = (
-    BTreeSet<GroupId>,
-    BTreeSet<GroupId>,
-    BTreeMap<GroupId, Vec<String>>,
-);
+/// What [`read`] gives.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Read {
+    pub(super) assignments: BTreeSet<GroupId>,
+    pub(super) retain: BTreeSet<GroupId>,
+    pub(super) admitter_addrs: BTreeMap<GroupId, Vec<String>>,
+    /// `tls_certificate`, when a non-empty string.
+    pub(super) tls_certificate: Option<String>,
+    /// `logs_token`, when a non-empty string.
+    pub(super) logs_token: Option<String>,
+}
 
 /// Reads one `should-join` document from `body` into `(assignments, retain,
 /// admitter_addrs)`.
@@ -39,7 +44,8 @@ pub(super) fn read(body: &[u8]) -> Result<Read, serde_json::Error> {
     Ok(sets)
 }
 
-/// The top-level object: `assignments` (required), `retain` (optional), anything else.
+/// The top-level object: `assignments` (required), `retain`, `tls_certificate`, `logs_token`
+/// (optional), anything else.
 struct Answer {
     /// The most `assignments` entries the body can hold.
     entries: usize,
@@ -54,10 +60,14 @@ impl<'de> Visitor<'de> for Answer {
         let mut seen = SeenKeys::default();
         let mut assignments = None;
         let mut retain = None;
+        let mut tls_certificate = None;
+        let mut logs_token = None;
         while let Some(key) = map.next_key_seed(Key)? {
             let field = match &*key {
                 "assignments" => Field::Assignments,
                 "retain" => Field::Retain,
+                "tls_certificate" => Field::TlsCertificate,
+                "logs_token" => Field::LogsToken,
                 _ => Field::Other,
             };
             seen.insert(key)?;
@@ -66,13 +76,21 @@ impl<'de> Visitor<'de> for Answer {
                     assignments = Some(map.next_value_seed(Ids(Entries, self.entries))?)
                 }
                 Field::Retain => retain = Some(map.next_value_seed(Ids(Bare, 0))?),
+                Field::TlsCertificate => tls_certificate = map.next_value_seed(Text)?,
+                Field::LogsToken => logs_token = map.next_value_seed(Text)?,
                 Field::Other => map.next_value_seed(NoDuplicates)?,
             }
         }
-        let (assignments, addrs) =
+        let (assignments, admitter_addrs) =
             assignments.ok_or_else(|| de::Error::missing_field("assignments"))?;
         let retain = retain.map(|(ids, _)| ids).unwrap_or_default();
-        Ok((assignments, retain, addrs))
+        Ok(Read {
+            assignments,
+            retain,
+            admitter_addrs,
+            tls_certificate,
+            logs_token,
+        })
     }
 }
 
@@ -80,7 +98,53 @@ impl<'de> Visitor<'de> for Answer {
 enum Field {
     Assignments,
     Retain,
+    TlsCertificate,
+    LogsToken,
     Other,
+}
+
+/// A delivered item (`tls_certificate`, `logs_token`): used only when it is a non-empty
+/// string. Any other value is no delivery, not a malformed answer (it is still walked for
+/// repeated keys, as every ignored value is).
+#[derive(Clone, Copy)]
+struct Text;
+
+impl<'de> DeserializeSeed<'de> for Text {
+    type Value = Option<String>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Text {
+    type Value = Option<String>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Option<String>, E> {
+        Ok((!v.is_empty()).then(|| v.to_owned()))
+    }
+    fn visit_bool<E>(self, _: bool) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_i64<E>(self, _: i64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_u64<E>(self, _: u64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_f64<E>(self, _: f64) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_unit<E>(self) -> Result<Option<String>, E> {
+        Ok(None)
+    }
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Option<String>, A::Error> {
+        NoDuplicates.visit_seq(seq).map(|()| None)
+    }
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Option<String>, A::Error> {
+        NoDuplicates.visit_map(map).map(|()| None)
+    }
 }
 
 /// How one element of an id array is written.
