@@ -138,8 +138,15 @@ pub struct TlsConfig {
     /// Whether polls report it (default `true`; `false` leaves the field out of the body,
     /// which MDMA reads as "not reported", not as "no certificate").
     pub report: bool,
-    /// The directory holding `cert.pem`. Default `/mnt/data/tls`.
+    /// The directory holding `cert.pem` (and `key.pem`, the node's key). Default
+    /// `/mnt/data/tls`.
     pub dir: PathBuf,
+    /// Whether a certificate MDMA delivers (`tls_certificate`) is installed as `cert.pem`
+    /// (default `true`): only over `key.pem`'s public key, then `restart_units` restarted.
+    pub install: bool,
+    /// The systemd units restarted after a new certificate is installed, through systemd's
+    /// D-Bus API (default `["traefik.service"]`; `[]` restarts none).
+    pub restart_units: Vec<String>,
 }
 
 impl Default for TlsConfig {
@@ -147,6 +154,8 @@ impl Default for TlsConfig {
         Self {
             report: true,
             dir: PathBuf::from("/mnt/data/tls"),
+            install: true,
+            restart_units: vec!["traefik.service".to_owned()],
         }
     }
 }
@@ -155,6 +164,11 @@ impl TlsConfig {
     /// `{dir}/cert.pem`, when reported.
     pub fn cert_file(&self) -> Option<PathBuf> {
         self.report.then(|| self.dir.join("cert.pem"))
+    }
+
+    /// `{dir}/key.pem`: the node's private key, which a delivered certificate must certify.
+    pub fn key_file(&self) -> PathBuf {
+        self.dir.join("key.pem")
     }
 }
 
@@ -797,6 +811,19 @@ fn resolve_token(
     }
 }
 
+/// A systemd unit name: 1–255 of `[A-Za-z0-9:_.\\@-]`, a name before the suffix, ending in
+/// a unit type systemd restarts (`.service`, `.socket`, `.target`, `.path`, `.timer`).
+fn is_unit_name(name: &str) -> bool {
+    let suffix_ok = [".service", ".socket", ".target", ".path", ".timer"]
+        .iter()
+        .any(|s| name.len() > s.len() && name.ends_with(s));
+    suffix_ok
+        && name.len() <= 255
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b":_.\\@-".contains(&b))
+}
+
 /// A path key must name a file (not be empty or end in `..`/`/`).
 fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), ConfigError> {
     // `Path::file_name` ignores a final `/` (`/etc/vector/` names `vector`), so it is
@@ -931,6 +958,15 @@ impl RawConfig {
                 String::new(),
                 "must be a directory path".to_owned(),
             ));
+        }
+        for unit in &self.tls.restart_units {
+            if !is_unit_name(unit) {
+                return Err(invalid(
+                    "tls.restart_units",
+                    unit.escape_debug().to_string(),
+                    "must be a systemd unit name such as \"traefik.service\"".to_owned(),
+                ));
+            }
         }
 
         let merod = self.merod.validate(path)?;
@@ -1565,12 +1601,34 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             Some(Path::new("/mnt/data/tls/cert.pem"))
         );
         assert_eq!(cfg.logs_token.file, Path::new("/etc/vector/provided_token"));
-        let cfg = load("mdma_url = \"https://m\"\n[tls]\nreport = false\n").unwrap();
+        assert!(cfg.tls.install);
+        assert_eq!(cfg.tls.restart_units, ["traefik.service"]);
+        let cfg = load("mdma_url = \"https://m\"\n[tls]\nreport = false\ninstall = false\nrestart_units = [\"traefik.service\", \"nginx@edge.service\"]\n").unwrap();
         assert_eq!(cfg.tls.cert_file(), None);
+        assert!(!cfg.tls.install);
+        assert_eq!(cfg.tls.restart_units.len(), 2);
+        let cfg = load("mdma_url = \"https://m\"\n[tls]\nrestart_units = []\n").unwrap();
+        assert!(cfg.tls.restart_units.is_empty());
         for (text, key) in [
             ("[tls]\ndir = \"\"\n", "tls.dir"),
             ("[logs_token]\nfile = \"\"\n", "logs_token.file"),
             ("[logs_token]\nfile = \"/etc/vector/\"\n", "logs_token.file"),
+            (
+                "[tls]\nrestart_units = [\"traefik\"]\n",
+                "tls.restart_units",
+            ),
+            (
+                "[tls]\nrestart_units = [\"../x.service\"]\n",
+                "tls.restart_units",
+            ),
+            (
+                "[tls]\nrestart_units = [\".service\"]\n",
+                "tls.restart_units",
+            ),
+            (
+                "[tls]\nrestart_units = [\"a b.service\"]\n",
+                "tls.restart_units",
+            ),
             // The same rule for every file key: a final `/` names a directory.
             ("state_file = \"/var/lib/calimero/\"\n", "state_file"),
         ] {

@@ -46,12 +46,15 @@ mod sidecar;
 mod startup;
 mod swarm;
 mod tasks;
+mod tls_install;
+mod units;
 
 pub use crate::telemetry::serve as serve_status;
 pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, Telemetry};
 pub use deps::{DaemonError, Deps, NotPersisted};
 pub use readiness::{wait_for_merod, ProbeFailed, Readiness};
 pub use sidecar::{CycleOutcome, Sidecar};
+pub use units::{SystemdUnits, UnitControl, UnitError, RESTART_TIMEOUT};
 
 use std::time::Duration;
 

@@ -447,6 +447,13 @@ pub struct Telemetry {
     /// `fleet_sidecar_registrations_total{outcome}`: registered, tokenless, refused,
     /// unavailable, blocked, error, timeout.
     pub(crate) registrations: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_tls_installs_total{outcome}`: delivered certificates installed,
+    /// unchanged, refused (not over the node's key), error (a file could not be read or
+    /// written).
+    pub(crate) tls_installs: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_unit_restarts_total{outcome}`: systemd unit restarts asked for over
+    /// D-Bus after an install (ok, error, timeout).
+    pub(crate) unit_restarts: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_state_on_ram_filesystem`: 1 when the state file's directory is on a
     /// RAM filesystem (tmpfs, ramfs, an overlay whose upper layer is one), else 0.
     pub(crate) state_on_ram_filesystem: Gauge,
@@ -580,6 +587,18 @@ impl Telemetry {
             "attested registration attempts by outcome",
             registrations.clone(),
         );
+        let tls_installs = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "tls_installs",
+            "TLS certificates MDMA delivered, by what became of them",
+            tls_installs.clone(),
+        );
+        let unit_restarts = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "unit_restarts",
+            "systemd unit restarts asked for over D-Bus after a certificate install",
+            unit_restarts.clone(),
+        );
         let state_on_ram_filesystem = Gauge::default();
         registry.register(
             "state_on_ram_filesystem",
@@ -671,6 +690,11 @@ impl Telemetry {
                 ][..],
             ),
             (&join_status_reports, &["ok", "error", "timeout"][..]),
+            (
+                &tls_installs,
+                &["installed", "unchanged", "refused", "error"][..],
+            ),
+            (&unit_restarts, &["ok", "error", "timeout"][..]),
             (&role_reads, &["ok", "error", "timeout"][..]),
         ] {
             for &outcome in outcomes {
@@ -692,6 +716,8 @@ impl Telemetry {
             pending_leave_absence,
             poll_resends,
             registrations,
+            tls_installs,
+            unit_restarts,
             state_on_ram_filesystem,
             state_write_stalled,
             orphan_namespaces,

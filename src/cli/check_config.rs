@@ -168,6 +168,17 @@ fn render(file: &Path, cfg: &Config) -> String {
     line("[tls]".to_owned());
     line(format!("report = {}", cfg.tls.report));
     line(format!("dir = {}", path(&cfg.tls.dir)));
+    line(format!("install = {}", cfg.tls.install));
+    line(format!(
+        "restart_units = [{}]",
+        cfg.tls
+            .restart_units
+            .iter()
+            .map(String::as_str)
+            .map(quoted)
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
     line(String::new());
     line("[logs_token]".to_owned());
     line(format!("report = {}", cfg.logs_token.report));
@@ -210,6 +221,19 @@ fn render(file: &Path, cfg: &Config) -> String {
             Err(_) => format!(
                 "# fail  [tls] dir {}: not a directory (polls report tls_cert_not_after = \"\")",
                 cfg.tls.dir.display()
+            ),
+        });
+    }
+    if cfg.tls.install {
+        let key = cfg.tls.key_file();
+        line(match std::fs::File::open(&key) {
+            Ok(_) => format!(
+                "# ok    [tls] {} is readable (a delivered certificate must certify it)",
+                key.display()
+            ),
+            Err(e) => format!(
+                "# note  [tls] {}: {e} (a delivered certificate is refused: nothing to match it with)",
+                key.display()
             ),
         });
     }

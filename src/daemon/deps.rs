@@ -14,6 +14,7 @@ use crate::state::StateError;
 use crate::telemetry::Telemetry;
 
 use super::readiness::ProbeFailed;
+use super::units::{SystemdUnits, UnitControl};
 
 /// The outside world the loop drives, and where it reports.
 #[derive(Clone)]
@@ -27,6 +28,9 @@ pub struct Deps {
     /// The fleet token's job (a `fleet_token_file` to re-read, or `[registration]`), when
     /// the config has one; started once the PeerId is known.
     pub(crate) token_job: Option<Arc<TokenJob>>,
+    /// systemd: the units a new TLS certificate restarts ([`SystemdUnits`] on the system
+    /// bus, unless replaced).
+    pub units: Arc<dyn UnitControl>,
     /// The instance metadata (`[registration]` only), shared by registration and the
     /// poll's `relay_url`.
     pub(crate) metadata: Option<MetadataClient>,
@@ -41,6 +45,7 @@ impl Deps {
             telemetry: Arc::new(Telemetry::new()),
             token_job: None,
             metadata: None,
+            units: Arc::new(SystemdUnits),
         }
     }
 
@@ -67,6 +72,7 @@ impl Deps {
             telemetry,
             token_job,
             metadata,
+            units: Arc::new(SystemdUnits),
         })
     }
 

@@ -41,19 +41,7 @@ pub(crate) struct NodeFiles {
 /// there is none, it does not parse, or it is self-signed (issuer equals subject: the
 /// image's placeholder, which asks MDMA for a certificate).
 pub(crate) fn cert_not_after(pem: &[u8]) -> String {
-    const BEGIN: &str = "-----BEGIN CERTIFICATE-----";
-    const END: &str = "-----END CERTIFICATE-----";
-    let Ok(text) = std::str::from_utf8(pem) else {
-        return String::new();
-    };
-    let Some(start) = text.find(BEGIN) else {
-        return String::new();
-    };
-    let Some(len) = text[start..].find(END) else {
-        return String::new();
-    };
-    let block = &text[start..start + len + END.len()];
-    let Ok(cert) = <x509_cert::Certificate as x509_cert::der::DecodePem>::from_pem(block) else {
+    let Some(cert) = first_certificate(pem) else {
         return String::new();
     };
     let tbs = &cert.tbs_certificate;
@@ -61,6 +49,22 @@ pub(crate) fn cert_not_after(pem: &[u8]) -> String {
         return String::new();
     }
     humantime::format_rfc3339_seconds(tbs.validity.not_after.to_system_time()).to_string()
+}
+
+/// The first PEM block labelled `label` in `text` (`-----BEGIN {label}-----` to its
+/// `-----END {label}-----`), if whole.
+pub(crate) fn pem_block<'t>(text: &'t str, label: &str) -> Option<&'t str> {
+    let begin = format!("-----BEGIN {label}-----");
+    let end = format!("-----END {label}-----");
+    let start = text.find(&begin)?;
+    let len = text[start..].find(&end)?;
+    Some(&text[start..start + len + end.len()])
+}
+
+/// The first certificate of a PEM file or chain, if it parses (the rest is not read).
+pub(crate) fn first_certificate(pem: &[u8]) -> Option<x509_cert::Certificate> {
+    let block = pem_block(std::str::from_utf8(pem).ok()?, "CERTIFICATE")?;
+    <x509_cert::Certificate as x509_cert::der::DecodePem>::from_pem(block).ok()
 }
 
 /// Lowercase hex SHA-256 of `token`; `""` for an empty one. Never the token itself.
@@ -251,6 +255,13 @@ impl NodeFilesView {
             )
         });
         Self { job, unknown }
+    }
+
+    /// Asks for a look soon (a file was just written), so the next polls report it.
+    pub(crate) fn look_soon(&self) {
+        if let Some(job) = &self.job {
+            job.run_soon();
+        }
     }
 
     /// What the next poll reports: the job's latest look, or unknown (`""`) before the

@@ -31,6 +31,7 @@ use super::record::{AfterWrite, Record, Written};
 use super::relay::RelayView;
 use super::startup::{self, Identity};
 use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
+use super::tls_install::CertInstaller;
 
 /// How one cycle went.
 #[derive(Debug)]
@@ -79,6 +80,9 @@ pub struct Sidecar {
     files: NodeFilesView,
     /// The relay URL polls report (fixed, or as a job last read it from the metadata).
     relay: RelayView,
+    /// Installs the TLS certificates polls deliver (none in a dry run or with `[tls]
+    /// install = false`).
+    tls: Option<CertInstaller>,
 }
 
 impl Sidecar {
@@ -135,10 +139,18 @@ impl Sidecar {
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
+        let tls = CertInstaller::start(
+            &cfg,
+            Arc::clone(&deps.units),
+            files.clone(),
+            Arc::clone(&telemetry),
+            shutdown.clone(),
+        );
         let sidecar = Self {
             view,
             files,
             relay,
+            tls,
             identity,
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
@@ -306,7 +318,7 @@ impl Sidecar {
                 });
                 CycleOutcome::PollFailed(e)
             }
-            Ok(answer) => {
+            Ok(mut answer) => {
                 self.cadence.succeed();
                 Telemetry::count(&telemetry.polls, "ok");
                 telemetry.last_ok_poll.set(now);
@@ -317,6 +329,10 @@ impl Sidecar {
                     st.last_poll_error = None;
                     st.consecutive_failures = 0;
                 });
+                // What it delivers is installed beside the loop, never in it.
+                if let (Some(tls), Some(pem)) = (&self.tls, answer.tls_certificate.take()) {
+                    tls.offer(pem);
+                }
                 // Stored before the plan, so a status published while it is recorded is
                 // the status of this poll.
                 self.planner.polled(Desired::from(answer));

@@ -259,6 +259,9 @@ struct Inner {
     join_status_route: bool,
     /// `admitter_addrs` per assignment (lowercase group id).
     admitter_addrs: HashMap<String, Vec<String>>,
+    /// Top-level fields added to every assignment answer (`tls_certificate`,
+    /// `logs_token`): what MDMA delivers.
+    deliveries: serde_json::Map<String, Value>,
     /// The `expires_at_ms` sent with each challenge (`None`: now + 5 min, an integer).
     challenge_expiry: Option<Value>,
     /// The `Retry-After` header of every answer that is not a 2xx.
@@ -308,6 +311,7 @@ impl MdmaEmulator {
                 join_statuses: Vec::new(),
                 join_status_route: true,
                 admitter_addrs: HashMap::new(),
+                deliveries: serde_json::Map::new(),
                 challenge_expiry: None,
                 retry_after: None,
             }),
@@ -402,6 +406,16 @@ impl MdmaEmulator {
         lock(&self.shared.inner)
             .admitter_addrs
             .insert(group_id.to_ascii_lowercase(), addrs);
+    }
+
+    /// Adds top-level `key` with `value` to every assignment answer from now on (`None`
+    /// removes it): what MDMA delivers, such as `tls_certificate` or `logs_token`.
+    pub fn set_delivery(&self, key: &str, value: Option<Value>) {
+        let mut inner = lock(&self.shared.inner);
+        match value {
+            Some(v) => inner.deliveries.insert(key.to_owned(), v),
+            None => inner.deliveries.remove(key),
+        };
     }
 
     /// Whether `POST /api/fleet/join-status` exists (default true; false: 404 like an MDMA
@@ -678,10 +692,13 @@ async fn should_join(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answ
                 PollReply::Assign {
                     assignments,
                     retain,
-                } => Planned::Json(
-                    200,
-                    assign_body(&assignments, &retain, &inner.admitter_addrs),
-                ),
+                } => {
+                    let mut body = assign_body(&assignments, &retain, &inner.admitter_addrs);
+                    for (key, value) in &inner.deliveries {
+                        body[key] = value.clone();
+                    }
+                    Planned::Json(200, body)
+                }
                 PollReply::Status(status) => {
                     // Record the status actually sent (an impossible one becomes 500).
                     let sent = StatusCode::from_u16(status)

@@ -68,6 +68,8 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
         "sources = [\"sysfs\", \"sysfs-legacy\", \"tdreport\", \"quote\"]",
         "[tls]",
         "dir = \"/mnt/data/tls\"",
+        "install = true",
+        "restart_units = [\"traefik.service\"]",
         "[logs_token]",
         "file = \"/etc/vector/provided_token\"",
     ] {
@@ -78,6 +80,10 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
     }
     assert!(
         stdout.contains("admin_url = \"http://127.0.0.1:2999/\"  # from [server].listen of"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("# note  [tls] /mnt/data/tls/key.pem: "),
         "{stdout}"
     );
     assert!(

@@ -12,6 +12,7 @@ mod common;
 mod confirm_gate;
 mod contract;
 mod crash;
+mod deliveries;
 mod fakes;
 mod faults;
 mod heartbeat;

@@ -208,14 +208,18 @@ fn the_unit_is_notify_with_a_watchdog_ordered_after_merod_and_hardened() {
         .expect("ReadWritePaths=");
     assert!(rw.contains("/var/lib/calimero") && rw.contains("/var/log/fleet-sidecar.log"));
     // merod's data stays read-only: of /mnt/data only the sidecar's own directory (the
-    // registered fleet token) is writable.
+    // registered fleet token) and the TLS directory (a delivered certificate) are writable.
     for path in rw.trim_start_matches("ReadWritePaths=").split_whitespace() {
         let path = path.trim_start_matches('-');
         assert!(
-            !path.starts_with("/mnt/data") || path == "/mnt/data/fleet",
+            !path.starts_with("/mnt/data") || path == "/mnt/data/fleet" || path == "/mnt/data/tls",
             "{path} makes merod's data writable"
         );
     }
+    assert!(
+        rw.contains("-/mnt/data/tls"),
+        "the [tls] dir is writable: a delivered certificate is installed there"
+    );
     assert!(
         rw.contains("-/mnt/data/fleet"),
         "the token_file's directory is writable"
