@@ -182,6 +182,29 @@ pub struct LogsTokenConfig {
     pub report: bool,
     /// The token's file. Default `/etc/vector/provided_token`.
     pub file: PathBuf,
+    /// Whether a token MDMA delivers (`logs_token`) is installed as `file` and the log
+    /// shippers configured with it (default `true`).
+    pub install: bool,
+    /// Where vector ships logs; unset: the instance metadata's `logs-endpoint`.
+    pub logs_endpoint: Option<String>,
+    /// Where vmagent ships metrics; unset: the instance metadata's `metrics-endpoint`.
+    pub metrics_endpoint: Option<String>,
+    /// Whether vector is configured after an install (default `true`).
+    pub vector: bool,
+    /// The image's script that configures vector. Default `/etc/vector/configure_vector.sh`.
+    pub vector_script: PathBuf,
+    /// vector's config the script fills in. Default `/etc/vector/vector_partial.yaml`.
+    pub vector_config: PathBuf,
+    /// The unit restarted after vector is configured. Default `vector.service`.
+    pub vector_unit: String,
+    /// Whether vmagent is configured after an install (default `true`; its script restarts
+    /// it).
+    pub vmagent: bool,
+    /// The image's script that configures vmagent. Default
+    /// `/etc/vmagent/configure_vmagent.sh`.
+    pub vmagent_script: PathBuf,
+    /// vmagent's scrape config the script fills in. Default `/etc/vmagent/scrape_config.yml`.
+    pub vmagent_config: PathBuf,
 }
 
 impl Default for LogsTokenConfig {
@@ -189,6 +212,16 @@ impl Default for LogsTokenConfig {
         Self {
             report: true,
             file: PathBuf::from("/etc/vector/provided_token"),
+            install: true,
+            logs_endpoint: None,
+            metrics_endpoint: None,
+            vector: true,
+            vector_script: PathBuf::from("/etc/vector/configure_vector.sh"),
+            vector_config: PathBuf::from("/etc/vector/vector_partial.yaml"),
+            vector_unit: "vector.service".to_owned(),
+            vmagent: true,
+            vmagent_script: PathBuf::from("/etc/vmagent/configure_vmagent.sh"),
+            vmagent_config: PathBuf::from("/etc/vmagent/scrape_config.yml"),
         }
     }
 }
@@ -824,6 +857,12 @@ fn is_unit_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b":_.\\@-".contains(&b))
 }
 
+/// Whether `path` is a regular file someone may execute (a script a key names).
+pub(crate) fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
 /// A path key must name a file (not be empty or end in `..`/`/`).
 fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), ConfigError> {
     // `Path::file_name` ignores a final `/` (`/etc/vector/` names `vector`), so it is
@@ -958,6 +997,32 @@ impl RawConfig {
                 String::new(),
                 "must be a directory path".to_owned(),
             ));
+        }
+        if !is_unit_name(&self.logs_token.vector_unit) {
+            return Err(invalid(
+                "logs_token.vector_unit",
+                self.logs_token.vector_unit.escape_debug().to_string(),
+                "must be a systemd unit name such as \"vector.service\"".to_owned(),
+            ));
+        }
+        for (key, endpoint) in [
+            ("logs_token.logs_endpoint", &self.logs_token.logs_endpoint),
+            (
+                "logs_token.metrics_endpoint",
+                &self.logs_token.metrics_endpoint,
+            ),
+        ] {
+            // Handed to a script as one argument: no line break or other control.
+            if let Some(e) = endpoint
+                .as_deref()
+                .filter(|e| e.chars().any(char::is_control))
+            {
+                return Err(invalid(
+                    key,
+                    e.escape_debug().to_string(),
+                    "must not hold control characters".to_owned(),
+                ));
+            }
         }
         for unit in &self.tls.restart_units {
             if !is_unit_name(unit) {
@@ -1628,6 +1693,14 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             (
                 "[tls]\nrestart_units = [\"a b.service\"]\n",
                 "tls.restart_units",
+            ),
+            (
+                "[logs_token]\nvector_unit = \"vector\"\n",
+                "logs_token.vector_unit",
+            ),
+            (
+                "[logs_token]\nlogs_endpoint = \"https://l\\n--x\"\n",
+                "logs_token.logs_endpoint",
             ),
             // The same rule for every file key: a final `/` names a directory.
             ("state_file = \"/var/lib/calimero/\"\n", "state_file"),

@@ -33,6 +33,7 @@ mod deps;
 mod held;
 mod join_status;
 mod limits;
+mod logs_token;
 mod merod_view;
 mod merod_watch;
 mod node_files;

@@ -454,6 +454,9 @@ pub struct Telemetry {
     /// `fleet_sidecar_unit_restarts_total{outcome}`: systemd unit restarts asked for over
     /// D-Bus after an install (ok, error, timeout).
     pub(crate) unit_restarts: Family<OutcomeLabel, Counter>,
+    /// `fleet_sidecar_logs_token_installs_total{outcome}`: delivered log shippers' tokens
+    /// installed, unchanged (the one held), error (the file could not be read or written).
+    pub(crate) logs_token_installs: Family<OutcomeLabel, Counter>,
     /// `fleet_sidecar_state_on_ram_filesystem`: 1 when the state file's directory is on a
     /// RAM filesystem (tmpfs, ramfs, an overlay whose upper layer is one), else 0.
     pub(crate) state_on_ram_filesystem: Gauge,
@@ -599,6 +602,12 @@ impl Telemetry {
             "systemd unit restarts asked for over D-Bus after a certificate install",
             unit_restarts.clone(),
         );
+        let logs_token_installs = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "logs_token_installs",
+            "log shippers' tokens MDMA delivered, by what became of them",
+            logs_token_installs.clone(),
+        );
         let state_on_ram_filesystem = Gauge::default();
         registry.register(
             "state_on_ram_filesystem",
@@ -695,6 +704,10 @@ impl Telemetry {
                 &["installed", "unchanged", "refused", "error"][..],
             ),
             (&unit_restarts, &["ok", "error", "timeout"][..]),
+            (
+                &logs_token_installs,
+                &["installed", "unchanged", "error"][..],
+            ),
             (&role_reads, &["ok", "error", "timeout"][..]),
         ] {
             for &outcome in outcomes {
@@ -718,6 +731,7 @@ impl Telemetry {
             registrations,
             tls_installs,
             unit_restarts,
+            logs_token_installs,
             state_on_ram_filesystem,
             state_write_stalled,
             orphan_namespaces,

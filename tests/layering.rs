@@ -133,6 +133,7 @@ const DAEMON_FLOORS: &[&[&str]] = &[
     &[
         "account",
         "join_status",
+        "logs_token",
         "planner",
         "readiness",
         "swarm",

@@ -183,6 +183,24 @@ fn render(file: &Path, cfg: &Config) -> String {
     line("[logs_token]".to_owned());
     line(format!("report = {}", cfg.logs_token.report));
     line(format!("file = {}", path(&cfg.logs_token.file)));
+    let lt = &cfg.logs_token;
+    line(format!("install = {}", lt.install));
+    for (key, endpoint, attribute) in [
+        ("logs_endpoint", &lt.logs_endpoint, "logs-endpoint"),
+        ("metrics_endpoint", &lt.metrics_endpoint, "metrics-endpoint"),
+    ] {
+        line(match endpoint {
+            Some(e) => format!("{key} = {}", quoted(e)),
+            None => format!("# {key}: unset (the metadata's {attribute})"),
+        });
+    }
+    line(format!("vector = {}", lt.vector));
+    line(format!("vector_script = {}", path(&lt.vector_script)));
+    line(format!("vector_config = {}", path(&lt.vector_config)));
+    line(format!("vector_unit = {}", quoted(&lt.vector_unit)));
+    line(format!("vmagent = {}", lt.vmagent));
+    line(format!("vmagent_script = {}", path(&lt.vmagent_script)));
+    line(format!("vmagent_config = {}", path(&lt.vmagent_config)));
     line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     line(match check_state_dir(&cfg.state_file) {
@@ -245,6 +263,31 @@ fn render(file: &Path, cfg: &Config) -> String {
                 file.display()
             ),
         });
+    }
+    if lt.install {
+        for (on, name, script, config) in [
+            (lt.vector, "vector", &lt.vector_script, &lt.vector_config),
+            (
+                lt.vmagent,
+                "vmagent",
+                &lt.vmagent_script,
+                &lt.vmagent_config,
+            ),
+        ] {
+            if !on {
+                continue;
+            }
+            let runnable = crate::config::is_executable(script);
+            line(if runnable && config.is_file() {
+                format!(
+                    "# ok    [logs_token] {name}: {} is executable, {} exists",
+                    script.display(),
+                    config.display()
+                )
+            } else {
+                format!("# note  [logs_token] {name}: {} not executable or {} missing ({name} is not configured when a token is delivered)", script.display(), config.display())
+            });
+        }
     }
     for &source in &cfg.tdx.sources {
         line(match source {

@@ -31,8 +31,9 @@ pub struct Deps {
     /// systemd: the units a new TLS certificate restarts ([`SystemdUnits`] on the system
     /// bus, unless replaced).
     pub units: Arc<dyn UnitControl>,
-    /// The instance metadata (`[registration]` only), shared by registration and the
-    /// poll's `relay_url`.
+    /// The instance metadata at `[registration] metadata_url` (else GCE's), shared by
+    /// registration, the poll's `relay_url` (with `[registration]` only) and the log
+    /// shippers' endpoints; read only when one of them needs it.
     pub(crate) metadata: Option<MetadataClient>,
 }
 
@@ -61,10 +62,12 @@ impl Deps {
         registration_merod: Arc<ListenCandidates>,
         telemetry: Arc<Telemetry>,
     ) -> Result<Self, crate::registration::JobError> {
-        let metadata = match &cfg.registration {
-            Some(reg) => Some(MetadataClient::new(reg.metadata_url.clone())?),
-            None => None,
+        let url = match &cfg.registration {
+            Some(reg) => reg.metadata_url.clone(),
+            None => url::Url::parse(crate::config::DEFAULT_METADATA_URL)
+                .expect("the default metadata URL parses"),
         };
+        let metadata = Some(MetadataClient::new(url)?);
         let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod, metadata.as_ref())?;
         Ok(Self {
             mdma: Arc::new(mdma),

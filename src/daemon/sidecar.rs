@@ -23,6 +23,7 @@ use super::deps::{DaemonError, Deps, NotPersisted};
 use super::held::HELD_READ_TIMEOUT;
 use super::join_status::Attempt;
 use super::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
+use super::logs_token::TokenInstaller;
 use super::merod_view::MerodView;
 use super::node_files::NodeFilesView;
 use super::planner::Planner;
@@ -83,6 +84,9 @@ pub struct Sidecar {
     /// Installs the TLS certificates polls deliver (none in a dry run or with `[tls]
     /// install = false`).
     tls: Option<CertInstaller>,
+    /// Installs the log shippers' tokens polls deliver (none in a dry run or with
+    /// `[logs_token] install = false`).
+    logs_token: Option<TokenInstaller>,
 }
 
 impl Sidecar {
@@ -146,11 +150,20 @@ impl Sidecar {
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
+        let logs_token = TokenInstaller::start(
+            &cfg,
+            Arc::clone(&deps.units),
+            deps.metadata.clone(),
+            files.clone(),
+            Arc::clone(&telemetry),
+            shutdown.clone(),
+        );
         let sidecar = Self {
             view,
             files,
             relay,
             tls,
+            logs_token,
             identity,
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
@@ -332,6 +345,10 @@ impl Sidecar {
                 // What it delivers is installed beside the loop, never in it.
                 if let (Some(tls), Some(pem)) = (&self.tls, answer.tls_certificate.take()) {
                     tls.offer(pem);
+                }
+                if let (Some(installer), Some(token)) = (&self.logs_token, answer.logs_token.take())
+                {
+                    installer.offer(token);
                 }
                 // Stored before the plan, so a status published while it is recorded is
                 // the status of this poll.

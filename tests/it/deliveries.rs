@@ -153,3 +153,127 @@ async fn a_certificate_is_installed_only_over_the_node_key_once_and_its_restart_
     );
     d.stop().await;
 }
+
+/// An executable script in `dir` that appends its arguments, one line per run, to
+/// `{name}.args`.
+fn recording_script(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let script = dir.join(format!("{name}.sh"));
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh\necho \"$*\" >> {}\n",
+            dir.join(format!("{name}.args")).display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    script
+}
+
+fn runs(dir: &std::path::Path, name: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join(format!("{name}.args")))
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_logs_token_is_installed_once_per_distinct_token_and_both_shippers_configured() {
+    use sha2::Digest;
+    const ONE: &str = "NEVER-LOGGED-TOKEN-logs-one";
+    const TWO: &str = "NEVER-LOGGED-TOKEN-logs-two";
+    let sb = Sandbox::start(None).await.unwrap();
+    let dir = sb.dir().to_owned();
+    let token_file = dir.join("provided_token");
+    let mut cfg = sb.config("").expect("config");
+    let shippers = dir.join("shippers");
+    std::fs::create_dir_all(&shippers).unwrap();
+    for name in ["vector.yaml", "scrape.yml"] {
+        std::fs::write(shippers.join(name), "").unwrap();
+    }
+    cfg.logs_token.vector_script = recording_script(&shippers, "vector");
+    cfg.logs_token.vector_config = shippers.join("vector.yaml");
+    cfg.logs_token.vmagent_script = recording_script(&shippers, "vmagent");
+    cfg.logs_token.vmagent_config = shippers.join("scrape.yml");
+    cfg.logs_token.logs_endpoint = Some("https://logs.example".to_owned());
+    cfg.logs_token.metrics_endpoint = Some("https://metrics.example".to_owned());
+    let mut deps = sb.deps(&cfg).expect("deps");
+    let units = Arc::new(Units::default());
+    deps.units = Arc::clone(&units) as Arc<dyn UnitControl>;
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    sb.mdma.set_delivery("logs_token", Some(ONE.into()));
+    let d = spawn_loop(cfg, deps);
+
+    eventually("vmagent configured", LIMIT, || {
+        !runs(&shippers, "vmagent").is_empty()
+    })
+    .await;
+    assert_eq!(
+        std::fs::read(&token_file).unwrap(),
+        ONE.as_bytes(),
+        "no newline"
+    );
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(&token_file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+    let file = token_file.display();
+    let vector = shippers.join("vector.yaml");
+    let scrape = shippers.join("scrape.yml");
+    assert_eq!(
+        runs(&shippers, "vector"),
+        [format!(
+            "{} https://logs.example true provided {file}",
+            vector.display()
+        )]
+    );
+    assert_eq!(
+        runs(&shippers, "vmagent"),
+        [format!(
+            "{} https://metrics.example true provided {file}",
+            scrape.display()
+        )]
+    );
+    assert_eq!(*units.restarted.lock().unwrap(), ["vector.service"]);
+
+    // Delivered poll after poll, then as "": nothing more, and the token stays.
+    let from = sb.mdma.polls().len();
+    eventually("five more polls", LIMIT, || {
+        sb.mdma.polls().len() >= from + 5
+    })
+    .await;
+    sb.mdma.set_delivery("logs_token", Some("".into()));
+    let from = sb.mdma.polls().len();
+    eventually("five more polls", LIMIT, || {
+        sb.mdma.polls().len() >= from + 5
+    })
+    .await;
+    assert_eq!(runs(&shippers, "vector").len(), 1);
+    assert_eq!(std::fs::read(&token_file).unwrap(), ONE.as_bytes());
+
+    // A new token: installed and both shippers configured again; polls report it.
+    sb.mdma.set_delivery("logs_token", Some(TWO.into()));
+    eventually("vmagent configured again", LIMIT, || {
+        runs(&shippers, "vmagent").len() == 2
+    })
+    .await;
+    assert_eq!(std::fs::read(&token_file).unwrap(), TWO.as_bytes());
+    let fp = hex::encode(sha2::Sha256::digest(TWO.as_bytes()));
+    eventually("the new fingerprint reported", LIMIT, || {
+        sb.mdma.polls().last().unwrap().logs_token_fp.as_deref() == Some(fp.as_str())
+    })
+    .await;
+    let metrics = d.telemetry.encode_metrics();
+    assert_eq!(
+        metric(
+            &metrics,
+            "fleet_sidecar_logs_token_installs_total{outcome=\"installed\"}"
+        ),
+        2.0
+    );
+    assert_eq!(units.restarted.lock().unwrap().len(), 2);
+    d.stop().await;
+}

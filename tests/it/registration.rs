@@ -630,6 +630,14 @@ async fn no_secret_of_a_registration_reaches_any_output() {
         shown.contains("token_file") && shown.contains("is present"),
         "{shown}"
     );
+    // The recovery is logged once the daemon has seen an accepted poll, a moment after
+    // the emulator recorded it (see the test below).
+    eventually("the recovery logged", Duration::from_secs(20), || {
+        std::fs::read_to_string(sb.log_file())
+            .unwrap_or_default()
+            .contains("MDMA accepts the polls again")
+    })
+    .await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(daemon.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
@@ -680,6 +688,15 @@ async fn a_rejected_token_is_logged_once_on_the_edge_and_once_on_recovery() {
     .await;
     std::fs::write(&file, new).unwrap();
     polls_carry(&sb, new, Duration::from_secs(20)).await;
+    // The emulator records a poll before it answers: the daemon sees the answer (and logs
+    // the recovery) a moment later, which a loaded machine can stretch past a SIGTERM sent
+    // now. The log file gets the same lines as stderr.
+    eventually("the recovery logged", Duration::from_secs(20), || {
+        std::fs::read_to_string(sb.log_file())
+            .unwrap_or_default()
+            .contains("MDMA accepts the polls again")
+    })
+    .await;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(daemon.id() as i32),
         nix::sys::signal::Signal::SIGTERM,
