@@ -112,13 +112,7 @@ impl TokenInstaller {
     /// Hands over the token a poll delivered; the job wakes only when it differs from the
     /// one handed over before (MDMA repeats a delivery every poll).
     pub(crate) fn offer(&self, token: LogsToken) {
-        self.delivered.send_if_modified(|current| {
-            if current.as_ref() == Some(&token) {
-                return false;
-            }
-            *current = Some(token);
-            true
-        });
+        jobs::offer(&self.delivered, token);
     }
 }
 

@@ -174,13 +174,7 @@ impl CertInstaller {
     /// Hands over the certificate a poll delivered; the job wakes only when it differs
     /// from the one handed over before (MDMA repeats a delivery every poll).
     pub(crate) fn offer(&self, pem: String) {
-        self.delivered.send_if_modified(|current| {
-            if current.as_deref() == Some(pem.as_str()) {
-                return false;
-            }
-            *current = Some(pem.into());
-            true
-        });
+        jobs::offer(&self.delivered, Arc::from(pem));
     }
 }
 
