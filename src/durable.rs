@@ -7,6 +7,9 @@
 //! Every temp file it creates is named [`TEMP_PREFIX`]`…`, whatever it writes, so one
 //! start-up sweep ([`remove_stale_temp_files`]) finds what a crash left in a directory: a
 //! crash during the token write then leaves no copy of the token behind for good.
+//!
+//! [`read_capped`] is the matching read of a node file the daemon only looks at: bounded in
+//! size, never blocked on a FIFO.
 
 use std::io::Write;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
@@ -130,6 +133,43 @@ fn is_temp_name(name: &str) -> bool {
         })
 }
 
+/// Reads a local file of at most `cap` bytes, the one bounded read of the node's own files
+/// (its TLS key and certificate, the logs token): `Ok(None)` when it does not exist. The file
+/// is opened without blocking, so a FIFO or a device in its place is refused rather than
+/// read or waited on. Blocks on the disk: run it on the blocking pool from async code.
+///
+/// Errors: [`std::io::ErrorKind::FileTooLarge`] past `cap` bytes (nothing is cut short and
+/// taken for the file), [`std::io::ErrorKind::InvalidInput`] for anything but a regular file,
+/// and the open or read's own error.
+pub(crate) fn read_capped(path: &Path, cap: u64) -> std::io::Result<Option<Vec<u8>>> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nix::libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            "not a regular file",
+        ));
+    }
+    let mut bytes = Vec::new();
+    file.take(cap.saturating_add(1)).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > cap {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::FileTooLarge,
+            format!("larger than {cap} bytes"),
+        ));
+    }
+    Ok(Some(bytes))
+}
+
 /// The directory `path` lives in (`.` for a bare file name).
 pub(crate) fn parent_dir(path: &Path) -> &Path {
     match path.parent() {
@@ -141,6 +181,25 @@ pub(crate) fn parent_dir(path: &Path) -> &Path {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_capped_read_is_the_whole_file_or_an_error_never_a_cut_or_a_wait() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("f");
+        assert!(read_capped(&file, 4).unwrap().is_none(), "missing is None");
+        std::fs::write(&file, b"1234").unwrap();
+        assert_eq!(read_capped(&file, 4).unwrap().unwrap(), b"1234");
+        std::fs::write(&file, b"12345").unwrap();
+        let e = read_capped(&file, 4).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::FileTooLarge, "{e}");
+        let fifo = dir.path().join("fifo");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        // Without a writer, a blocking open would wait for good.
+        let e = read_capped(&fifo, 4).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+        let e = read_capped(dir.path(), 4).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidInput, "{e}");
+    }
 
     fn mode(p: &Path) -> u32 {
         std::fs::metadata(p).unwrap().permissions().mode() & 0o777

@@ -130,25 +130,13 @@ struct InstallJob {
 
 /// Writes `token` to `file` unless the file holds the same bytes; `true` when written.
 fn install(file: &Path, token: &[u8]) -> Result<bool, TokenInstallError> {
-    use std::io::Read;
-    let held = match std::fs::File::open(file) {
-        Ok(f) => {
-            let mut bytes = Vec::new();
-            f.take(MAX_TOKEN)
-                .read_to_end(&mut bytes)
-                .map_err(|source| TokenInstallError::Read {
-                    path: file.to_owned(),
-                    source,
-                })?;
-            Some(bytes)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(source) => {
-            return Err(TokenInstallError::Read {
-                path: file.to_owned(),
-                source,
-            })
-        }
+    // An oversized file cannot hold the delivered token: it is replaced.
+    let held = match durable::read_capped(file, MAX_TOKEN) {
+        Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => None,
+        read => read.map_err(|source| TokenInstallError::Read {
+            path: file.to_owned(),
+            source,
+        })?,
     };
     let held_fp = held.as_deref().map(token_fingerprint);
     if held_fp.as_deref() == Some(token_fingerprint(token).as_str()) {

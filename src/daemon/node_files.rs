@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::backoff::RETRY;
 use crate::config::Config;
+use crate::durable;
 use crate::jobs::{self, Job, JobHandle, Schedule};
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
@@ -127,7 +128,10 @@ impl Watched {
             self.value = match now {
                 Some(s) if s.len <= MAX_FILE => {
                     self.reads += 1;
-                    std::fs::read(&self.path).map_or_else(|_| String::new(), |b| (self.parse)(&b))
+                    match durable::read_capped(&self.path, MAX_FILE) {
+                        Ok(Some(b)) => (self.parse)(&b),
+                        _ => String::new(),
+                    }
                 }
                 _ => String::new(),
             };

@@ -201,7 +201,14 @@ impl InstallJob {
         let (key, cert) = (self.key.clone(), self.cert.clone());
         let work = tokio::task::spawn_blocking(move || {
             let key_pem = read_bounded(&key)?;
-            let installed = read_bounded(&cert)?;
+            // An oversized cert.pem cannot be the delivery: it is replaced.
+            let installed = match durable::read_capped(&cert, MAX_FILE) {
+                Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => Some(Vec::new()),
+                read => read.map_err(|source| InstallError::Read {
+                    path: cert.clone(),
+                    source,
+                })?,
+            };
             let verdict = judge(&pem, key_pem.as_deref(), installed.as_deref());
             if let Verdict::Install(bytes) = &verdict {
                 durable::write_atomically(&cert, bytes, CERT_MODE)?;
@@ -215,21 +222,12 @@ impl InstallJob {
     }
 }
 
-/// A file's bytes, `None` when it does not exist; at most [`MAX_FILE`] bytes are read.
+/// A file's bytes, `None` when it does not exist ([`durable::read_capped`] at [`MAX_FILE`]).
 fn read_bounded(path: &std::path::Path) -> Result<Option<Vec<u8>>, InstallError> {
-    use std::io::Read;
-    let fail = |source| InstallError::Read {
+    durable::read_capped(path, MAX_FILE).map_err(|source| InstallError::Read {
         path: path.to_owned(),
         source,
-    };
-    let file = match std::fs::File::open(path) {
-        Ok(f) => f,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(fail(e)),
-    };
-    let mut bytes = Vec::new();
-    file.take(MAX_FILE).read_to_end(&mut bytes).map_err(fail)?;
-    Ok(Some(bytes))
+    })
 }
 
 #[async_trait]
