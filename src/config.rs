@@ -147,6 +147,10 @@ pub struct TlsConfig {
     /// The systemd units restarted after a new certificate is installed, through systemd's
     /// D-Bus API (default `["traefik.service"]`; `[]` restarts none).
     pub restart_units: Vec<String>,
+    /// Whether registration sends a CSR for the relay URL's host over `key.pem` (default
+    /// `true`), kept as `csr-<host>.b64` in `dir`; MDMA signs it into the certificate it
+    /// delivers.
+    pub csr: bool,
 }
 
 impl Default for TlsConfig {
@@ -156,6 +160,7 @@ impl Default for TlsConfig {
             dir: PathBuf::from("/mnt/data/tls"),
             install: true,
             restart_units: vec!["traefik.service".to_owned()],
+            csr: true,
         }
     }
 }

@@ -228,6 +228,8 @@ mod metadata;
 mod mrtd;
 mod net;
 #[cfg(feature = "daemon")]
+mod node_tls;
+#[cfg(feature = "daemon")]
 mod notify;
 #[cfg(feature = "daemon")]
 mod outcome;

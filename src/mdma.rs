@@ -433,6 +433,10 @@ pub struct RegisterRequest {
     /// Whether the quote came from `registration-attest` (then `quote_binding:
     /// "registration"` is sent); `false` for the fallback `tee/attest`, which has no binding.
     pub registration_bound: bool,
+    /// `csr`: the node's certificate signing request for the relay host, DER as one line of
+    /// base64, which MDMA signs and later delivers as `tls_certificate`; left out when
+    /// `None`. The nonce the quote is over must end in `|` and the hex SHA-256 of this text.
+    pub csr: Option<String>,
 }
 
 /// A 2xx answer to `register`.
@@ -1152,6 +1156,8 @@ impl MdmaClient {
             enrolment_token: &'a str,
             #[serde(skip_serializing_if = "Option::is_none")]
             quote_binding: Option<&'static str>,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            csr: Option<&'a str>,
         }
         let (method, url) = ("POST", &self.register_url);
         let body = Body {
@@ -1162,6 +1168,7 @@ impl MdmaClient {
             quote: &request.quote,
             enrolment_token: request.enrolment_token.expose(),
             quote_binding: request.registration_bound.then_some("registration"),
+            csr: request.csr.as_deref(),
         };
         let req = self
             .http

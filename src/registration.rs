@@ -47,6 +47,7 @@ use crate::mdma::{
 };
 use crate::merod::{ListenCandidates, MerodError, NodeAccount, ATTEST_TIMEOUT, CHECK_TIMEOUT};
 use crate::metadata::{MetadataAttribute, MetadataClient, MetadataError};
+use crate::node_tls::{registration_csr, Csr, KeyUnreadable};
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -75,12 +76,18 @@ pub(crate) struct Identity {
 }
 
 /// The registration nonce: lowercase hex of SHA-256 over the UTF-8 text
-/// `challenge|peer_id|account|relay_url` (an empty relay URL keeps its slot).
-pub(crate) fn nonce(challenge: &str, id: &Identity) -> String {
-    let text = format!(
+/// `challenge|peer_id|account|relay_url` (an empty relay URL keeps its slot), followed by
+/// `|` and the lowercase hex SHA-256 of the CSR's base64 text when one is sent, so the
+/// quote commits to the CSR MDMA signs.
+pub(crate) fn nonce(challenge: &str, id: &Identity, csr: Option<&str>) -> String {
+    let mut text = format!(
         "{challenge}|{}|{}|{}",
         id.peer_id, id.executor_account, id.relay_url
     );
+    if let Some(csr) = csr {
+        text.push('|');
+        text.push_str(&hex::encode(Sha256::digest(csr.as_bytes())));
+    }
     hex::encode(Sha256::digest(text.as_bytes()))
 }
 
@@ -292,6 +299,10 @@ pub(crate) enum AttemptError {
     /// The register call failed (403 verdict, 503, other).
     #[error("register: {0}")]
     Register(#[source] RegisterError),
+    /// `key.pem` exists but could not be read, so whether a CSR belongs in the
+    /// registration is unknown.
+    #[error("CSR: {0}")]
+    Csr(#[source] KeyUnreadable),
 }
 
 impl AttemptError {
@@ -425,6 +436,8 @@ struct Registrar {
     /// The instance metadata (`relay-url`, `enrolment-token`), shared with the poll's
     /// `relay_url`, so both send the value last read.
     metadata: MetadataClient,
+    /// `[tls] dir`, where `key.pem` is and the CSR is kept; `None` with `[tls] csr = false`.
+    csr_dir: Option<PathBuf>,
 }
 
 /// The fleet token's job: keeps the token the MDMA client sends (see the module docs).
@@ -463,6 +476,7 @@ impl TokenJob {
                     Some(m) => m.clone(),
                     None => MetadataClient::new(reg.metadata_url.clone())?,
                 },
+                csr_dir: cfg.tls.csr.then(|| cfg.tls.dir.clone()),
             })),
             (None, Some(file)) => Source::File(file.clone()),
             (None, None) => return Ok(None),
@@ -962,8 +976,9 @@ impl Registrar {
                     .map_err(AttemptError::Metadata)?,
             ),
         };
+        let csr = self.csr(&id.relay_url).await?;
         let challenge = mdma.challenge().await.map_err(AttemptError::Challenge)?;
-        let nonce = nonce(&challenge.challenge, &id);
+        let nonce = nonce(&challenge.challenge, &id, csr.as_deref());
         let (quote, registration_bound) =
             match self.merod.current().registration_attest(&nonce).await {
                 Ok(Some(q)) => (q, true),
@@ -990,12 +1005,41 @@ impl Registrar {
             quote,
             enrolment_token,
             registration_bound,
+            csr,
         };
         let registered = mdma
             .register(&request)
             .await
             .map_err(AttemptError::Register)?;
         Ok((id, registered.token))
+    }
+
+    /// The CSR to send for `relay_url` (see [`registration_csr`]), `None` when there is
+    /// none to send; made on the blocking pool (the attempt's deadline bounds the wait).
+    async fn csr(&self, relay_url: &str) -> Result<Option<String>, AttemptError> {
+        let Some(dir) = self.csr_dir.clone() else {
+            return Ok(None);
+        };
+        let relay_url = relay_url.to_owned();
+        let made = tokio::task::spawn_blocking(move || registration_csr(&dir, &relay_url))
+            .await
+            .map_err(|e| {
+                AttemptError::Csr(KeyUnreadable {
+                    path: self.csr_dir.clone().unwrap_or_default().join("key.pem"),
+                    source: std::io::Error::other(e),
+                })
+            })?;
+        match made.map_err(AttemptError::Csr)? {
+            Csr::Ready(text) => Ok(Some(text)),
+            Csr::NoHost => {
+                debug!("no CSR: the relay URL has no host to ask a certificate for");
+                Ok(None)
+            }
+            Csr::Without(why) => {
+                warn!("registering without a CSR, so MDMA signs no TLS certificate: {why}");
+                Ok(None)
+            }
+        }
     }
 
     /// Writes the record of whom the token was issued to (a failure is logged: the next
@@ -1070,7 +1114,7 @@ mod tests {
 
     #[test]
     fn the_nonce_is_the_hex_sha256_of_the_four_fields_joined_by_bars() {
-        let n = nonce("c1", &id("acc"));
+        let n = nonce("c1", &id("acc"), None);
         // printf '%s' 'c1|12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk|acc|https://relay.example' | sha256sum
         assert_eq!(
             n,
@@ -1079,10 +1123,17 @@ mod tests {
         let mut empty = id("acc");
         empty.relay_url.clear();
         assert_eq!(
-            nonce("c1", &empty),
+            nonce("c1", &empty, None),
             hex::encode(Sha256::digest(
                 b"c1|12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk|acc|"
             ))
+        );
+        // With a CSR, `|sha256hex(csr_b64)` follows (of the base64 text, not the DER):
+        // h=$(printf '%s' QUJD | sha256sum | cut -d' ' -f1)
+        // printf '%s' "c1|12D3…jcVk|acc|https://relay.example|$h" | sha256sum
+        assert_eq!(
+            nonce("c1", &id("acc"), Some("QUJD")),
+            "62dd6a32fc34603e2c46d3c28a1517ff4c94a1f92b350b3c79936633e3dd0210"
         );
         assert!(n
             .bytes()

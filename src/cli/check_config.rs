@@ -179,6 +179,7 @@ fn render(file: &Path, cfg: &Config) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     ));
+    line(format!("csr = {}", cfg.tls.csr));
     line(String::new());
     line("[logs_token]".to_owned());
     line(format!("report = {}", cfg.logs_token.report));

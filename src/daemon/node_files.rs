@@ -17,6 +17,7 @@ use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::durable;
 use crate::jobs::{self, Job, JobHandle, Schedule};
+use crate::node_tls::pem_block;
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -50,16 +51,6 @@ pub(crate) fn cert_not_after(pem: &[u8]) -> String {
         return String::new();
     }
     humantime::format_rfc3339_seconds(tbs.validity.not_after.to_system_time()).to_string()
-}
-
-/// The first PEM block labelled `label` in `text` (`-----BEGIN {label}-----` to its
-/// `-----END {label}-----`), if whole.
-pub(crate) fn pem_block<'t>(text: &'t str, label: &str) -> Option<&'t str> {
-    let begin = format!("-----BEGIN {label}-----");
-    let end = format!("-----END {label}-----");
-    let start = text.find(&begin)?;
-    let len = text[start..].find(&end)?;
-    Some(&text[start..start + len + end.len()])
 }
 
 /// The first certificate of a PEM file or chain, if it parses (the rest is not read).

@@ -20,12 +20,13 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::node_files::{cert_not_after, first_certificate, pem_block, NodeFilesView};
+use super::node_files::{cert_not_after, first_certificate, NodeFilesView};
 use super::units::{UnitControl, UnitError, RESTART_TIMEOUT};
 use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::durable::{self, WriteError};
 use crate::jobs::{self, Job, Schedule};
+use crate::node_tls::public_key_der;
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -74,26 +75,6 @@ pub(crate) fn judge(delivered: &str, key_pem: Option<&[u8]>, installed: Option<&
         Ok(_) => Verdict::Refused("it certifies another key than key.pem's".to_owned()),
         Err(why) => Verdict::Refused(format!("key.pem: {why}")),
     }
-}
-
-/// The SubjectPublicKeyInfo (DER) of a P-256 private key in PEM, PKCS#8 (`PRIVATE KEY`)
-/// or SEC1 (`EC PRIVATE KEY`, after any `EC PARAMETERS` block, as `openssl ecparam`
-/// writes it).
-fn public_key_der(pem: &[u8]) -> Result<Vec<u8>, String> {
-    use p256::pkcs8::{DecodePrivateKey, EncodePublicKey};
-    let text = std::str::from_utf8(pem).map_err(|_| "not UTF-8".to_owned())?;
-    let secret = if let Some(block) = pem_block(text, "PRIVATE KEY") {
-        p256::SecretKey::from_pkcs8_pem(block).map_err(|e| format!("not a P-256 key ({e})"))?
-    } else if let Some(block) = pem_block(text, "EC PRIVATE KEY") {
-        p256::SecretKey::from_sec1_pem(block).map_err(|e| format!("not a P-256 key ({e})"))?
-    } else {
-        return Err("no PEM private key".to_owned());
-    };
-    secret
-        .public_key()
-        .to_public_key_der()
-        .map(|der| der.as_bytes().to_vec())
-        .map_err(|e| e.to_string())
 }
 
 /// Why an install or its restarts failed (retried with the back-off).

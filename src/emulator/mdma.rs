@@ -21,8 +21,8 @@
 //! - A challenge answers 200 `{"challenge": "<fresh>", "expires_at_ms": …}` (no token needed).
 //!   A register (no token needed) must carry the string fields `peer_id`,
 //!   `executor_account`, `relay_url`, `challenge` (one this emulator issued), `quote`,
-//!   `enrolment_token`, and `quote_binding` only as `"registration"`; anything else answers
-//!   400 (an unknown challenge 403). A well-formed one is answered with the next queued
+//!   `enrolment_token`; `csr` only as a string and `quote_binding` only as
+//!   `"registration"`; anything else answers 400 (an unknown challenge 403). A well-formed one is answered with the next queued
 //!   [`RegisterReply`], else the standing one (default: a token). An issued token becomes
 //!   the one every later request must carry.
 //! - Any other path (a tool's own call, e.g. `POST /api/fleet/inventory`) is checked for the
@@ -820,7 +820,7 @@ fn register(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
             "quote",
             "enrolment_token",
         ],
-        &[],
+        &["csr"],
     );
     let mut inner = lock(&shared.inner);
     let (status, body) = if let Err(message) = valid {

@@ -7,6 +7,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use base64::Engine;
 use fleet_sidecar::emulator::mdma::{PollReply, RegisterReply, ISSUED_TOKEN};
 use fleet_sidecar::emulator::merod::{mock_quote, ACCOUNT_ID};
 use fleet_sidecar::emulator::metadata::MetadataEmulator;
@@ -215,6 +216,43 @@ async fn a_node_registers_through_the_attest_fallback_and_polls_with_its_token_a
     // Neither secret reaches the status or the metrics.
     let shown = format!("{}{metrics}", serde_json::to_string(&status).unwrap());
     assert!(!shown.contains("NEVER-LOGGED-TOKEN"), "{shown}");
+    d.stop().await;
+}
+
+/// A node with a TLS key registers with a CSR for its relay host: sent as `csr`, kept as
+/// `csr-<host>.b64` in `[tls] dir`, and committed to by the nonce the quote is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_with_a_tls_key_registers_with_a_csr_the_quote_commits_to() {
+    use p256::pkcs8::EncodePrivateKey;
+    let (sb, md) = fleet().await;
+    let tls = sb.dir().join("tls");
+    std::fs::create_dir_all(&tls).unwrap();
+    let key = p256::SecretKey::random(&mut p256::elliptic_curve::rand_core::OsRng);
+    let pem = key.to_pkcs8_pem(p256::pkcs8::LineEnding::LF).unwrap();
+    std::fs::write(tls.join("key.pem"), pem.as_bytes()).unwrap();
+    std::fs::write(tls.join("csr-old.example.b64"), "stale").unwrap();
+    let d = start(&sb, &registration(&sb, &md));
+    polls_carry(&sb, ISSUED_TOKEN, Duration::from_secs(20)).await;
+
+    let regs = sb.mdma.registrations();
+    let body = Value::Object(regs[0].body.clone().unwrap());
+    let csr = field(&body, "csr").expect("a csr").to_owned();
+    assert_eq!(
+        std::fs::read_to_string(tls.join("csr-relay.example.b64")).unwrap(),
+        csr
+    );
+    assert!(!tls.join("csr-old.example.b64").exists());
+    let der = base64::engine::general_purpose::STANDARD
+        .decode(&csr)
+        .unwrap();
+    let request = <x509_cert::request::CertReq as x509_cert::der::Decode>::from_der(&der).unwrap();
+    assert_eq!(request.info.subject.to_string(), "CN=relay.example");
+    let challenge = sb.mdma.challenges()[0].clone();
+    let csr_hash = hex::encode(Sha256::digest(csr.as_bytes()));
+    let nonce = hex::encode(Sha256::digest(
+        format!("{challenge}|{PEER_ID}|{ACCOUNT_ID}|{RELAY}|{csr_hash}").as_bytes(),
+    ));
+    assert_eq!(field(&body, "quote"), Some(mock_quote(&nonce).as_str()));
     d.stop().await;
 }
 

@@ -269,6 +269,13 @@ fn every_mdma_example_matches_the_openapi_document() {
     assert!(!register.is_valid(&body));
     body.as_object_mut().unwrap().remove("quote_binding");
     assert!(register.is_valid(&body));
+    // A CSR, when sent, is one line of base64.
+    body["csr"] = json!("MIIBDzCBtgIBADAYMRYwFAYDVQQDDA1yZWxheS5leGFtcGxl");
+    assert!(register.is_valid(&body));
+    for bad in [json!(""), json!("MIIB\nDzCB"), json!(null)] {
+        body["csr"] = bad.clone();
+        assert!(!register.is_valid(&body), "the schema accepts csr {bad}");
+    }
 }
 
 /// The path template of `doc` that `path` (a concrete request path) matches.
