@@ -96,9 +96,15 @@ impl Boot {
     /// Boots with an idle target as the boot unit and the shipped unit installed beside it.
     /// `Err` (the tool's output) when the tool cannot run here.
     pub async fn up() -> Result<Self, String> {
+        Self::up_with(&[]).await
+    }
+
+    /// [`Boot::up`] with `extra` unit files installed too (not started).
+    pub async fn up_with(extra: &[PathBuf]) -> Result<Self, String> {
         Self::boot(
             Some(&manifest_path("packaging/fleet-sidecar.service")),
             "/etc /var",
+            extra,
         )
         .await
     }
@@ -107,7 +113,7 @@ impl Boot {
     /// host's), and [`UNIT`] is a link to where the package puts it,
     /// `/usr/lib/systemd/system/fleet-sidecar.service`, dangling until it is installed.
     pub async fn up_for_package() -> Result<Self, String> {
-        let boot = Self::boot(None, "/etc /var /usr").await?;
+        let boot = Self::boot(None, "/etc /var /usr", &[]).await?;
         std::os::unix::fs::symlink(
             format!("/usr/lib/systemd/system/{UNIT}"),
             boot.state.join("units").join(UNIT),
@@ -116,7 +122,7 @@ impl Boot {
         Ok(boot)
     }
 
-    async fn boot(unit: Option<&Path>, overlays: &str) -> Result<Self, String> {
+    async fn boot(unit: Option<&Path>, overlays: &str, extra: &[PathBuf]) -> Result<Self, String> {
         let base = base_dir();
         std::fs::create_dir_all(&base).map_err(|e| format!("{}: {e}", base.display()))?;
         // Its own directory: tests boot in parallel, and the tool copies the file.
@@ -131,6 +137,7 @@ impl Boot {
             .arg("up")
             .arg(&idle)
             .args(unit)
+            .args(extra)
             .env("SYSD_SHARE_NET", "1")
             .env("SYSD_OVERLAYS", overlays)
             .env("SYSD_BASE", base.join("boots"))

@@ -12,6 +12,7 @@
 // crate's `unreachable_pub` lint (Cargo.toml) would otherwise ask to spell `pub(crate)`.
 #![allow(unreachable_pub)]
 
+mod deliveries;
 mod harness;
 mod package;
 
@@ -62,7 +63,7 @@ fn active(p: &harness::Props) -> bool {
 fn probe_script(node: &Node) -> String {
     let merod_config = node.path("calimero/default/config.toml");
     format!(
-        r#"for d in /usr /etc /var/lib /var/log {node} {merod} /var/lib/calimero /mnt/data /mnt/data/fleet; do
+        r#"for d in /usr /etc /var/lib /var/log {node} {merod} /var/lib/calimero /mnt/data /mnt/data/fleet /mnt/data/tls /etc/vector /etc/vmagent; do
   if ( : > "$d/.sandbox-probe" ) 2>/dev/null; then rm -f "$d/.sandbox-probe"; echo "sandbox-probe: writable $d"; else echo "sandbox-probe: read-only $d"; fi
 done
 if head -c1 {merod_config} >/dev/null 2>&1; then echo "sandbox-probe: readable merod config"; fi
@@ -101,6 +102,15 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         node.path("token").display(),
         probe.display()
     ))
+    .await;
+    // As a node image has them.
+    sysd.run(&[
+        "mkdir",
+        "-p",
+        "/mnt/data/tls",
+        "/etc/vector",
+        "/etc/vmagent",
+    ])
     .await;
     sysd.run(&["systemctl", "start", "--no-block", UNIT]).await;
 
@@ -236,6 +246,11 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         "sandbox-probe: writable /var/lib/calimero",
         "sandbox-probe: read-only /mnt/data",
         "sandbox-probe: writable /mnt/data/fleet",
+        // The TLS directory a certificate is installed in, the logs token's and its
+        // shippers' configs.
+        "sandbox-probe: writable /mnt/data/tls",
+        "sandbox-probe: writable /etc/vector",
+        "sandbox-probe: writable /etc/vmagent",
         "sandbox-probe: readable merod config",
     ] {
         assert!(has(line), "missing `{line}`:\n{all}");
