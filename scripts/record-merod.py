@@ -169,6 +169,8 @@ def record(r, ns, admitter, quick):
     r.rec("namespace-get-never-joined", "GET", f"/namespaces/{first}")
     r.rec("group-members-never-joined", "GET", f"/groups/{first}/members?offset=0&limit=1000",
           note="the member list of a namespace this node is not in")
+    r.rec("group-contexts-never-joined", "GET", f"/groups/{first}/contexts?offset=0&limit=1000",
+          note="the contexts of a namespace this node is not in")
     r.rec("attest", "POST", "/tee/attest", {"nonce": NONCE},
           note="the public quote route; report data is the nonce then 32 zero bytes")
     r.rec("attest-short-nonce", "POST", "/tee/attest", {"nonce": "abcd"})
@@ -186,6 +188,17 @@ def record(r, ns, admitter, quick):
     r.rec("namespace-get-member", "GET", f"/namespaces/{first}")
     r.rec("group-members-member", "GET", f"/groups/{first}/members?offset=0&limit=1000",
           note="the member list of a namespace this node was admitted to")
+    # The context inventory's walk: subgroups, contexts, the node's capabilities, usage.
+    _, ident, _, _ = r.call("GET", "/identity")
+    account = ((ident or {}).get("data") or {}).get("accountId", "") if isinstance(ident, dict) else ""
+    r.rec("group-subgroups-member", "GET", f"/groups/{first}/subgroups",
+          note="the direct subgroups of a namespace this node was admitted to (unpaged)")
+    r.rec("group-contexts-member", "GET", f"/groups/{first}/contexts?offset=0&limit=1000",
+          note="the contexts of a namespace this node was admitted to")
+    r.rec("group-capabilities-member", "GET", f"/groups/{first}/members/{account}/capabilities",
+          note="this node's capability bits in a namespace it was admitted to")
+    r.rec("usage-member", "GET", "/usage",
+          note="the storage of every namespace held, one row each")
 
     join = {"groupId": second, "admitterAddrs": [admitter] if admitter else []}
     s, body = r.rec("fleet-join-admitter-addrs", "POST", "/tee/fleet-join", join,

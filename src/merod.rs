@@ -33,9 +33,12 @@ use crate::ids::GroupId;
 use crate::net::read_capped;
 use crate::strict_json::StrictValue;
 
+mod groups;
 #[cfg(feature = "daemon")]
 mod listen;
 mod paging;
+
+pub use groups::{GroupMember, StorageBytes, GROUP_PAGE, GROUP_PAGES};
 #[cfg(feature = "daemon")]
 pub(crate) use listen::ListenCandidates;
 
@@ -169,6 +172,14 @@ pub enum MerodOp {
     Members,
     /// `GET /admin-api/network/status`.
     NetworkStatus,
+    /// `GET /admin-api/groups/{id}/subgroups`.
+    Subgroups,
+    /// `GET /admin-api/groups/{id}/contexts`.
+    Contexts,
+    /// `GET /admin-api/groups/{id}/members/{account}/capabilities`.
+    Capabilities,
+    /// `GET /admin-api/usage`.
+    Usage,
 }
 
 impl fmt::Display for MerodOp {
@@ -185,6 +196,10 @@ impl fmt::Display for MerodOp {
             MerodOp::Attest => "attest",
             MerodOp::Members => "members",
             MerodOp::NetworkStatus => "network status",
+            MerodOp::Subgroups => "subgroups",
+            MerodOp::Contexts => "contexts",
+            MerodOp::Capabilities => "capabilities",
+            MerodOp::Usage => "usage",
         })
     }
 }
@@ -1047,24 +1062,8 @@ impl MerodClient {
     /// [`MerodError::Answer`] for a 2xx without an `externalAddrs` array; transport and
     /// timeout.
     pub async fn network_status(&self) -> Result<NetworkStatus, MerodError> {
-        let op = MerodOp::NetworkStatus;
-        let path = "admin-api/network/status";
-        let url = self.url(path);
-        self.bounded(op, path, self.deadlines.check, async {
-            let answer = self
-                .send(op, &url, self.connection.client.get(url.clone()))
-                .await?;
-            if !(200..300).contains(&answer.status) {
-                return Err(Self::refused(op, &url, &answer));
-            }
-            parse_network_status(&answer.body).map_err(|reason| MerodError::Answer {
-                op,
-                url: url.to_string(),
-                reason: answer
-                    .unreadable
-                    .clone()
-                    .unwrap_or_else(|| reason.to_owned()),
-            })
+        self.get_parsed(MerodOp::NetworkStatus, "admin-api/network/status", |body| {
+            parse_network_status(body).map_err(str::to_owned)
         })
         .await
     }
@@ -1093,45 +1092,30 @@ impl MerodClient {
     ) -> Result<Option<TeeRole>, MerodError> {
         let op = MerodOp::Members;
         let path = format!("admin-api/groups/{group_id}/members");
-        let base = self.url(&path);
         let account = account.to_ascii_lowercase();
-        self.bounded(op, &path, self.deadlines.members, async {
-            let mut walk = paging::PageWalk::new(MEMBER_PAGE, MEMBER_PAGES);
-            let fault = |fault: paging::PageFault| MerodError::Answer {
+        let mine = |m: &groups::GroupMember| m.identity == account;
+        let rows = self
+            .paged_until(
                 op,
-                url: base.to_string(),
-                reason: format!("member list: {fault}"),
-            };
-            loop {
-                let offset = walk.next_page().map_err(fault)?;
-                let mut url = base.clone();
-                url.query_pairs_mut()
-                    .append_pair("offset", &offset.to_string())
-                    .append_pair("limit", &walk.size().to_string());
-                let answer = self
-                    .send(op, &base, self.connection.client.get(url))
-                    .await?;
-                if !(200..300).contains(&answer.status) {
-                    return Err(Self::refused(op, &base, &answer));
-                }
-                let rows = parse_members(&answer.body).map_err(|reason| MerodError::Answer {
+                &path,
+                (MEMBER_PAGE, MEMBER_PAGES),
+                groups::parse_member_rows,
+                |m: &groups::GroupMember| m.identity.as_str(),
+                |rows: &[groups::GroupMember]| rows.iter().any(mine),
+            )
+            .await
+            .map_err(|e| match e {
+                MerodError::Answer { op, url, reason } => MerodError::Answer {
                     op,
-                    url: base.to_string(),
-                    reason: reason.to_owned(),
-                })?;
-                let found = rows.iter().find(|(id, _)| *id == account).map(|r| &r.1);
-                let step = walk
-                    .page(rows.iter().map(|r| r.0.as_str()))
-                    .map_err(fault)?;
-                if let Some(role) = found {
-                    return Ok(TeeRole::from_merod(role));
-                }
-                if step == paging::Step::Done {
-                    return Ok(None);
-                }
-            }
-        })
-        .await
+                    url,
+                    reason: format!("member list: {reason}"),
+                },
+                other => other,
+            })?;
+        Ok(rows
+            .iter()
+            .find(|m| mine(m))
+            .and_then(|m| TeeRole::from_merod(&m.role)))
     }
 }
 

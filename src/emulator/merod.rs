@@ -28,6 +28,16 @@
 //!   this node, with the account fleet-join answers, as `ReadOnlyTee` or the role
 //!   [`MerodEmulator::set_role`] gives it; after [`MerodEmulator::set_extra_members`] more
 //!   rows) while held, else 500;
+//! - the context inventory's routes, answered in the recorded shapes:
+//!   `GET /groups/{id}/subgroups` (what [`MerodEmulator::set_subgroups`] gave, else none),
+//!   `GET /groups/{id}/contexts` (`?offset=&limit=`, at most 1,000 rows a page; what
+//!   [`MerodEmulator::set_contexts`] gave, else none) for a group of a held namespace's tree,
+//!   else 500 as for a namespace not joined; `GET /groups/{id}/members/{account}/capabilities`
+//!   (the recorded 4, or what [`MerodEmulator::set_capabilities`] gave; `None`: 500) for such
+//!   a group; `GET /usage` (a row of zeros per held namespace, or
+//!   [`MerodEmulator::set_usage_total`]'s; 500 with [`MerodEmulator::set_usage_failing`]);
+//!   [`MerodEmulator::set_ignores_offset`] makes the paged lists answer the first page for
+//!   any offset, as a server ignoring `offset` would;
 //! - `POST /tee/fleet-join` naming `admitterAddrs` on an older core
 //!   ([`MerodEmulator::set_older_core`]): 400 naming the field;
 //! - [`MerodEmulator::set_foreign_404`] makes `GET /namespaces/{id}` answer a 404 that is not
@@ -260,6 +270,16 @@ struct Fixtures {
     members: Recorded,
     /// `GET /groups/{id}/members` of a namespace not held.
     members_not_held: Recorded,
+    /// `GET /groups/{id}/subgroups` of a namespace held (none).
+    subgroups: Recorded,
+    /// `GET /groups/{id}/contexts` of a namespace held (none).
+    contexts: Recorded,
+    /// `GET /groups/{id}/contexts` of a namespace not held (500).
+    contexts_not_held: Recorded,
+    /// `GET /groups/{id}/members/{account}/capabilities` of the node in a namespace held.
+    capabilities: Recorded,
+    /// `GET /usage` holding one namespace: its row.
+    usage: Recorded,
     identity_before: Recorded,
     identity_after: Recorded,
     /// One entry of `GET /admin-api/namespaces`.
@@ -294,6 +314,11 @@ impl Fixtures {
             attest_short_nonce: fixture!("attest-short-nonce"),
             members: own_member_row(fixture!("group-members-member"), &join_admitted),
             members_not_held: fixture!("group-members-never-joined"),
+            subgroups: fixture!("group-subgroups-member"),
+            contexts: fixture!("group-contexts-member"),
+            contexts_not_held: fixture!("group-contexts-never-joined"),
+            capabilities: fixture!("group-capabilities-member"),
+            usage: fixture!("usage-member"),
             identity_before: fixture!("identity-before-join"),
             identity_after: fixture!("identity-after-join"),
             list_entry,
@@ -391,6 +416,20 @@ struct Inner {
     /// Namespaces for which `GET /namespaces/{id}` answers merod's own "not held" 404
     /// whether held or not.
     membership_lag: BTreeSet<String>,
+    /// Each group's direct subgroups.
+    subgroups: HashMap<String, Vec<String>>,
+    /// Each group's contexts.
+    contexts: HashMap<String, Vec<String>>,
+    /// The node's capability bits per group (`None`: refused); default the recorded 4.
+    capabilities: HashMap<String, Option<u32>>,
+    /// `bytes.total` per namespace in `GET /usage` (default 0).
+    usage_total: HashMap<String, u64>,
+    /// `GET /usage` answers 500.
+    usage_failing: bool,
+    /// The paged group lists answer their first page whatever the offset.
+    ignores_offset: bool,
+    /// Requests per route kind (`subgroups`, `contexts`, `members`, `capabilities`, `usage`).
+    inventory_calls: HashMap<&'static str, usize>,
 }
 
 /// The account id of the recorded `identity-after-join` answer.
@@ -452,6 +491,13 @@ impl MerodEmulator {
                 extra_members: 0,
                 foreign_404: BTreeSet::new(),
                 membership_lag: BTreeSet::new(),
+                subgroups: HashMap::new(),
+                contexts: HashMap::new(),
+                capabilities: HashMap::new(),
+                usage_total: HashMap::new(),
+                usage_failing: false,
+                ignores_offset: false,
+                inventory_calls: HashMap::new(),
             }),
             fixtures: Fixtures::load(),
         });
@@ -590,6 +636,56 @@ impl MerodEmulator {
         lock(&self.shared.inner).older_core = older;
     }
 
+    /// The direct subgroups of `group` (64 hex each), as `GET /groups/{id}/subgroups`
+    /// answers them; a group of a held namespace's tree is a member's group.
+    pub fn set_subgroups(&self, group: &str, children: &[&str]) {
+        lock(&self.shared.inner).subgroups.insert(
+            group.to_ascii_lowercase(),
+            children.iter().map(|c| c.to_ascii_lowercase()).collect(),
+        );
+    }
+
+    /// The contexts of `group`, in the order `GET /groups/{id}/contexts` pages them.
+    pub fn set_contexts(&self, group: &str, contexts: &[String]) {
+        lock(&self.shared.inner)
+            .contexts
+            .insert(group.to_ascii_lowercase(), contexts.to_vec());
+    }
+
+    /// The node's capability bits in `group` (`None`: the call is refused with a 500).
+    pub fn set_capabilities(&self, group: &str, bits: Option<u32>) {
+        lock(&self.shared.inner)
+            .capabilities
+            .insert(group.to_ascii_lowercase(), bits);
+    }
+
+    /// `bytes.total` (and `state`) of `namespace` in `GET /usage`.
+    pub fn set_usage_total(&self, namespace: &str, total: u64) {
+        lock(&self.shared.inner)
+            .usage_total
+            .insert(namespace.to_ascii_lowercase(), total);
+    }
+
+    /// Makes `GET /usage` answer 500.
+    pub fn set_usage_failing(&self, failing: bool) {
+        lock(&self.shared.inner).usage_failing = failing;
+    }
+
+    /// Makes the paged group lists (contexts, members) ignore `offset`.
+    pub fn set_ignores_offset(&self, ignores: bool) {
+        lock(&self.shared.inner).ignores_offset = ignores;
+    }
+
+    /// How many requests the inventory's routes got: `subgroups`, `contexts`, `members`,
+    /// `capabilities` or `usage`.
+    pub fn inventory_calls(&self, route: &str) -> usize {
+        lock(&self.shared.inner)
+            .inventory_calls
+            .get(route)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// The node's role in one namespace, as `GET /groups/{id}/members` lists it (e.g.
     /// `RelayTee`, `ReadOnlyTee`, `Member`).
     pub fn set_role(&self, group_id: &str, role: &str) {
@@ -715,7 +811,28 @@ async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
         "tee/attest" => quote(shared, &request.headers, &body),
         // Only with set_registration_attest (rc.25 predates it: an unknown route, 404).
         "tee/registration-attest" if post => registration_attest(shared, &request.headers, &body),
+        "usage" if get => usage(shared),
+        "usage" => method_not_allowed(),
         _ => {
+            if let Some((id, tail)) = rest
+                .strip_prefix("groups/")
+                .and_then(|r| r.split_once('/'))
+                .filter(|(id, _)| !id.is_empty())
+            {
+                let capabilities = tail
+                    .strip_prefix("members/")
+                    .and_then(|t| t.strip_suffix("/capabilities"))
+                    .filter(|a| !a.is_empty() && !a.contains('/'));
+                let answer = match (tail, capabilities) {
+                    ("subgroups", _) => Some(group_subgroups(shared, id)),
+                    ("contexts", _) => Some(group_contexts(shared, id, &request.uri)),
+                    (_, Some(_)) => Some(group_capabilities(shared, id)),
+                    _ => None,
+                };
+                if let Some(answer) = answer {
+                    return if get { answer } else { method_not_allowed() };
+                }
+            }
             if let Some(id) = rest
                 .strip_prefix("groups/")
                 .and_then(|r| r.strip_suffix("/members"))
@@ -768,21 +885,137 @@ fn method_not_allowed() -> Answer {
     empty(StatusCode::METHOD_NOT_ALLOWED)
 }
 
-fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
+/// The group id and the `(offset, limit)` of a paged group list's request, or merod's
+/// answer to a bad id or query.
+fn paged_request(
+    shared: &Shared,
+    raw: &str,
+    uri: &Uri,
+) -> Result<(String, usize, usize), Box<Answer>> {
+    let id = parse_id(raw).map_err(|_| Box::new(shared.fixtures.leave_bad_id.respond()))?;
+    let (offset, limit) = paging(uri)
+        .map_err(|message| Box::new(json_response(400, json!({ "error": message.0 }))))?;
+    Ok((id, offset, limit))
+}
+
+/// Whether `group` is a held namespace or in the subgroup tree of one.
+fn in_held_tree(inner: &Inner, group: &str) -> bool {
+    let mut queue: Vec<&str> = inner.held.iter().map(String::as_str).collect();
+    let mut seen = BTreeSet::new();
+    while let Some(g) = queue.pop() {
+        if g == group {
+            return true;
+        }
+        if seen.insert(g) {
+            if let Some(children) = inner.subgroups.get(g) {
+                queue.extend(children.iter().map(String::as_str));
+            }
+        }
+    }
+    false
+}
+
+fn count_call<'s>(shared: &'s Shared, route: &'static str) -> std::sync::MutexGuard<'s, Inner> {
+    let mut inner = lock(&shared.inner);
+    *inner.inventory_calls.entry(route).or_default() += 1;
+    inner
+}
+
+fn group_subgroups(shared: &Shared, raw: &str) -> Answer {
+    let Ok(id) = parse_id(raw) else {
+        return shared.fixtures.leave_bad_id.respond();
+    };
+    let inner = count_call(shared, "subgroups");
+    let rows: Vec<Value> = inner
+        .subgroups
+        .get(&id)
+        .map(|c| c.iter().map(|g| json!({ "groupId": g })).collect())
+        .unwrap_or_default();
+    json_response(
+        shared.fixtures.subgroups.status,
+        json!({ "subgroups": rows }),
+    )
+}
+
+fn group_contexts(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
+    let fixtures = &shared.fixtures;
+    let (id, offset, limit) = match paged_request(shared, raw, uri) {
+        Ok(request) => request,
+        Err(answer) => return *answer,
+    };
+    let inner = count_call(shared, "contexts");
+    if !in_held_tree(&inner, &id) {
+        return fixtures.contexts_not_held.respond();
+    }
+    let offset = if inner.ignores_offset { 0 } else { offset };
+    let rows: Vec<Value> = inner
+        .contexts
+        .get(&id)
+        .map(|c| {
+            c.iter()
+                .skip(offset)
+                .take(limit.min(1000))
+                .map(|c| json!({ "contextId": c }))
+                .collect()
+        })
+        .unwrap_or_default();
+    json_response(fixtures.contexts.status, json!({ "data": rows }))
+}
+
+fn group_capabilities(shared: &Shared, raw: &str) -> Answer {
     let fixtures = &shared.fixtures;
     let Ok(id) = parse_id(raw) else {
         return fixtures.leave_bad_id.respond();
     };
-    let (offset, limit) = match paging(uri) {
-        Ok(paging) => paging,
-        Err(message) => return json_response(400, json!({ "error": message.0 })),
+    let inner = count_call(shared, "capabilities");
+    if !in_held_tree(&inner, &id) {
+        return fixtures.contexts_not_held.respond();
+    }
+    match inner.capabilities.get(&id) {
+        None => fixtures.capabilities.respond(),
+        Some(Some(bits)) => json_response(
+            fixtures.capabilities.status,
+            json!({ "data": { "capabilities": bits } }),
+        ),
+        Some(None) => fixtures.contexts_not_held.respond(),
+    }
+}
+
+fn usage(shared: &Shared) -> Answer {
+    let fixtures = &shared.fixtures;
+    let inner = count_call(shared, "usage");
+    if inner.usage_failing {
+        return json_response(500, json!({ "error": "Internal server error" }));
+    }
+    let template = fixtures.usage.body["namespaces"][0].clone();
+    let rows: Vec<Value> = inner
+        .held
+        .iter()
+        .map(|ns| {
+            let mut row = template.clone();
+            let total = inner.usage_total.get(ns).copied().unwrap_or(0);
+            row["namespaceId"] = json!(ns);
+            row["bytes"]["state"] = json!(total);
+            row["bytes"]["total"] = json!(total);
+            row
+        })
+        .collect();
+    json_response(fixtures.usage.status, json!({ "namespaces": rows }))
+}
+
+fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
+    let fixtures = &shared.fixtures;
+    let (id, offset, limit) = match paged_request(shared, raw, uri) {
+        Ok(request) => request,
+        Err(answer) => return *answer,
     };
-    let (held, role, extra) = {
-        let inner = lock(&shared.inner);
+    let (held, role, extra, offset) = {
+        let inner = count_call(shared, "members");
         (
             inner.held.contains(&id),
             inner.roles.get(&id).cloned(),
             inner.extra_members,
+            if inner.ignores_offset { 0 } else { offset },
         )
     };
     if !held {

@@ -209,6 +209,11 @@ fn every_copied_fixture_is_covered() {
         "registration-attest",
         "attest",
         "attest-short-nonce",
+        "group-subgroups-member",
+        "group-contexts-member",
+        "group-contexts-never-joined",
+        "group-capabilities-member",
+        "usage-member",
     ];
     // Served by the merod emulator only, checked against it by
     // the_emulator_answers_every_recorded_request_in_the_recorded_shape (the sidecar does not
@@ -233,6 +238,40 @@ fn every_copied_fixture_is_covered() {
             "fixture {name} is copied but no test reads it"
         );
     }
+}
+
+/// The context inventory's reads, through the client, of what a real merod answered.
+#[tokio::test]
+async fn the_inventory_s_routes_read_what_merod_answered() {
+    let (_s, client, f) = replay("group-subgroups-member").await;
+    assert_eq!(client.subgroups(id_of(&f)).await.unwrap(), []);
+    let (_s, client, f) = replay("group-contexts-member").await;
+    assert!(client.group_contexts(id_of(&f)).await.unwrap().is_empty());
+    let (_s, client, f) = replay("group-contexts-never-joined").await;
+    assert!(matches!(
+        client.group_contexts(id_of(&f)).await,
+        Err(MerodError::Refused { status: 500, .. })
+    ));
+    let (_s, client, f) = replay("group-capabilities-member").await;
+    let path = f["request"]["path"].as_str().unwrap();
+    let account = path.split('/').rev().nth(1).unwrap();
+    assert_eq!(
+        client
+            .member_capabilities(id_of(&f), account)
+            .await
+            .unwrap(),
+        4
+    );
+    let (_s, client, f) = replay("usage-member").await;
+    let usage = client.usage().await.unwrap();
+    let ns = f["response"]["body"]["namespaces"][0]["namespaceId"]
+        .as_str()
+        .unwrap();
+    assert_eq!(
+        usage.get(&ns.parse().unwrap()),
+        Some(&fleet_sidecar::StorageBytes::default())
+    );
+    assert_eq!(usage.len(), 1);
 }
 
 #[tokio::test]
@@ -463,7 +502,15 @@ fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f:
         "fleet-join-already-admitted"
         | "namespace-get-member"
         | "group-members-member"
+        | "group-subgroups-member"
+        | "group-contexts-member"
+        | "group-capabilities-member"
         | "namespace-leave-member" => merod.hold(&id()),
+        "usage-member" => {
+            for row in f["response"]["body"]["namespaces"].as_array().unwrap() {
+                merod.hold(row["namespaceId"].as_str().unwrap());
+            }
+        }
         // The account was minted by the first admission and outlives the leave.
         "identity-after-join" | "identity-after-leave" => merod.set_minted(true),
         // Held: what the recorded listing names.
@@ -728,5 +775,45 @@ async fn a_typed_refusal_keeps_its_status_message_and_type_on_every_call() {
     assert!(matches!(
         client.leave_namespace(id).await,
         Err(MerodError::Status { status: 503, .. })
+    ));
+}
+
+/// The group lists the inventory reads are paged at merod's largest page and read whole,
+/// past 100 rows (where a reader of one default page stops) and past one page of 1,000;
+/// a server that ignores `offset` is an error, never a list read twice or cut short.
+#[tokio::test]
+async fn group_lists_are_read_whole_past_one_page_and_a_non_advancing_page_fails() {
+    use fleet_sidecar::emulator::merod::MerodEmulator;
+    let merod = MerodEmulator::start().await.unwrap();
+    let ns = "c".repeat(64);
+    let sub = "d".repeat(64);
+    merod.hold(&ns);
+    merod.set_subgroups(&ns, &[&sub]);
+    let contexts: Vec<String> = (0..2500).map(|i| format!("ctx{i:05}")).collect();
+    merod.set_contexts(&sub, &contexts);
+    merod.set_extra_members(1500);
+    let client = MerodClient::new(&merod.url()).unwrap();
+    let ns_id: GroupId = ns.parse().unwrap();
+    let sub_id: GroupId = sub.parse().unwrap();
+    assert_eq!(client.subgroups(ns_id).await.unwrap(), [sub_id]);
+    assert_eq!(client.group_contexts(sub_id).await.unwrap(), contexts);
+    assert_eq!(
+        merod.inventory_calls("contexts"),
+        3,
+        "1,000 a page, overlapping by one"
+    );
+    // The extra rows, then the owner and the node.
+    assert_eq!(client.group_members(ns_id).await.unwrap().len(), 1502);
+
+    merod.set_ignores_offset(true);
+    let err = client.group_contexts(sub_id).await.unwrap_err().to_string();
+    assert!(err.contains("repeats the one before"), "{err}");
+    let err = client.group_members(ns_id).await.unwrap_err().to_string();
+    assert!(err.contains("repeats the one before"), "{err}");
+    // A group outside every held namespace: merod's bare 500.
+    let other: GroupId = "e".repeat(64).parse().unwrap();
+    assert!(matches!(
+        client.group_contexts(other).await,
+        Err(MerodError::Refused { status: 500, .. })
     ));
 }
