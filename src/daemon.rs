@@ -31,6 +31,7 @@
 mod account;
 mod deps;
 mod held;
+mod inventory;
 mod join_status;
 mod limits;
 mod logs_token;

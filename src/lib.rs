@@ -251,11 +251,11 @@ pub use identity::{
 };
 pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
-    CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, JoinState,
-    JoinStatus, LogsToken, MalformedAnswer, MdmaAnswer, MdmaClient, MdmaClientBuilder,
-    MdmaClientError, NodeReport, PollError, RegisterError, RegisterRequest, Registered,
-    RequestError, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY, MDMA_TIMEOUT,
-    REGISTER_TIMEOUT,
+    CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, GroupInventory,
+    InventoryReport, JoinState, JoinStatus, LogsToken, MalformedAnswer, MdmaAnswer, MdmaClient,
+    MdmaClientBuilder, MdmaClientError, NamespaceInventory, NodeReport, PollError, RegisterError,
+    RegisterRequest, Registered, RequestError, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED,
+    MAX_POLL_BODY, MDMA_TIMEOUT, REGISTER_TIMEOUT,
 };
 pub use merod::{
     refuses_admitter_addrs, Admission, GroupMember, MerodClient, MerodClientBuilder, MerodError,

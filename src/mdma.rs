@@ -28,6 +28,9 @@ use crate::mrtd::Mrtd;
 use crate::net::{is_loopback, read_capped, BodyError};
 
 mod answer;
+mod inventory;
+
+pub use inventory::{GroupInventory, InventoryReport, NamespaceInventory};
 
 /// Bound of one MDMA request, connect to last byte (docs/mdma.md).
 pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);

@@ -122,6 +122,7 @@ fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
 const DAEMON_FLOORS: &[&[&str]] = &[
     &[
         "held",
+        "inventory",
         "limits",
         "node_files",
         "poll",

@@ -1,0 +1,598 @@
+//! The context inventory MDMA keeps of each node: what to report and when (pure: [`want_full`],
+//! [`plan`], [`InventoryRecord`]) and the walk of one namespace through merod
+//! ([`walk_namespace`], over [`GroupReader`]).
+//!
+//! A scan walks every confirmed namespace: its groups breadth-first from the namespace (at most
+//! [`MAX_GROUPS`]), each group's contexts, whether the node can author there, its role and the
+//! member count, and once per scan the storage of every namespace. Namespaces read whole go in
+//! the `full` batch; partial ones are added without pruning (`full: false`). Nothing is posted
+//! unless something other than `bytes` changed or a full report is due (every
+//! [`FULL_EVERY`], and when the confirmed set changed). What was posted is kept in
+//! `fleet-inventory.json` ([`InventoryRecord`]); a failed post keeps nothing, so the next scan
+//! posts again.
+
+// Nothing outside the tests calls these until the inventory's job runs them; this
+// expectation fails the build once something does, so it cannot outlive that.
+#![expect(
+    dead_code,
+    reason = "the job that runs the walk and posts is not wired yet"
+)]
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::ids::GroupId;
+use crate::mdma::{GroupInventory, NamespaceInventory};
+use crate::merod::{GroupMember, MerodClient, MerodError, StorageBytes, TeeRole};
+
+/// How often the confirmed namespaces are walked (and at once when the set changes).
+pub(crate) const SCAN_EVERY: Duration = Duration::from_secs(60);
+/// How often a full report is sent at the latest.
+pub(crate) const FULL_EVERY: Duration = Duration::from_secs(900);
+/// Most groups of one namespace walked; a tree left over makes the read partial.
+pub(crate) const MAX_GROUPS: usize = 512;
+/// Bound of the walk of one namespace (its member list, subgroups, contexts, capabilities).
+pub(crate) const WALK_BUDGET: Duration = Duration::from_secs(20);
+/// The state file, in the state directory.
+pub(crate) const RECORD_FILE: &str = "fleet-inventory.json";
+
+/// What was last reported, kept as `fleet-inventory.json`: when a full report last landed
+/// (Unix seconds, 0 for never) and each namespace as posted, `bytes` included.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct InventoryRecord {
+    /// When the last full report landed, Unix seconds (0: never).
+    pub(crate) last_full: u64,
+    /// Each namespace as last posted.
+    pub(crate) namespaces: BTreeMap<GroupId, NamespaceInventory>,
+}
+
+impl InventoryRecord {
+    /// Forgets the namespaces no longer `confirmed` (MDMA withdrew them, or the node left).
+    pub(crate) fn prune(&mut self, confirmed: &BTreeSet<GroupId>) -> bool {
+        let before = self.namespaces.len();
+        self.namespaces.retain(|id, _| confirmed.contains(id));
+        self.namespaces.len() != before
+    }
+
+    /// Keeps what a post that landed carried; a full one also stamps `last_full`.
+    pub(crate) fn posted(&mut self, post: &Post, now_unix: u64) {
+        for ns in &post.namespaces {
+            self.namespaces.insert(ns.namespace_id, ns.clone());
+        }
+        if post.full {
+            self.last_full = now_unix;
+        }
+    }
+}
+
+/// One namespace as walked: what it says, and whether it was read whole.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Scanned {
+    /// The report.
+    pub(crate) inventory: NamespaceInventory,
+    /// Read whole: every group's contexts, the whole tree.
+    pub(crate) complete: bool,
+}
+
+/// One `POST /api/fleet/inventory` to send.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Post {
+    /// `full`.
+    pub(crate) full: bool,
+    /// `namespaces`.
+    pub(crate) namespaces: Vec<NamespaceInventory>,
+}
+
+/// Whether this scan reports in full: the confirmed set changed since an earlier scan, or
+/// [`FULL_EVERY`] passed since the last full report landed (`last_full` ahead of `now`, a
+/// clock stepped back, counts as due: a clock fault never silences the report).
+pub(crate) fn want_full(set_changed: bool, last_full: u64, now_unix: u64) -> bool {
+    set_changed || last_full > now_unix || now_unix - last_full >= FULL_EVERY.as_secs()
+}
+
+/// The posts for `scanned` given what was last posted: the whole namespaces (`full` =
+/// `want_full`) when a full report is due or something other than `bytes` changed, then the
+/// partial ones (`full: false`) when something changed. Empty when nothing is to be said.
+pub(crate) fn plan(scanned: &[Scanned], record: &InventoryRecord, want_full: bool) -> Vec<Post> {
+    let changed = scanned.iter().any(|s| {
+        record
+            .namespaces
+            .get(&s.inventory.namespace_id)
+            .is_none_or(|kept| !kept.same_but_bytes(&s.inventory))
+    });
+    let batch = |complete: bool| -> Vec<NamespaceInventory> {
+        scanned
+            .iter()
+            .filter(|s| s.complete == complete)
+            .map(|s| s.inventory.clone())
+            .collect()
+    };
+    let mut posts = Vec::new();
+    if want_full || changed {
+        posts.push(Post {
+            full: want_full,
+            namespaces: batch(true),
+        });
+    }
+    let partial = batch(false);
+    if changed && !partial.is_empty() {
+        posts.push(Post {
+            full: false,
+            namespaces: partial,
+        });
+    }
+    posts
+}
+
+/// The merod reads a walk needs ([`MerodClient`]'s; a fake in tests).
+#[async_trait]
+pub(crate) trait GroupReader: Send + Sync {
+    /// [`MerodClient::subgroups`].
+    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError>;
+    /// [`MerodClient::group_contexts`].
+    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError>;
+    /// [`MerodClient::group_members`].
+    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError>;
+    /// [`MerodClient::member_capabilities`].
+    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError>;
+}
+
+#[async_trait]
+impl GroupReader for MerodClient {
+    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
+        MerodClient::subgroups(self, group).await
+    }
+    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
+        self.group_contexts(group).await
+    }
+    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
+        self.group_members(group).await
+    }
+    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
+        self.member_capabilities(group, account).await
+    }
+}
+
+/// `call`, unless `deadline` passed first (`None`: out of budget).
+async fn within<T>(
+    deadline: Instant,
+    call: impl std::future::Future<Output = Result<T, MerodError>>,
+) -> Option<Result<T, MerodError>> {
+    tokio::time::timeout_at(deadline, call).await.ok()
+}
+
+/// Walks `namespace` through `merod` within `budget`: the member list (the node's role, by
+/// `account`, and the count), the groups breadth-first (at most [`MAX_GROUPS`]), each
+/// group's contexts (a group without any is left out) and, for a `RelayTee`, whether merod
+/// answers the node's capabilities there (`authorship_ready`). `bytes` comes from `usage`.
+///
+/// Partial (not `complete`): a subgroup list or a context list that could not be read (that
+/// group is left out), a tree larger than [`MAX_GROUPS`], the budget spent. A failed member
+/// list or capabilities read only leaves its fields out (or `false`). `None` when nothing
+/// usable was read (no group, and the read was partial): MDMA's copy is left as it is.
+pub(crate) async fn walk_namespace(
+    merod: &dyn GroupReader,
+    namespace: GroupId,
+    account: Option<&str>,
+    usage: Option<&BTreeMap<GroupId, StorageBytes>>,
+    budget: Duration,
+) -> Option<Scanned> {
+    let deadline = Instant::now() + budget;
+    let members = within(deadline, merod.members(namespace)).await;
+    let (member_count, tee_role) = match (&members, account) {
+        (Some(Ok(rows)), Some(account)) => {
+            let account = account.to_ascii_lowercase();
+            let role = rows
+                .iter()
+                .find(|m| m.identity == account)
+                .and_then(|m| TeeRole::from_merod(&m.role));
+            (Some(rows.len() as u64), Some(role))
+        }
+        (Some(Ok(rows)), None) => (Some(rows.len() as u64), None),
+        _ => (None, None),
+    };
+    let relay_account = match (tee_role, account) {
+        (Some(Some(TeeRole::RelayTee)), Some(a)) => Some(a),
+        _ => None,
+    };
+
+    let mut complete = true;
+    let mut groups = Vec::new();
+    let mut queue = VecDeque::from([namespace]);
+    let mut seen = BTreeSet::from([namespace]);
+    let mut walked = 0usize;
+    while let Some(group) = queue.pop_front() {
+        if walked == MAX_GROUPS {
+            complete = false;
+            break;
+        }
+        walked += 1;
+        match within(deadline, merod.subgroups(group)).await {
+            Some(Ok(children)) => {
+                queue.extend(children.into_iter().filter(|c| seen.insert(*c)));
+            }
+            Some(Err(_)) => complete = false,
+            None => {
+                complete = false;
+                break;
+            }
+        }
+        let mut contexts = match within(deadline, merod.contexts(group)).await {
+            Some(Ok(c)) => c,
+            Some(Err(_)) => {
+                complete = false;
+                continue;
+            }
+            None => {
+                complete = false;
+                break;
+            }
+        };
+        if contexts.is_empty() {
+            continue;
+        }
+        contexts.sort_unstable();
+        contexts.dedup();
+        let authorship_ready = match relay_account {
+            Some(a) => matches!(
+                within(deadline, merod.capabilities(group, a)).await,
+                Some(Ok(_))
+            ),
+            None => false,
+        };
+        groups.push(GroupInventory {
+            group_id: group,
+            context_ids: contexts,
+            authorship_ready,
+        });
+    }
+    if groups.is_empty() && !complete {
+        return None;
+    }
+    let context_count = complete.then(|| {
+        groups
+            .iter()
+            .flat_map(|g| g.context_ids.iter())
+            .collect::<BTreeSet<_>>()
+            .len() as u64
+    });
+    Some(Scanned {
+        inventory: NamespaceInventory {
+            namespace_id: namespace,
+            groups,
+            member_count,
+            tee_role,
+            context_count,
+            bytes: usage.and_then(|u| u.get(&namespace)).copied(),
+        },
+        complete,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    const ACCOUNT: &str = "4ff91b6ee8c12aec3a9a2106452ccf87fae3f7cce0bfd0630f77fcca73813d38";
+
+    fn gid(n: u8) -> GroupId {
+        format!("{n:02x}").repeat(32).parse().unwrap()
+    }
+
+    fn fail() -> MerodError {
+        MerodError::Status {
+            op: crate::merod::MerodOp::Contexts,
+            url: "http://127.0.0.1/".to_owned(),
+            status: 500,
+        }
+    }
+
+    /// A merod of a tree: children, contexts, members and capabilities per group; a group
+    /// missing from `contexts` fails its context read.
+    #[derive(Default)]
+    struct Tree {
+        children: HashMap<GroupId, Vec<GroupId>>,
+        contexts: HashMap<GroupId, Vec<String>>,
+        members: Option<Vec<GroupMember>>,
+        capable: BTreeSet<GroupId>,
+        slow: Option<Duration>,
+        calls: Mutex<usize>,
+    }
+
+    #[async_trait]
+    impl GroupReader for Tree {
+        async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
+            *self.calls.lock().unwrap() += 1;
+            if let Some(d) = self.slow {
+                tokio::time::sleep(d).await;
+            }
+            Ok(self.children.get(&group).cloned().unwrap_or_default())
+        }
+        async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
+            self.contexts.get(&group).cloned().ok_or_else(fail)
+        }
+        async fn members(&self, _: GroupId) -> Result<Vec<GroupMember>, MerodError> {
+            self.members.clone().ok_or_else(fail)
+        }
+        async fn capabilities(&self, group: GroupId, _: &str) -> Result<u32, MerodError> {
+            if self.capable.contains(&group) {
+                Ok(4)
+            } else {
+                Err(fail())
+            }
+        }
+    }
+
+    fn member(identity: &str, role: &str) -> GroupMember {
+        GroupMember {
+            identity: identity.to_owned(),
+            role: role.to_owned(),
+        }
+    }
+
+    /// A namespace 1 with a subgroup 2 (and an empty subgroup 3), two contexts under 1 and
+    /// one under 2, four members with the node as `role`.
+    fn tree(role: &str) -> Tree {
+        let mut t = Tree::default();
+        t.children.insert(gid(1), vec![gid(2), gid(3)]);
+        t.contexts
+            .insert(gid(1), vec!["b".into(), "a".into(), "a".into()]);
+        t.contexts.insert(gid(2), vec!["c".into()]);
+        t.contexts.insert(gid(3), vec![]);
+        t.members = Some(vec![
+            member(&"1".repeat(64), "Admin"),
+            member(&"2".repeat(64), "Member"),
+            member(&"3".repeat(64), "ReadOnly"),
+            member(ACCOUNT, role),
+        ]);
+        t.capable = BTreeSet::from([gid(1), gid(2)]);
+        t
+    }
+
+    async fn walk(t: &Tree) -> Option<Scanned> {
+        walk_namespace(t, gid(1), Some(ACCOUNT), None, WALK_BUDGET).await
+    }
+
+    #[tokio::test]
+    async fn contexts_are_reported_under_their_own_group_with_the_counts() {
+        let s = walk(&tree("ReadOnlyTee")).await.unwrap();
+        assert!(s.complete);
+        let groups: Vec<(GroupId, Vec<String>)> = s
+            .inventory
+            .groups
+            .iter()
+            .map(|g| (g.group_id, g.context_ids.clone()))
+            .collect();
+        // The empty group 3 is left out; contexts sorted, each once.
+        assert_eq!(
+            groups,
+            [
+                (gid(1), vec!["a".to_owned(), "b".to_owned()]),
+                (gid(2), vec!["c".to_owned()])
+            ]
+        );
+        assert_eq!(s.inventory.member_count, Some(4));
+        assert_eq!(s.inventory.context_count, Some(3));
+        assert_eq!(s.inventory.tee_role, Some(Some(TeeRole::ReadOnlyTee)));
+        // A ReadOnlyTee is never ready, whatever its capability bits.
+        assert!(s.inventory.groups.iter().all(|g| !g.authorship_ready));
+        // No account id on the wire.
+        let wire = serde_json::to_string(&s.inventory).unwrap();
+        assert!(!wire.contains(ACCOUNT), "{wire}");
+    }
+
+    #[tokio::test]
+    async fn a_relay_tee_is_ready_where_its_capabilities_are_answered() {
+        let mut t = tree("RelayTee");
+        t.capable.remove(&gid(2));
+        let s = walk(&t).await.unwrap();
+        let ready: Vec<bool> = s
+            .inventory
+            .groups
+            .iter()
+            .map(|g| g.authorship_ready)
+            .collect();
+        assert_eq!(ready, [true, false]);
+        assert!(
+            s.complete,
+            "a failed capabilities read does not make it partial"
+        );
+    }
+
+    #[tokio::test]
+    async fn unread_members_or_role_leave_their_fields_out_and_nothing_ready() {
+        let mut t = tree("RelayTee");
+        t.members = None;
+        let s = walk(&t).await.unwrap();
+        assert!(s.complete);
+        assert_eq!(s.inventory.member_count, None);
+        assert_eq!(s.inventory.tee_role, None);
+        assert!(s.inventory.groups.iter().all(|g| !g.authorship_ready));
+        // Without the account the role is unknown too.
+        let s = walk_namespace(&tree("RelayTee"), gid(1), None, None, WALK_BUDGET)
+            .await
+            .unwrap();
+        assert_eq!(s.inventory.tee_role, None);
+        assert_eq!(s.inventory.member_count, Some(4));
+        // Read, and no TEE role: null.
+        let s = walk(&tree("Member")).await.unwrap();
+        assert_eq!(s.inventory.tee_role, Some(None));
+    }
+
+    #[tokio::test]
+    async fn a_failed_contexts_read_is_partial_without_a_count_and_nothing_read_is_no_report() {
+        let mut t = tree("ReadOnlyTee");
+        t.contexts.remove(&gid(2));
+        let s = walk(&t).await.unwrap();
+        assert!(!s.complete);
+        assert_eq!(s.inventory.context_count, None);
+        assert_eq!(s.inventory.groups.len(), 1);
+        let mut t = tree("ReadOnlyTee");
+        t.contexts.clear();
+        assert_eq!(walk(&t).await, None, "no group and partial: not reported");
+    }
+
+    #[tokio::test]
+    async fn bytes_come_from_usage_for_the_namespace_asked_only() {
+        let usage = BTreeMap::from([
+            (
+                gid(1),
+                StorageBytes {
+                    total: 9,
+                    ..StorageBytes::default()
+                },
+            ),
+            (
+                gid(9),
+                StorageBytes {
+                    total: 1,
+                    ..StorageBytes::default()
+                },
+            ),
+        ]);
+        let s = walk_namespace(
+            &tree("Member"),
+            gid(1),
+            Some(ACCOUNT),
+            Some(&usage),
+            WALK_BUDGET,
+        )
+        .await
+        .unwrap();
+        assert_eq!(s.inventory.bytes.map(|b| b.total), Some(9));
+        let s = walk(&tree("Member")).await.unwrap();
+        assert_eq!(
+            s.inventory.bytes, None,
+            "no usage: bytes left out, still whole"
+        );
+        assert!(s.complete);
+    }
+
+    #[tokio::test]
+    async fn a_tree_past_512_groups_or_the_budget_is_partial_and_bounded() {
+        let mut t = tree("Member");
+        // A chain of 600 groups, each with a context.
+        let ids: Vec<GroupId> = (0..600u32)
+            .map(|i| format!("{i:064x}").parse().unwrap())
+            .collect();
+        t.children.insert(gid(1), vec![ids[0]]);
+        for w in ids.windows(2) {
+            t.children.insert(w[0], vec![w[1]]);
+        }
+        for id in &ids {
+            t.contexts.insert(*id, vec!["x".into()]);
+        }
+        let s = walk(&t).await.unwrap();
+        assert!(!s.complete);
+        assert_eq!(*t.calls.lock().unwrap(), MAX_GROUPS);
+        assert_eq!(s.inventory.groups.len(), MAX_GROUPS);
+
+        let mut t = tree("Member");
+        t.slow = Some(Duration::from_millis(300));
+        let started = Instant::now();
+        let s = walk_namespace(&t, gid(1), Some(ACCOUNT), None, Duration::from_millis(500))
+            .await
+            .unwrap();
+        assert!(started.elapsed() < Duration::from_secs(2));
+        assert!(!s.complete, "the budget ran out");
+    }
+
+    fn scanned(n: u8, complete: bool, total: u64) -> Scanned {
+        Scanned {
+            inventory: NamespaceInventory {
+                namespace_id: gid(n),
+                groups: vec![GroupInventory {
+                    group_id: gid(n),
+                    context_ids: vec!["c".into()],
+                    authorship_ready: false,
+                }],
+                member_count: Some(2),
+                tee_role: Some(None),
+                context_count: complete.then_some(1),
+                bytes: Some(StorageBytes {
+                    total,
+                    ..StorageBytes::default()
+                }),
+            },
+            complete,
+        }
+    }
+
+    #[test]
+    fn the_first_post_is_full_and_the_steady_state_is_silent() {
+        let mut record = InventoryRecord::default();
+        let scan = [scanned(1, true, 5)];
+        assert!(want_full(false, record.last_full, 1_000_000));
+        let posts = plan(&scan, &record, true);
+        assert_eq!(posts.len(), 1);
+        assert!(posts[0].full);
+        record.posted(&posts[0], 1_000_000);
+        assert_eq!(record.last_full, 1_000_000);
+        let want = want_full(false, record.last_full, 1_000_060);
+        assert!(!want);
+        assert!(plan(&scan, &record, want).is_empty(), "nothing changed");
+        // Bytes alone do not post, but the next post carries them.
+        let moved = [scanned(1, true, 99)];
+        assert!(plan(&moved, &record, false).is_empty());
+        let posts = plan(&moved, &record, true);
+        assert_eq!(posts[0].namespaces[0].bytes.unwrap().total, 99);
+        // 900 s after the last full one, and a clock stepped back, are due.
+        assert!(want_full(false, 1_000_000, 1_000_900));
+        assert!(want_full(false, 1_000_000, 999_000));
+        assert!(want_full(true, 1_000_000, 1_000_001), "the set changed");
+    }
+
+    #[test]
+    fn partial_namespaces_go_additively_and_only_on_a_change() {
+        let record = InventoryRecord::default();
+        let scan = [scanned(1, true, 0), scanned(2, false, 0)];
+        let posts = plan(&scan, &record, true);
+        assert_eq!(posts.len(), 2);
+        assert!(posts[0].full && posts[0].namespaces[0].namespace_id == gid(1));
+        assert!(!posts[1].full && posts[1].namespaces[0].namespace_id == gid(2));
+        let mut record = record;
+        for p in &posts {
+            record.posted(p, 10);
+        }
+        // Unchanged: a due full report carries the whole ones only.
+        let posts = plan(&scan, &record, true);
+        assert_eq!(posts.len(), 1);
+        assert!(posts[0].full);
+        assert_eq!(posts[0].namespaces.len(), 1);
+    }
+
+    #[test]
+    fn a_failed_post_keeps_nothing_and_no_longer_confirmed_ones_are_pruned() {
+        let mut record = InventoryRecord::default();
+        let scan = [scanned(1, true, 0), scanned(2, true, 0)];
+        let posts = plan(&scan, &record, true);
+        // The post failed: the record is not touched, so the next scan posts again.
+        assert_eq!(
+            plan(&scan, &record, false),
+            posts
+                .iter()
+                .map(|p| Post {
+                    full: false,
+                    ..p.clone()
+                })
+                .collect::<Vec<_>>()
+        );
+        record.posted(&posts[0], 10);
+        assert!(record.prune(&BTreeSet::from([gid(2)])));
+        assert_eq!(
+            record.namespaces.keys().copied().collect::<Vec<_>>(),
+            [gid(2)]
+        );
+        assert!(!record.prune(&BTreeSet::from([gid(2)])));
+        let text = serde_json::to_string(&record).unwrap();
+        let back: InventoryRecord = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, record);
+    }
+}
