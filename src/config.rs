@@ -127,6 +127,9 @@ pub(crate) struct RawConfig {
     /// The `[logs_token]` table: the log-shipping token whose fingerprint every poll reports.
     #[serde(default)]
     pub logs_token: LogsTokenConfig,
+    /// The `[inventory]` table: the context inventory reported to MDMA.
+    #[serde(default)]
+    pub inventory: InventoryConfig,
 }
 
 /// The `[tls]` table: the node's TLS certificate (`{dir}/cert.pem`), whose expiry every
@@ -174,6 +177,23 @@ impl TlsConfig {
     /// `{dir}/key.pem`: the node's private key, which a delivered certificate must certify.
     pub fn key_file(&self) -> PathBuf {
         self.dir.join("key.pem")
+    }
+}
+
+/// The `[inventory]` table: the context inventory MDMA keeps of each node (per confirmed
+/// namespace its groups, contexts, role, counts and storage), walked every 60 s and posted to
+/// `POST /api/fleet/inventory` when it changed. Unknown keys are rejected.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct InventoryConfig {
+    /// Whether the inventory is walked and reported (default `true`, as the fleet's images
+    /// run it).
+    pub enabled: bool,
+}
+
+impl Default for InventoryConfig {
+    fn default() -> Self {
+        Self { enabled: true }
     }
 }
 
@@ -409,6 +429,8 @@ pub struct Config {
     pub tls: TlsConfig,
     /// The log-shipping token whose fingerprint polls report (`[logs_token]`).
     pub logs_token: LogsTokenConfig,
+    /// The context inventory (`[inventory]`).
+    pub inventory: InventoryConfig,
     /// Things worth a warning that are not errors (e.g. plain `http://` to loopback); the
     /// daemon logs them once logging is up.
     pub warnings: Vec<String>,
@@ -1123,6 +1145,7 @@ impl RawConfig {
             tdx: self.tdx,
             tls: self.tls,
             logs_token: self.logs_token,
+            inventory: self.inventory,
             warnings,
         })
     }

@@ -242,8 +242,8 @@ mod strict_json;
 mod telemetry;
 
 pub use config::{
-    Config, ConfigError, LogFormat, LogTarget, LogsTokenConfig, MdmaCredentials, MerodConfig,
-    RegistrationConfig, TlsConfig, ToolConfig, DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH,
+    Config, ConfigError, InventoryConfig, LogFormat, LogTarget, LogsTokenConfig, MdmaCredentials,
+    MerodConfig, RegistrationConfig, TlsConfig, ToolConfig, DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH,
     DEFAULT_METADATA_URL,
 };
 pub use identity::{

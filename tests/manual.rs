@@ -43,7 +43,14 @@ fn accepted_keys(table: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_configuration_table_lists_exactly_the_keys_the_parser_accepts() {
-    const TABLES: [&str; 5] = ["merod", "tdx", "registration", "tls", "logs_token"];
+    const TABLES: [&str; 6] = [
+        "merod",
+        "tdx",
+        "registration",
+        "tls",
+        "logs_token",
+        "inventory",
+    ];
     let mut code = BTreeSet::new();
     for key in accepted_keys("") {
         if TABLES.contains(&key.as_str()) {

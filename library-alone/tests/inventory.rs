@@ -96,12 +96,9 @@ async fn an_inventory_tool_lists_reads_and_posts_against_the_fakes() {
     assert_eq!(sent["namespaces"][149], id(149));
 }
 
-/// The HTTP status an inventory post is refused with (the error's text never holds the token).
-async fn refused_with(client: &MdmaClient) -> u16 {
-    let err = client
-        .post_json("api/fleet/inventory", &json!({}))
-        .await
-        .unwrap_err();
+/// The HTTP status a post to `path` is refused with (the error's text never holds the token).
+async fn refused_with(client: &MdmaClient, path: &str) -> u16 {
+    let err = client.post_json(path, &json!({})).await.unwrap_err();
     assert!(!err.to_string().contains(TOKEN), "{err}");
     match err {
         CallError::Request(RequestError::Status { status, .. }) => status,
@@ -138,14 +135,15 @@ async fn the_fakes_inject_failures_and_hangs_the_tool_sees_as_typed_errors() {
     assert_eq!(err.kind(), "status", "{err}");
     assert_eq!(serde_json::to_value(&err).unwrap()["kind"], "status");
 
-    // MDMA: no scripted answer is a 404, a hang a timeout, a path leaving the base refused.
+    // MDMA: no scripted answer is a 404 (on a route the emulator does not have), a hang a
+    // timeout, a path leaving the base refused.
     let creds = cfg.mdma_credentials().unwrap();
     let client = MdmaClient::builder(cfg.mdma_url.clone().unwrap())
         .token(creds.token.unwrap())
         .timeout(Duration::from_millis(300))
         .build()
         .unwrap();
-    assert_eq!(refused_with(&client).await, 404);
+    assert_eq!(refused_with(&client, "api/fleet/notes").await, 404);
     mdma.set_answer("api/fleet/inventory", CallReply::Hang);
     let err = client
         .post_json("/api/fleet/inventory", &json!({}))
@@ -164,12 +162,12 @@ async fn the_fakes_inject_failures_and_hangs_the_tool_sees_as_typed_errors() {
         .build()
         .unwrap();
     mdma.set_answer("api/fleet/inventory", CallReply::Json(200, json!({})));
-    assert_eq!(refused_with(&stranger).await, 401);
+    assert_eq!(refused_with(&stranger, "api/fleet/inventory").await, 401);
 
     // A refusal keeps the start of MDMA's answer (its reason), never the token.
     let reason = json!({"error": "unknown node", "echo": TOKEN});
     mdma.set_answer("api/fleet/inventory", CallReply::Json(403, reason));
-    assert_eq!(refused_with(&client).await, 403);
+    assert_eq!(refused_with(&client, "api/fleet/inventory").await, 403);
     let err = client
         .post_json("api/fleet/inventory", &json!({}))
         .await

@@ -203,6 +203,9 @@ fn render(file: &Path, cfg: &Config) -> String {
     line(format!("vmagent_script = {}", path(&lt.vmagent_script)));
     line(format!("vmagent_config = {}", path(&lt.vmagent_config)));
     line(String::new());
+    line("[inventory]".to_owned());
+    line(format!("enabled = {}", cfg.inventory.enabled));
+    line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     line(match check_state_dir(&cfg.state_file) {
         Ok(Some(fs)) => format!(

@@ -13,6 +13,7 @@ use crate::registration::TokenJob;
 use crate::state::StateError;
 use crate::telemetry::Telemetry;
 
+use super::inventory::InventoryDeps;
 use super::readiness::ProbeFailed;
 use super::units::{SystemdUnits, UnitControl};
 
@@ -35,6 +36,9 @@ pub struct Deps {
     /// registration, the poll's `relay_url` (with `[registration]` only) and the log
     /// shippers' endpoints; read only when one of them needs it.
     pub(crate) metadata: Option<MetadataClient>,
+    /// merod's group reads and MDMA's inventory route for the context inventory (the real
+    /// clients only: a test's own merod and MDMA have none, and no inventory runs).
+    pub(crate) inventory: Option<InventoryDeps>,
 }
 
 impl Deps {
@@ -47,6 +51,7 @@ impl Deps {
             token_job: None,
             metadata: None,
             units: Arc::new(SystemdUnits),
+            inventory: None,
         }
     }
 
@@ -69,6 +74,10 @@ impl Deps {
         };
         let metadata = Some(MetadataClient::new(url)?);
         let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod, metadata.as_ref())?;
+        let inventory = Some(InventoryDeps {
+            merod: registration_merod,
+            mdma: Arc::new(mdma.clone()),
+        });
         Ok(Self {
             mdma: Arc::new(mdma),
             merod,
@@ -76,6 +85,7 @@ impl Deps {
             token_job,
             metadata,
             units: Arc::new(SystemdUnits),
+            inventory,
         })
     }
 

@@ -11,23 +11,27 @@
 //! `fleet-inventory.json` ([`InventoryRecord`]); a failed post keeps nothing, so the next scan
 //! posts again.
 
-// Nothing outside the tests calls these until the inventory's job runs them; this
-// expectation fails the build once something does, so it cannot outlive that.
-#![expect(
-    dead_code,
-    reason = "the job that runs the walk and posts is not wired yet"
-)]
-
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
 
-use crate::ids::GroupId;
-use crate::mdma::{GroupInventory, NamespaceInventory};
-use crate::merod::{GroupMember, MerodClient, MerodError, StorageBytes, TeeRole};
+use crate::backoff::RETRY;
+use crate::config::Config;
+use crate::durable;
+use crate::ids::{GroupId, PeerId};
+use crate::jobs::{self, Job, Schedule};
+use crate::mdma::{CallError, GroupInventory, InventoryReport, MdmaClient, NamespaceInventory};
+use crate::merod::{GroupMember, ListenCandidates, MerodClient, MerodError, StorageBytes, TeeRole};
+use crate::outcome::Timed;
+use crate::telemetry::{unix_now, Telemetry};
 
 /// How often the confirmed namespaces are walked (and at once when the set changes).
 pub(crate) const SCAN_EVERY: Duration = Duration::from_secs(60);
@@ -39,6 +43,11 @@ pub(crate) const MAX_GROUPS: usize = 512;
 pub(crate) const WALK_BUDGET: Duration = Duration::from_secs(20);
 /// The state file, in the state directory.
 pub(crate) const RECORD_FILE: &str = "fleet-inventory.json";
+/// Largest record read back (10,000 namespaces take a few MB).
+const MAX_RECORD: u64 = 64 * 1024 * 1024;
+/// Bound of one scan: every namespace's walk and the posts. A scan cut here posts nothing
+/// and the next one starts over.
+const SCAN_DEADLINE: Duration = Duration::from_secs(600);
 
 /// What was last reported, kept as `fleet-inventory.json`: when a full report last landed
 /// (Unix seconds, 0 for never) and each namespace as posted, `bytes` included.
@@ -140,6 +149,8 @@ pub(crate) trait GroupReader: Send + Sync {
     async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError>;
     /// [`MerodClient::member_capabilities`].
     async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError>;
+    /// [`MerodClient::usage`].
+    async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError>;
 }
 
 #[async_trait]
@@ -155,6 +166,281 @@ impl GroupReader for MerodClient {
     }
     async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
         self.member_capabilities(group, account).await
+    }
+    async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+        MerodClient::usage(self).await
+    }
+}
+
+/// merod at the `[server].listen` address the loop chose.
+#[async_trait]
+impl GroupReader for ListenCandidates {
+    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
+        self.current().subgroups(group).await
+    }
+    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
+        self.current().group_contexts(group).await
+    }
+    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
+        self.current().group_members(group).await
+    }
+    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
+        self.current().member_capabilities(group, account).await
+    }
+    async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+        self.current().usage().await
+    }
+}
+
+/// Where an inventory report goes ([`MdmaClient::report_inventory`]; a fake in tests).
+#[async_trait]
+pub(crate) trait InventorySink: Send + Sync {
+    /// Posts `report`.
+    ///
+    /// Errors: [`CallError`] when it did not land.
+    async fn report(&self, report: &InventoryReport) -> Result<(), CallError>;
+}
+
+#[async_trait]
+impl InventorySink for MdmaClient {
+    async fn report(&self, report: &InventoryReport) -> Result<(), CallError> {
+        self.report_inventory(report).await
+    }
+}
+
+/// The outside world the inventory needs: merod's reads and MDMA's route.
+#[derive(Clone)]
+pub(crate) struct InventoryDeps {
+    /// merod.
+    pub(crate) merod: Arc<dyn GroupReader>,
+    /// MDMA.
+    pub(crate) mdma: Arc<dyn InventorySink>,
+}
+
+/// Why a scan reported nothing (the next scan tries again).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ScanError {
+    /// A post did not land.
+    #[error("POST /api/fleet/inventory (full={full}): {source}")]
+    Post {
+        /// The post's `full`.
+        full: bool,
+        /// Why.
+        #[source]
+        source: CallError,
+    },
+}
+
+impl Timed for ScanError {
+    fn is_timeout(&self) -> bool {
+        false
+    }
+}
+
+/// The loop's side of the inventory job: hands it the confirmed namespaces.
+#[derive(Clone, Debug)]
+pub(crate) struct InventoryView {
+    confirmed: watch::Sender<Option<Arc<BTreeSet<GroupId>>>>,
+}
+
+impl InventoryView {
+    /// Starts the job for the node `peer_id` when `[inventory] enabled` (not in a dry run,
+    /// not without `deps`), its record kept beside the state file.
+    pub(crate) fn start(
+        cfg: &Config,
+        deps: Option<InventoryDeps>,
+        peer_id: PeerId,
+        account: AccountSource,
+        telemetry: Arc<Telemetry>,
+        shutdown: CancellationToken,
+    ) -> Option<Self> {
+        let deps = deps?;
+        if !cfg.inventory.enabled || cfg.dry_run {
+            return None;
+        }
+        let (confirmed, rx) = watch::channel(None);
+        let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
+        let job = ScanJob {
+            record: load_record(&path),
+            path,
+            deps,
+            peer_id,
+            account,
+            confirmed: rx,
+            scanned: None,
+            pending_full: false,
+        };
+        jobs::spawn(job, telemetry, shutdown);
+        Some(Self { confirmed })
+    }
+
+    /// Hands over the confirmed namespaces; the job wakes (scans at once) only when they
+    /// differ from the set handed over before. Cloned only then.
+    pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>) {
+        self.confirmed.send_if_modified(|current| {
+            if current.as_deref() == Some(confirmed) {
+                return false;
+            }
+            *current = Some(Arc::new(confirmed.clone()));
+            true
+        });
+    }
+}
+
+/// The record at `path`; an empty one when there is none or it cannot be read (said: the
+/// next scan then reports in full, which is what a lost record needs).
+fn load_record(path: &Path) -> InventoryRecord {
+    match durable::read_capped(path, MAX_RECORD) {
+        Ok(None) => InventoryRecord::default(),
+        Ok(Some(bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
+            warn!(path = %path.display(), "the inventory record is unreadable ({e}): reporting in full");
+            InventoryRecord::default()
+        }),
+        Err(e) => {
+            warn!(path = %path.display(), "the inventory record cannot be read ({e}): reporting in full");
+            InventoryRecord::default()
+        }
+    }
+}
+
+/// The node's account once known (the loop's account cache), read at each scan.
+pub(crate) type AccountSource = Arc<dyn Fn() -> Option<String> + Send + Sync>;
+
+struct ScanJob {
+    deps: InventoryDeps,
+    peer_id: PeerId,
+    account: AccountSource,
+    confirmed: watch::Receiver<Option<Arc<BTreeSet<GroupId>>>>,
+    /// The set the last scan walked.
+    scanned: Option<Arc<BTreeSet<GroupId>>>,
+    /// The set changed since a full report last landed: the next reports are full.
+    pending_full: bool,
+    record: InventoryRecord,
+    path: PathBuf,
+}
+
+impl ScanJob {
+    /// Writes the record (a failure is said: the next scan may post again what landed).
+    async fn keep(&self) {
+        let (path, bytes) = match serde_json::to_vec(&self.record) {
+            Ok(b) => (self.path.clone(), b),
+            Err(e) => {
+                warn!("cannot render the inventory record: {e}");
+                return;
+            }
+        };
+        let written =
+            tokio::task::spawn_blocking(move || durable::write_atomically(&path, &bytes, 0o644))
+                .await;
+        match written {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!("{e}"),
+            Err(e) => warn!("the inventory record write stopped: {e}"),
+        }
+    }
+}
+
+#[async_trait]
+impl Job for ScanJob {
+    /// How many namespaces the last scan reported.
+    type Output = usize;
+    type Error = ScanError;
+    const NAME: &'static str = "inventory";
+    const FAILING: &'static str = "the context inventory cannot be reported";
+    const EFFECT: &'static str = "MDMA keeps its older copy; the next scan reports again";
+    const RECOVERED: &'static str = "the context inventory is reported again";
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            every: Some(SCAN_EVERY),
+            min_gap: Duration::from_secs(1),
+            deadline: SCAN_DEADLINE,
+            backoff: RETRY,
+        }
+    }
+
+    async fn run(&mut self) -> Result<usize, ScanError> {
+        let Some(confirmed) = self.confirmed.borrow_and_update().clone() else {
+            return Ok(0);
+        };
+        if self
+            .scanned
+            .as_ref()
+            .is_some_and(|before| before != &confirmed)
+        {
+            self.pending_full = true;
+        }
+        self.scanned = Some(Arc::clone(&confirmed));
+        // Whole seconds; a clock before 1970 reads as 0 (a full report is then due).
+        let now = unix_now().max(0.0) as u64;
+        let full = want_full(self.pending_full, self.record.last_full, now);
+        let usage = match self.deps.merod.usage().await {
+            Ok(u) => Some(u),
+            Err(e) => {
+                warn!("merod's usage did not answer ({e}); reporting the inventory without bytes");
+                None
+            }
+        };
+        let account = (self.account)();
+        let mut scanned = Vec::with_capacity(confirmed.len());
+        for id in confirmed.iter() {
+            match walk_namespace(
+                self.deps.merod.as_ref(),
+                *id,
+                account.as_deref(),
+                usage.as_ref(),
+                WALK_BUDGET,
+            )
+            .await
+            {
+                Some(s) => scanned.push(s),
+                None => {
+                    warn!(namespace_id = %id, "could not read the context inventory; leaving MDMA's copy untouched")
+                }
+            }
+        }
+        let mut changed = self.record.prune(&confirmed);
+        for post in plan(&scanned, &self.record, full) {
+            let report = InventoryReport {
+                peer_id: self.peer_id.clone(),
+                namespaces: post.namespaces.clone(),
+                full: post.full,
+            };
+            if let Err(source) = self.deps.mdma.report(&report).await {
+                if changed {
+                    self.keep().await;
+                }
+                return Err(ScanError::Post {
+                    full: post.full,
+                    source,
+                });
+            }
+            self.record.posted(&post, now);
+            if post.full {
+                self.pending_full = false;
+            }
+            changed = true;
+            info!(
+                full = post.full,
+                "reported the context inventory for {} namespace(s)",
+                post.namespaces.len()
+            );
+        }
+        if changed {
+            self.keep().await;
+        }
+        Ok(scanned.len())
+    }
+
+    fn idle(&self) -> bool {
+        self.confirmed.borrow().is_none()
+    }
+
+    async fn wake(&mut self) {
+        if self.confirmed.changed().await.is_err() {
+            // The loop is gone (shutdown): nothing is handed over again.
+            std::future::pending::<()>().await;
+        }
     }
 }
 
@@ -327,6 +613,9 @@ mod tests {
             } else {
                 Err(fail())
             }
+        }
+        async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+            Ok(BTreeMap::new())
         }
     }
 

@@ -21,6 +21,7 @@ use crate::telemetry::{unix_now, Phase, Projection, Telemetry};
 
 use super::deps::{DaemonError, Deps, NotPersisted};
 use super::held::HELD_READ_TIMEOUT;
+use super::inventory::InventoryView;
 use super::join_status::Attempt;
 use super::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
 use super::logs_token::TokenInstaller;
@@ -87,6 +88,9 @@ pub struct Sidecar {
     /// Installs the log shippers' tokens polls deliver (none in a dry run or with
     /// `[logs_token] install = false`).
     logs_token: Option<TokenInstaller>,
+    /// Reports the context inventory of the confirmed namespaces (none in a dry run, with
+    /// `[inventory] enabled = false`, or with a test's own merod and MDMA).
+    inventory: Option<InventoryView>,
 }
 
 impl Sidecar {
@@ -158,8 +162,20 @@ impl Sidecar {
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
+        let inventory = InventoryView::start(
+            &cfg,
+            deps.inventory.clone(),
+            identity.peer_id.clone(),
+            {
+                let account = Arc::clone(&view.account);
+                Arc::new(move || account.get())
+            },
+            Arc::clone(&telemetry),
+            shutdown.clone(),
+        );
         let sidecar = Self {
             view,
+            inventory,
             files,
             relay,
             tls,
@@ -215,6 +231,9 @@ impl Sidecar {
     /// Shows the loop's sets in the live status and the namespace gauges.
     fn publish(&self) {
         publish(&self.deps, &self.planner, &self.work, self.record.state());
+        if let Some(inventory) = &self.inventory {
+            inventory.offer(&self.record.state().confirmed);
+        }
     }
 
     /// Reconciles every `poll_interval` (backing off while polls fail, see

@@ -25,7 +25,11 @@
 //!   `"registration"`; anything else answers 400 (an unknown challenge 403). A well-formed one is answered with the next queued
 //!   [`RegisterReply`], else the standing one (default: a token). An issued token becomes
 //!   the one every later request must carry.
-//! - Any other path (a tool's own call, e.g. `POST /api/fleet/inventory`) is checked for the
+//! - `POST /api/fleet/inventory` (the context inventory) is checked for the token and the
+//!   body's `peer_id`, `namespaces` and `full`, recorded ([`MdmaEmulator::inventories`]) and
+//!   answered 200, or what [`MdmaEmulator::set_inventory_status`] set (unless an answer is
+//!   scripted for the path with [`MdmaEmulator::set_answer`], which then takes it).
+//! - Any other path (a tool's own call, e.g. `POST /api/fleet/recovery`) is checked for the
 //!   token, recorded ([`MdmaEmulator::requests`]) and answered with what
 //!   [`MdmaEmulator::set_answer`] scripted for it, else 404 `{"error":"Not found"}`.
 
@@ -157,6 +161,19 @@ pub struct RegisterRecord {
     pub at: Instant,
 }
 
+/// One `POST /api/fleet/inventory` as received.
+#[derive(Clone, Debug)]
+pub struct InventoryPost {
+    /// The body, when it was a JSON object.
+    pub body: Option<Map<String, Value>>,
+    /// `full` of the body, when a boolean.
+    pub full: Option<bool>,
+    /// What was answered.
+    pub status: u16,
+    /// When it arrived.
+    pub at: Instant,
+}
+
 /// One `should-join` request as received.
 #[derive(Clone, Debug)]
 pub struct PollRecord {
@@ -244,6 +261,10 @@ struct Inner {
     token: Option<String>,
     answers: HashMap<String, CallReply>,
     requests: Vec<RequestRecord>,
+    /// Every inventory post.
+    inventories: Vec<InventoryPost>,
+    /// The status inventory posts are answered with, when not 200.
+    inventory_status: Option<u16>,
     standing: PollReply,
     queue: VecDeque<PollReply>,
     /// Remaining scripted confirm failures, keyed by lowercase group id.
@@ -299,6 +320,8 @@ impl MdmaEmulator {
                 token,
                 answers: HashMap::new(),
                 requests: Vec::new(),
+                inventories: Vec::new(),
+                inventory_status: None,
                 standing: PollReply::default(),
                 queue: VecDeque::new(),
                 confirm_failures: HashMap::new(),
@@ -394,6 +417,16 @@ impl MdmaEmulator {
     pub fn set_answer(&self, path: &str, reply: CallReply) {
         let path = format!("/{}", path.trim_start_matches('/'));
         lock(&self.shared.inner).answers.insert(path, reply);
+    }
+
+    /// Every `POST /api/fleet/inventory`, in arrival order.
+    pub fn inventories(&self) -> Vec<InventoryPost> {
+        lock(&self.shared.inner).inventories.clone()
+    }
+
+    /// Answers inventory posts with `status` (`None`: 200 `{"status":"ok"}`).
+    pub fn set_inventory_status(&self, status: Option<u16>) {
+        lock(&self.shared.inner).inventory_status = status;
     }
 
     /// Every request to a path other than should-join and confirm, in arrival order.
@@ -591,8 +624,52 @@ async fn answer(shared: &Shared, request: Received) -> Answer {
         ("/api/fleet/nodes/challenge", &Method::GET) => challenge(shared),
         ("/api/fleet/nodes/register", &Method::POST) => register(shared, &request.headers, &body),
         ("/api/fleet/join-status", &Method::POST) => join_status(shared, &request.headers, &body),
+        // A scripted answer takes precedence (a tool's own use of the path).
+        ("/api/fleet/inventory", &Method::POST)
+            if !lock(&shared.inner)
+                .answers
+                .contains_key("/api/fleet/inventory") =>
+        {
+            inventory(shared, &request.headers, &body)
+        }
         (path, method) => other(shared, method, path, &request.headers, &body).await,
     }
+}
+
+/// `POST /api/fleet/inventory`: the token checked, then `{"peer_id": s, "namespaces": [..],
+/// "full": bool}` required; 200 `{"status":"ok"}` or the status set.
+fn inventory(shared: &Shared, headers: &HeaderMap, body: &Bytes) -> Answer {
+    let at = Instant::now();
+    let token = header(headers, TOKEN_HEADER);
+    let parsed = json_object(headers, body);
+    let kept = parsed.as_ref().ok().cloned();
+    let full = kept
+        .as_ref()
+        .and_then(|m| m.get("full"))
+        .and_then(Value::as_bool);
+    let shape_ok = kept.as_ref().is_some_and(|m| {
+        m.get("peer_id").is_some_and(Value::is_string)
+            && m.get("namespaces").is_some_and(Value::is_array)
+            && full.is_some()
+    });
+    let mut inner = lock(&shared.inner);
+    let (status, answer) = if !authorised(&inner.token, &token) {
+        (401, error_body("missing or wrong X-Fleet-Token"))
+    } else if !shape_ok {
+        (400, error_body("peer_id, namespaces and full are required"))
+    } else if let Some(status) = inner.inventory_status {
+        (status, error_body("emulated"))
+    } else {
+        (200, json!({ "status": "ok" }))
+    };
+    inner.inventories.push(InventoryPost {
+        body: kept,
+        full,
+        status,
+        at,
+    });
+    drop(inner);
+    json_response(status, answer)
 }
 
 /// A request to any other path: recorded, then its scripted answer (404 without one).

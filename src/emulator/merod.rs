@@ -428,6 +428,9 @@ struct Inner {
     usage_failing: bool,
     /// The paged group lists answer their first page whatever the offset.
     ignores_offset: bool,
+    /// How long the inventory's routes (usage, subgroups, contexts, capabilities) wait
+    /// before answering.
+    inventory_delay: Duration,
     /// Requests per route kind (`subgroups`, `contexts`, `members`, `capabilities`, `usage`).
     inventory_calls: HashMap<&'static str, usize>,
 }
@@ -497,6 +500,7 @@ impl MerodEmulator {
                 usage_total: HashMap::new(),
                 usage_failing: false,
                 ignores_offset: false,
+                inventory_delay: Duration::ZERO,
                 inventory_calls: HashMap::new(),
             }),
             fixtures: Fixtures::load(),
@@ -671,6 +675,12 @@ impl MerodEmulator {
         lock(&self.shared.inner).usage_failing = failing;
     }
 
+    /// Makes the inventory's routes (usage, subgroups, contexts, capabilities) answer
+    /// `delay` late: a slow walk.
+    pub fn set_inventory_delay(&self, delay: Duration) {
+        lock(&self.shared.inner).inventory_delay = delay;
+    }
+
     /// Makes the paged group lists (contexts, members) ignore `offset`.
     pub fn set_ignores_offset(&self, ignores: bool) {
         lock(&self.shared.inner).ignores_offset = ignores;
@@ -774,6 +784,16 @@ async fn handle(shared: Arc<Shared>, request: Received) -> Answer {
         });
         inner.calls.len() - 1
     };
+    let path = request.uri.path();
+    let inventory_route = path == "/admin-api/usage"
+        || (path.starts_with("/admin-api/groups/")
+            && (path.ends_with("/subgroups")
+                || path.ends_with("/contexts")
+                || path.ends_with("/capabilities")));
+    let delay = lock(&shared.inner).inventory_delay;
+    if inventory_route && !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
     let response = route(&shared, request).await;
     lock(&shared.inner).calls[index].status = response.status().as_u16();
     response

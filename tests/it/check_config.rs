@@ -70,8 +70,11 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
         "dir = \"/mnt/data/tls\"",
         "install = true",
         "restart_units = [\"traefik.service\"]",
+        "csr = true",
         "[logs_token]",
         "file = \"/etc/vector/provided_token\"",
+        "[inventory]",
+        "enabled = true",
     ] {
         assert!(
             stdout.lines().any(|l| l == line),

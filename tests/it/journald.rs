@@ -86,16 +86,33 @@ async fn run_once(
         .stderr(Stdio::piped())
         .spawn()
         .expect("unshare runs");
-    let status = wait_exit(&mut child, Duration::from_secs(60)).await;
-    let mut stderr = String::new();
-    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
+    // Read while it runs, as journald does: the socket queues only
+    // `net.unix.max_dgram_qlen` (10) datagrams, and the daemon's writer waits on a full
+    // queue, so reading only after the exit would keep the lines past the tenth.
     let mut got = Vec::new();
     let mut buf = vec![0u8; 65536];
-    while let Ok(n) = socket.recv(&mut buf) {
-        if n > 0 {
-            got.push(parse(&buf[..n]));
+    let mut drain = |got: &mut Vec<HashMap<String, String>>| {
+        while let Ok(n) = socket.recv(&mut buf) {
+            if n > 0 {
+                got.push(parse(&buf[..n]));
+            }
         }
-    }
+    };
+    let started = std::time::Instant::now();
+    let status = loop {
+        drain(&mut got);
+        if let Some(s) = child.try_wait().expect("child status") {
+            break s;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(60),
+            "the daemon did not stop within 60 s"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    drain(&mut got);
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut stderr).unwrap();
     (got, status.code().unwrap_or(-1), stderr)
 }
 

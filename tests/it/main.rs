@@ -19,6 +19,7 @@ mod heartbeat;
 mod held;
 mod idle;
 mod inspect;
+mod inventory;
 mod jobs;
 mod journald;
 mod leave_policy;
