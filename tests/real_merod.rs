@@ -315,6 +315,35 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
         .iter()
         .all(|p| p.executor_account.is_some() && p.tls_cert_not_after.is_some()));
 
+    // The context inventory of both, walked in the real merod and posted in full.
+    let inventory_of_both = || {
+        mdma.inventories().into_iter().rev().find_map(|p| {
+            let body = serde_json::Value::Object(p.body?);
+            let listed: BTreeSet<String> = body["namespaces"]
+                .as_array()?
+                .iter()
+                .filter_map(|n| n["namespace_id"].as_str().map(str::to_owned))
+                .collect();
+            (p.status == 200 && listed == [kept.clone(), withdrawn.clone()].into()).then_some(body)
+        })
+    };
+    eventually(
+        "an inventory post of both namespaces",
+        Duration::from_secs(60),
+        why,
+        || async { inventory_of_both().is_some() },
+    )
+    .await;
+    let posted = inventory_of_both().unwrap();
+    println!("real merod: inventory posted {posted}");
+    assert_eq!(posted["full"], serde_json::json!(true));
+    for ns in posted["namespaces"].as_array().unwrap() {
+        assert_eq!(ns["tee_role"], serde_json::json!("ReadOnlyTee"), "{ns}");
+        assert!(ns["member_count"].as_u64().is_some_and(|n| n >= 2), "{ns}");
+        assert!(ns["bytes"]["total"].is_u64(), "{ns}");
+        assert!(ns["context_count"].is_u64(), "read whole: {ns}");
+    }
+
     // 2. An MDMA outage: failed polls, then an answer that cannot be read. Nothing is left.
     let before = mdma.polls().len();
     mdma.set_reply(PollReply::Status(503));
