@@ -199,6 +199,11 @@ def record(r, ns, admitter, quick):
           note="this node's capability bits in a namespace it was admitted to")
     r.rec("usage-member", "GET", "/usage",
           note="the storage of every namespace held, one row each")
+    # The recovery envelopes: the accounts' devices, and the seal route (0.11.0-rc.34 on).
+    r.rec("group-member-devices-member", "GET", f"/groups/{first}/member-devices?offset=0&limit=1000",
+          note="the devices a member (not an admin) sees: its own account's only")
+    r.rec("seal-member", "POST", f"/groups/{first}/accounts/{account}/seal", {"plaintext": "7b7d"},
+          note="sealing to the node's own account: 404 with no body on a core without the route")
 
     join = {"groupId": second, "admitterAddrs": [admitter] if admitter else []}
     s, body = r.rec("fleet-join-admitter-addrs", "POST", "/tee/fleet-join", join,

@@ -258,12 +258,13 @@ pub use mdma::{
     MAX_POLL_BODY, MDMA_TIMEOUT, REGISTER_TIMEOUT,
 };
 pub use merod::{
-    refuses_admitter_addrs, Admission, GroupMember, MerodClient, MerodClientBuilder, MerodError,
-    MerodOp, NetworkStatus, Node, NodeAccount, Refusal, StorageBytes, TeeRole,
-    ADMITTER_ADDRS_RETRY, ATTEST_TIMEOUT, CHECK_TIMEOUT, GROUP_PAGE, GROUP_PAGES, JOIN_TIMEOUT,
-    LEAVE_TIMEOUT, LIST_PAGES, MAX_REFUSALS, MAX_REFUSAL_MESSAGE, MAX_REFUSAL_PEER,
-    MAX_REFUSAL_REASON, MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS, MEMBERS_TIMEOUT, MEMBER_PAGES,
-    MEROD_CONNECT_TIMEOUT, NOT_HELD_MESSAGES, PROBE_TIMEOUT,
+    refuses_admitter_addrs, Admission, GroupMember, MemberDevice, MemberDevices, MerodClient,
+    MerodClientBuilder, MerodError, MerodOp, NetworkStatus, Node, NodeAccount, Refusal,
+    SealedEnvelope, StorageBytes, TeeRole, ADMITTER_ADDRS_RETRY, ATTEST_TIMEOUT, CHECK_TIMEOUT,
+    GROUP_PAGE, GROUP_PAGES, JOIN_TIMEOUT, LEAVE_TIMEOUT, LIST_PAGES, MAX_REFUSALS,
+    MAX_REFUSAL_MESSAGE, MAX_REFUSAL_PEER, MAX_REFUSAL_REASON, MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS,
+    MEMBERS_TIMEOUT, MEMBER_PAGES, MEROD_CONNECT_TIMEOUT, NOT_HELD_MESSAGES, PROBE_TIMEOUT,
+    SEAL_ROUTE_RETRY, SEAL_TIMEOUT,
 };
 pub use metadata::{
     server_port, MetadataAttribute, MetadataClient, MetadataError, DEFAULT_SERVER_PORT,

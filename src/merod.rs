@@ -37,10 +37,12 @@ mod groups;
 #[cfg(feature = "daemon")]
 mod listen;
 mod paging;
+mod seal;
 
 pub use groups::{GroupMember, StorageBytes, GROUP_PAGE, GROUP_PAGES};
 #[cfg(feature = "daemon")]
 pub(crate) use listen::ListenCandidates;
+pub use seal::{MemberDevice, MemberDevices, SealedEnvelope, SEAL_ROUTE_RETRY, SEAL_TIMEOUT};
 
 /// Default bound of a connection attempt to merod (it is on loopback: longer means it is
 /// not up).
@@ -180,6 +182,10 @@ pub enum MerodOp {
     Capabilities,
     /// `GET /admin-api/usage`.
     Usage,
+    /// `GET /admin-api/groups/{id}/member-devices`.
+    MemberDevices,
+    /// `POST /admin-api/groups/{id}/accounts/{account}/seal`.
+    Seal,
 }
 
 impl fmt::Display for MerodOp {
@@ -200,6 +206,8 @@ impl fmt::Display for MerodOp {
             MerodOp::Contexts => "contexts",
             MerodOp::Capabilities => "capabilities",
             MerodOp::Usage => "usage",
+            MerodOp::MemberDevices => "member-devices",
+            MerodOp::Seal => "seal",
         })
     }
 }
@@ -637,10 +645,8 @@ impl MerodClientBuilder {
             client,
             connection,
             deadlines: self.deadlines,
-            addrs_refused: Arc::new(AddrsRefusal {
-                holds_for: self.addrs_retry,
-                since: Mutex::new(None),
-            }),
+            addrs_refused: CoreLack::new(self.addrs_retry),
+            seal_missing: CoreLack::new(SEAL_ROUTE_RETRY),
         })
     }
 }
@@ -667,18 +673,30 @@ pub struct MerodClient {
     /// merod refused `admitterAddrs` (an older core): not offered again until it is seen
     /// down (a refused connection: it restarts), the refusal is older than its bound, or
     /// this process restarts. Shared by clones.
-    addrs_refused: Arc<AddrsRefusal>,
+    addrs_refused: Arc<CoreLack>,
+    /// merod has no seal route (a core before 0.11.0-rc.34): not asked again until it is
+    /// seen down, [`SEAL_ROUTE_RETRY`] passed, or this process restarts. Shared by clones.
+    seal_missing: Arc<CoreLack>,
 }
 
-/// When merod last refused `admitterAddrs`, and how long that holds.
+/// When merod last showed it lacks something a newer core has (a field it refuses, a
+/// route it does not know), and how long that holds: an older core is not asked again and
+/// again, and one upgraded in place is asked again once it is seen down or the bound passes.
 #[derive(Debug)]
-struct AddrsRefusal {
+struct CoreLack {
     holds_for: Duration,
     /// On the monotonic clock: a wall-clock step neither ends nor prolongs it.
     since: Mutex<Option<std::time::Instant>>,
 }
 
-impl AddrsRefusal {
+impl CoreLack {
+    fn new(holds_for: Duration) -> Arc<Self> {
+        Arc::new(Self {
+            holds_for,
+            since: Mutex::new(None),
+        })
+    }
+
     fn set(&self, refused: bool) {
         let mut since = self.since.lock().unwrap_or_else(PoisonError::into_inner);
         *since = refused.then(std::time::Instant::now);
@@ -713,6 +731,13 @@ impl MerodClient {
             },
             addrs_retry: ADMITTER_ADDRS_RETRY,
         }
+    }
+
+    /// merod was seen down (a refused connection, a failed probe): what an older core was
+    /// found to lack is asked again, as the one that comes back may be newer.
+    fn seen_down(&self) {
+        self.addrs_refused.set(false);
+        self.seal_missing.set(false);
     }
 
     /// The admin API base URL.
@@ -1028,7 +1053,7 @@ impl MerodClient {
     ) -> Result<Answered, MerodError> {
         let transport = |e: reqwest::Error| {
             if e.is_connect() {
-                self.addrs_refused.set(false);
+                self.seen_down();
             }
             MerodError::Call {
                 op,
@@ -1207,8 +1232,8 @@ impl Node for MerodClient {
                 .await
                 .map(|_| ())
                 .map_err(|e| {
-                    // merod down: the one that comes back may take admitterAddrs.
-                    self.addrs_refused.set(false);
+                    // merod down: the one that comes back may be newer.
+                    self.seen_down();
                     self.client_error(op, path, e)
                 })
         })

@@ -38,6 +38,16 @@
 //!   [`MerodEmulator::set_usage_total`]'s; 500 with [`MerodEmulator::set_usage_failing`]);
 //!   [`MerodEmulator::set_ignores_offset`] makes the paged lists answer the first page for
 //!   any offset, as a server ignoring `offset` would;
+//! - the recovery envelopes' routes: `GET /groups/{id}/member-devices` (`?offset=&limit=`;
+//!   what [`MerodEmulator::set_member_devices`] gave, else the recorded row of the node's own
+//!   account) for a group of a held namespace's tree, else 500; `POST
+//!   /groups/{id}/accounts/{account}/seal` `{"plaintext": "<hex>"}`: 404 with no body, as
+//!   rc.25 answers (the route shipped in rc.34), until [`MerodEmulator::set_seal_route`]; then
+//!   200 `{"data": {"accountRootEpoch", "ephemeralPublicKey", "nonce", "ciphertext"}}` with a
+//!   fresh key and nonce each call (as real sealing), merod's 404 for an account
+//!   [`MerodEmulator::set_seal_refused`] names; [`MerodEmulator::sealed`] keeps each sealed
+//!   plaintext. [`MerodEmulator::set_group_members`] gives any group of the tree its own
+//!   member list;
 //! - `POST /tee/fleet-join` naming `admitterAddrs` on an older core
 //!   ([`MerodEmulator::set_older_core`]): 400 naming the field;
 //! - [`MerodEmulator::set_foreign_404`] makes `GET /namespaces/{id}` answer a 404 that is not
@@ -280,6 +290,8 @@ struct Fixtures {
     capabilities: Recorded,
     /// `GET /usage` holding one namespace: its row.
     usage: Recorded,
+    /// `GET /groups/{id}/member-devices` of a namespace held: the node's own account.
+    member_devices: Recorded,
     identity_before: Recorded,
     identity_after: Recorded,
     /// One entry of `GET /admin-api/namespaces`.
@@ -319,6 +331,7 @@ impl Fixtures {
             contexts_not_held: fixture!("group-contexts-never-joined"),
             capabilities: fixture!("group-capabilities-member"),
             usage: fixture!("usage-member"),
+            member_devices: fixture!("group-member-devices-member"),
             identity_before: fixture!("identity-before-join"),
             identity_after: fixture!("identity-after-join"),
             list_entry,
@@ -431,9 +444,23 @@ struct Inner {
     /// How long the inventory's routes (usage, subgroups, contexts, capabilities) wait
     /// before answering.
     inventory_delay: Duration,
-    /// Requests per route kind (`subgroups`, `contexts`, `members`, `capabilities`, `usage`).
+    /// Requests per route kind (`subgroups`, `contexts`, `members`, `capabilities`, `usage`,
+    /// `member-devices`, `seal`).
     inventory_calls: HashMap<&'static str, usize>,
+    /// Member lists (account, role) of groups, in place of the recorded one.
+    group_members: HashMap<String, Vec<(String, String)>>,
+    /// `member-devices` rows of groups: each account and its (device id, signing key)s.
+    member_devices: HashMap<String, Vec<AccountDevices>>,
+    /// The seal route exists (a core from rc.34 on).
+    seal_route: bool,
+    /// Accounts sealing to which answers merod's 404 (no root key on record).
+    seal_refused: BTreeSet<String>,
+    /// Each plaintext sealed: (group, account, plaintext as UTF-8).
+    sealed: Vec<(String, String, String)>,
 }
+
+/// An account and its `(deviceId, signingKey)`s, as `member-devices` lists them.
+type AccountDevices = (String, Vec<(String, String)>);
 
 /// The account id of the recorded `identity-after-join` answer.
 pub const ACCOUNT_ID: &str = "b2541b60308ddf07a2d1aa7506fdb93d44f8fadb430870620438846ae5c6c845";
@@ -502,6 +529,11 @@ impl MerodEmulator {
                 ignores_offset: false,
                 inventory_delay: Duration::ZERO,
                 inventory_calls: HashMap::new(),
+                group_members: HashMap::new(),
+                member_devices: HashMap::new(),
+                seal_route: false,
+                seal_refused: BTreeSet::new(),
+                sealed: Vec::new(),
             }),
             fixtures: Fixtures::load(),
         });
@@ -696,6 +728,52 @@ impl MerodEmulator {
             .unwrap_or(0)
     }
 
+    /// The member list of `group` (a group of a held namespace's tree): `(account, role)`
+    /// rows in the order `GET /groups/{id}/members` pages them, in place of the recorded one.
+    pub fn set_group_members(&self, group: &str, rows: &[(&str, &str)]) {
+        lock(&self.shared.inner).group_members.insert(
+            group.to_ascii_lowercase(),
+            rows.iter()
+                .map(|(a, r)| (a.to_ascii_lowercase(), (*r).to_owned()))
+                .collect(),
+        );
+    }
+
+    /// The rows `GET /groups/{id}/member-devices` pages for `group`: each account with its
+    /// `(deviceId, signingKey)`s, answered as given (case kept).
+    pub fn set_member_devices(&self, group: &str, rows: &[(&str, &[(&str, &str)])]) {
+        lock(&self.shared.inner).member_devices.insert(
+            group.to_ascii_lowercase(),
+            rows.iter()
+                .map(|(a, devices)| {
+                    (
+                        (*a).to_owned(),
+                        devices
+                            .iter()
+                            .map(|(d, k)| ((*d).to_owned(), (*k).to_owned()))
+                            .collect(),
+                    )
+                })
+                .collect(),
+        );
+    }
+
+    /// Whether `POST /groups/{id}/accounts/{account}/seal` exists (off: 404 with no body,
+    /// as rc.25 and every core before rc.34 answer).
+    pub fn set_seal_route(&self, on: bool) {
+        lock(&self.shared.inner).seal_route = on;
+    }
+
+    /// Makes sealing to `account` answer merod's 404 (no root key on record in the group).
+    pub fn set_seal_refused(&self, account: &str, on: bool) {
+        mark(&mut lock(&self.shared.inner).seal_refused, account, on);
+    }
+
+    /// Every plaintext sealed so far: `(group, account, plaintext)`.
+    pub fn sealed(&self) -> Vec<(String, String, String)> {
+        lock(&self.shared.inner).sealed.clone()
+    }
+
     /// The node's role in one namespace, as `GET /groups/{id}/members` lists it (e.g.
     /// `RelayTee`, `ReadOnlyTee`, `Member`).
     pub fn set_role(&self, group_id: &str, role: &str) {
@@ -789,7 +867,8 @@ async fn handle(shared: Arc<Shared>, request: Received) -> Answer {
         || (path.starts_with("/admin-api/groups/")
             && (path.ends_with("/subgroups")
                 || path.ends_with("/contexts")
-                || path.ends_with("/capabilities")));
+                || path.ends_with("/capabilities")
+                || path.ends_with("/member-devices")));
     let delay = lock(&shared.inner).inventory_delay;
     if inventory_route && !delay.is_zero() {
         tokio::time::sleep(delay).await;
@@ -843,9 +922,17 @@ async fn route(shared: &Arc<Shared>, request: Received) -> Answer {
                     .strip_prefix("members/")
                     .and_then(|t| t.strip_suffix("/capabilities"))
                     .filter(|a| !a.is_empty() && !a.contains('/'));
+                let sealed_to = tail
+                    .strip_prefix("accounts/")
+                    .and_then(|t| t.strip_suffix("/seal"))
+                    .filter(|a| !a.is_empty() && !a.contains('/'));
+                if let Some(account) = sealed_to {
+                    return seal(shared, id, account, post, &body);
+                }
                 let answer = match (tail, capabilities) {
                     ("subgroups", _) => Some(group_subgroups(shared, id)),
                     ("contexts", _) => Some(group_contexts(shared, id, &request.uri)),
+                    ("member-devices", _) => Some(group_member_devices(shared, id, &request.uri)),
                     (_, Some(_)) => Some(group_capabilities(shared, id)),
                     _ => None,
                 };
@@ -982,6 +1069,103 @@ fn group_contexts(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
     json_response(fixtures.contexts.status, json!({ "data": rows }))
 }
 
+fn group_member_devices(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
+    let fixtures = &shared.fixtures;
+    let (id, offset, limit) = match paged_request(shared, raw, uri) {
+        Ok(request) => request,
+        Err(answer) => return *answer,
+    };
+    let inner = count_call(shared, "member-devices");
+    if !in_held_tree(&inner, &id) {
+        return fixtures.contexts_not_held.respond();
+    }
+    let offset = if inner.ignores_offset { 0 } else { offset };
+    let rows: Vec<Value> = match inner.member_devices.get(&id) {
+        Some(rows) => rows
+            .iter()
+            .map(|(account, devices)| {
+                let devices: Vec<Value> = devices
+                    .iter()
+                    .map(|(d, k)| json!({ "deviceId": d, "signingKey": k }))
+                    .collect();
+                json!({ "account": account, "devices": devices })
+            })
+            .collect(),
+        // A member that is no admin sees only its own account, as recorded.
+        None => {
+            let mut row = fixtures.member_devices.body["members"][0].clone();
+            row["account"] = json!(fixtures.account().unwrap_or_default());
+            vec![row]
+        }
+    };
+    let rows: Vec<Value> = rows
+        .into_iter()
+        .skip(offset)
+        .take(limit.min(1000))
+        .collect();
+    json_response(fixtures.member_devices.status, json!({ "members": rows }))
+}
+
+/// `POST /groups/{id}/accounts/{account}/seal`: 404 with no body unless the route is on
+/// (an older core); then the envelope, a fresh key and nonce each call.
+fn seal(shared: &Shared, raw: &str, account: &str, post: bool, body: &[u8]) -> Answer {
+    let fixtures = &shared.fixtures;
+    let mut inner = count_call(shared, "seal");
+    if !inner.seal_route {
+        // As recorded (seal-member): an unknown route.
+        return not_found();
+    }
+    if !post {
+        return method_not_allowed();
+    }
+    let (Ok(id), Ok(account)) = (parse_id(raw), parse_id(account)) else {
+        return fixtures.leave_bad_id.respond();
+    };
+    let plaintext = serde_json::from_slice::<Value>(body)
+        .ok()
+        .and_then(|v| {
+            v.get("plaintext")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .and_then(|h| hex::decode(h).ok())
+        .filter(|p| !p.is_empty());
+    let Some(plaintext) = plaintext else {
+        return json_response(400, json!({ "error": "plaintext must be non-empty hex" }));
+    };
+    if !in_held_tree(&inner, &id) {
+        return json_response(
+            403,
+            json!({ "error": format!("this node is not a member of group {id}") }),
+        );
+    }
+    if inner.seal_refused.contains(&account) {
+        return json_response(
+            404,
+            json!({ "error": format!("group {id} knows no account {account} with a root key on record") }),
+        );
+    }
+    let fresh = || {
+        let bytes: Vec<u8> = (0..32).map(|_| fastrand::u8(..)).collect();
+        hex::encode(bytes)
+    };
+    let ciphertext = hex::encode(&plaintext);
+    inner.sealed.push((
+        id,
+        account,
+        String::from_utf8_lossy(&plaintext).into_owned(),
+    ));
+    json_response(
+        200,
+        json!({ "data": {
+            "accountRootEpoch": 1,
+            "ephemeralPublicKey": fresh(),
+            "nonce": fresh()[..48].to_owned(),
+            "ciphertext": ciphertext,
+        } }),
+    )
+}
+
 fn group_capabilities(shared: &Shared, raw: &str) -> Answer {
     let fixtures = &shared.fixtures;
     let Ok(id) = parse_id(raw) else {
@@ -1029,15 +1213,30 @@ fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
         Ok(request) => request,
         Err(answer) => return *answer,
     };
-    let (held, role, extra, offset) = {
+    let (held, role, extra, offset, given) = {
         let inner = count_call(shared, "members");
+        let given = inner
+            .group_members
+            .get(&id)
+            .filter(|_| in_held_tree(&inner, &id))
+            .cloned();
         (
             inner.held.contains(&id),
             inner.roles.get(&id).cloned(),
             inner.extra_members,
             if inner.ignores_offset { 0 } else { offset },
+            given,
         )
     };
+    if let Some(given) = given {
+        let rows: Vec<Value> = given
+            .iter()
+            .skip(offset)
+            .take(limit)
+            .map(|(a, r)| json!({ "identity": a, "role": r }))
+            .collect();
+        return json_response(fixtures.members.status, json!({ "members": rows }));
+    }
     if !held {
         return fixtures.members_not_held.respond();
     }

@@ -167,7 +167,7 @@ impl MerodClient {
 
     /// Reads the offset-paged list at `path` whole ([`GROUP_PAGE`] rows a page, at most
     /// [`GROUP_PAGES`]; see [`MerodClient::paged_until`]).
-    async fn paged<T>(
+    pub(super) async fn paged<T>(
         &self,
         op: MerodOp,
         path: &str,
@@ -232,7 +232,7 @@ impl MerodClient {
 
 /// `data` when it is an object, else the body: merod answers some lists flat and some
 /// wrapped, and versions differ.
-fn inner(body: &Value) -> &Value {
+pub(super) fn inner(body: &Value) -> &Value {
     match body.get("data") {
         Some(d) if d.is_object() => d,
         _ => body,

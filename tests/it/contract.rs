@@ -214,6 +214,8 @@ fn every_copied_fixture_is_covered() {
         "group-contexts-never-joined",
         "group-capabilities-member",
         "usage-member",
+        "group-member-devices-member",
+        "seal-member",
     ];
     // Served by the merod emulator only, checked against it by
     // the_emulator_answers_every_recorded_request_in_the_recorded_shape (the sidecar does not
@@ -272,6 +274,33 @@ async fn the_inventory_s_routes_read_what_merod_answered() {
         Some(&fleet_sidecar::StorageBytes::default())
     );
     assert_eq!(usage.len(), 1);
+}
+
+/// The recovery envelopes' reads, through the client, of what a real merod answered: the
+/// node's own devices with the base58 signing key as it is, and no seal route on rc.25.
+#[tokio::test]
+async fn the_recovery_routes_read_what_merod_answered() {
+    let (_s, client, f) = replay("group-member-devices-member").await;
+    let rows = client.member_devices(id_of(&f)).await.unwrap();
+    let recorded = &f["response"]["body"]["members"][0];
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].account, recorded["account"].as_str().unwrap());
+    let key = recorded["devices"][0]["signingKey"].as_str().unwrap();
+    assert_ne!(key, key.to_ascii_lowercase(), "a base58 key with capitals");
+    assert_eq!(rows[0].devices[0].signing_key, key);
+    let (_s, client, f) = replay("seal-member").await;
+    let path = f["request"]["path"].as_str().unwrap();
+    let account = path.split('/').rev().nth(1).unwrap();
+    assert!(!client.lacks_seal_route());
+    assert_eq!(
+        client
+            .seal_to_account(id_of(&f), account, b"{}")
+            .await
+            .unwrap(),
+        None,
+        "no route on rc.25"
+    );
+    assert!(client.lacks_seal_route(), "remembered");
 }
 
 #[tokio::test]
@@ -505,6 +534,7 @@ fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f:
         | "group-subgroups-member"
         | "group-contexts-member"
         | "group-capabilities-member"
+        | "group-member-devices-member"
         | "namespace-leave-member" => merod.hold(&id()),
         "usage-member" => {
             for row in f["response"]["body"]["namespaces"].as_array().unwrap() {
