@@ -253,9 +253,10 @@ pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
     CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken, GroupInventory,
     InventoryReport, JoinState, JoinStatus, LogsToken, MalformedAnswer, MdmaAnswer, MdmaClient,
-    MdmaClientBuilder, MdmaClientError, NamespaceInventory, NodeReport, PollError, RegisterError,
-    RegisterRequest, Registered, RequestError, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED,
-    MAX_POLL_BODY, MDMA_TIMEOUT, REGISTER_TIMEOUT,
+    MdmaClientBuilder, MdmaClientError, NamespaceInventory, NodeReport, PollError,
+    RecoveryEnvelope, RecoveryKey, RegisterError, RegisterRequest, Registered, RequestError,
+    RequestMethod, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY, MDMA_TIMEOUT,
+    REGISTER_TIMEOUT,
 };
 pub use merod::{
     refuses_admitter_addrs, Admission, GroupMember, MemberDevice, MemberDevices, MerodClient,

@@ -29,8 +29,10 @@ use crate::net::{is_loopback, read_capped, BodyError};
 
 mod answer;
 mod inventory;
+mod recovery;
 
 pub use inventory::{GroupInventory, InventoryReport, NamespaceInventory};
+pub use recovery::{RecoveryEnvelope, RecoveryKey};
 
 /// Bound of one MDMA request, connect to last byte (docs/mdma.md).
 pub const MDMA_TIMEOUT: Duration = Duration::from_secs(10);
@@ -51,13 +53,47 @@ pub const REGISTER_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest challenge or register answer read (a sane one is well under 1 KiB).
 const MAX_REGISTRATION_BODY: usize = 64 * 1024;
 
+/// The method of a request to MDMA: `POST` but for the recovery envelopes' `PUT` and
+/// `DELETE`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestMethod {
+    /// `POST`.
+    Post,
+    /// `PUT`.
+    Put,
+    /// `DELETE`.
+    Delete,
+}
+
+impl RequestMethod {
+    fn as_reqwest(self) -> reqwest::Method {
+        match self {
+            RequestMethod::Post => reqwest::Method::POST,
+            RequestMethod::Put => reqwest::Method::PUT,
+            RequestMethod::Delete => reqwest::Method::DELETE,
+        }
+    }
+}
+
+impl std::fmt::Display for RequestMethod {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RequestMethod::Post => "POST",
+            RequestMethod::Put => "PUT",
+            RequestMethod::Delete => "DELETE",
+        })
+    }
+}
+
 /// A request to MDMA that got no usable answer.
 #[derive(Debug, thiserror::Error)]
 pub enum RequestError {
     /// No answer: connection refused, DNS, TLS, reset. The message spells out reqwest's
     /// chain of causes (it never holds a header, so never the token); `source()` keeps it.
-    #[error("POST {url}: {}", describe(.source))]
+    #[error("{method} {url}: {}", describe(.source))]
     Transport {
+        /// The request method (`POST` but for the recovery envelopes' `PUT` and `DELETE`).
+        method: RequestMethod,
         /// The request URL.
         url: Url,
         /// What failed.
@@ -65,8 +101,10 @@ pub enum RequestError {
         source: reqwest::Error,
     },
     /// No complete answer within the client's request timeout (default [`MDMA_TIMEOUT`]).
-    #[error("POST {url}: no answer within {timeout:?}")]
+    #[error("{method} {url}: no answer within {timeout:?}")]
     Timeout {
+        /// The request method.
+        method: RequestMethod,
         /// The request URL.
         url: Url,
         /// The bound.
@@ -75,8 +113,10 @@ pub enum RequestError {
     /// An answer with a status that does not count as success. The message ends with the
     /// start of the answer's body (`POST <url>: HTTP 403: {"error":"unknown node"}`), so a
     /// tool can print MDMA's reason.
-    #[error("POST {url}: HTTP {status}{}", reason_suffix(.body))]
+    #[error("{method} {url}: HTTP {status}{}", reason_suffix(.body))]
     Status {
+        /// The request method.
+        method: RequestMethod,
         /// The request URL.
         url: Url,
         /// The HTTP status.
@@ -146,13 +186,20 @@ fn refusal_excerpt(bytes: &[u8], token: Option<&FleetToken>) -> String {
 
 impl RequestError {
     fn from_reqwest(url: &Url, timeout: Duration, e: reqwest::Error) -> Self {
+        Self::failed(RequestMethod::Post, url, timeout, e)
+    }
+
+    /// `e` of a `method` request to `url` that had `timeout`: a timeout, or a transport error.
+    fn failed(method: RequestMethod, url: &Url, timeout: Duration, e: reqwest::Error) -> Self {
         if e.is_timeout() {
             RequestError::Timeout {
+                method,
                 url: url.clone(),
                 timeout,
             }
         } else {
             RequestError::Transport {
+                method,
                 url: url.clone(),
                 source: e.without_url(),
             }
@@ -169,7 +216,9 @@ impl RequestError {
     pub fn retry_after(&self) -> Option<Duration> {
         match self {
             RequestError::Status {
-                retry_after_secs, ..
+                method: RequestMethod::Post,
+                retry_after_secs,
+                ..
             } => retry_after_secs.map(|s| Duration::from_secs(s.into())),
             _ => None,
         }
@@ -1013,6 +1062,23 @@ impl MdmaClient {
         Ok(url)
     }
 
+    /// `method` (`PUT`, `DELETE`, …) of `body` as JSON to `path` under the MDMA URL, like
+    /// [`MdmaClient::post_json`] (the fleet token, the request timeout, no redirect); the
+    /// answer's body is not read. The recovery envelopes are written and removed this way.
+    ///
+    /// Errors: [`CallError::Path`] for a path that leaves the base URL,
+    /// [`CallError::Request`] for no answer, a timeout or a status outside 2xx.
+    pub async fn send_json<B: Serialize + ?Sized>(
+        &self,
+        method: RequestMethod,
+        path: &str,
+        body: &B,
+    ) -> Result<u16, CallError> {
+        let url = self.api_url(path)?;
+        let resp = self.send_as(method, &url, body).await?;
+        Ok(resp.status().as_u16())
+    }
+
     /// Sends one POST of `body` to `url`; a 2xx answer is returned unread.
     ///
     /// Errors: [`RequestError`] for no answer, a timeout or a status outside 2xx.
@@ -1021,20 +1087,37 @@ impl MdmaClient {
         url: &Url,
         body: &B,
     ) -> Result<reqwest::Response, RequestError> {
+        self.send_as(RequestMethod::Post, url, body).await
+    }
+
+    /// Sends one `method` request of `body` to `url`; a 2xx answer is returned unread.
+    ///
+    /// Errors: [`RequestError`] for no answer, a timeout or a status outside 2xx.
+    async fn send_as<B: Serialize + ?Sized>(
+        &self,
+        method: RequestMethod,
+        url: &Url,
+        body: &B,
+    ) -> Result<reqwest::Response, RequestError> {
         let resp = self
-            .post(url, body)
+            .request_with(&self.http, method, url, body)
             .send()
             .await
-            .map_err(|e| RequestError::from_reqwest(url, self.timeout, e))?;
+            .map_err(|e| RequestError::failed(method, url, self.timeout, e))?;
         if resp.status().is_success() {
             Ok(resp)
         } else {
-            Err(self.refused(url, resp).await)
+            Err(self.refused(method, url, resp).await)
         }
     }
 
     /// [`RequestError::Status`] for a refusal, with the start of its body (never a header).
-    async fn refused(&self, url: &Url, mut resp: reqwest::Response) -> RequestError {
+    async fn refused(
+        &self,
+        method: RequestMethod,
+        url: &Url,
+        mut resp: reqwest::Response,
+    ) -> RequestError {
         let status = resp.status().as_u16();
         let retry_after_secs =
             crate::net::retry_after(resp.headers(), SystemTime::now()).map(|d| {
@@ -1050,6 +1133,7 @@ impl MdmaClient {
         }
         bytes.truncate(REFUSAL_READ);
         RequestError::Status {
+            method,
             url: url.clone(),
             status,
             retry_after_secs,
@@ -1067,7 +1151,17 @@ impl MdmaClient {
         url: &Url,
         body: &B,
     ) -> reqwest::RequestBuilder {
-        let req = http.post(url.clone()).json(body);
+        self.request_with(http, RequestMethod::Post, url, body)
+    }
+
+    fn request_with<B: Serialize + ?Sized>(
+        &self,
+        http: &reqwest::Client,
+        method: RequestMethod,
+        url: &Url,
+        body: &B,
+    ) -> reqwest::RequestBuilder {
+        let req = http.request(method.as_reqwest(), url.clone()).json(body);
         match self.token.get() {
             Some(t) => req.header("X-Fleet-Token", t.expose()),
             None => req,
@@ -1392,7 +1486,7 @@ impl ControlPlane for MdmaClient {
             .record(sent.as_ref().ok().map(|r| r.status().as_u16()));
         let resp = sent.map_err(fail)?;
         if resp.status().as_u16() != 200 {
-            return Err(self.refused(url, resp).await.into());
+            return Err(self.refused(RequestMethod::Post, url, resp).await.into());
         }
         let bytes = read_capped(resp, MAX_POLL_BODY)
             .await
@@ -1588,6 +1682,7 @@ mod tests {
         assert!(escapes.chars().count() <= REFUSAL_CHARS, "{escapes}");
         let url: Url = "https://mdma.example/api/fleet/confirm".parse().unwrap();
         let refused = RequestError::Status {
+            method: RequestMethod::Post,
             url: url.clone(),
             status: 403,
             retry_after_secs: None,
@@ -1598,6 +1693,7 @@ mod tests {
             "POST https://mdma.example/api/fleet/confirm: HTTP 403: no such node"
         );
         let bare = RequestError::Status {
+            method: RequestMethod::Post,
             url,
             status: 503,
             retry_after_secs: None,

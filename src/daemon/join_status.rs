@@ -436,7 +436,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
-    use crate::mdma::{ConfirmError, NodeReport, PollError, ShouldJoin};
+    use crate::mdma::{ConfirmError, NodeReport, PollError, RequestMethod, ShouldJoin};
     use crate::merod::TeeRole;
     use crate::mrtd::Mrtd;
 
@@ -473,6 +473,7 @@ mod tests {
             match self.answers.lock().unwrap().pop_front() {
                 None => Ok(()),
                 Some(status) => Err(RequestError::Status {
+                    method: RequestMethod::Post,
                     url: "http://127.0.0.1:1/api/fleet/join-status".parse().unwrap(),
                     status,
                     retry_after_secs: None,

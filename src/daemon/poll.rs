@@ -145,7 +145,7 @@ impl FailureStreak {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::mdma::RequestError;
+    use crate::mdma::{RequestError, RequestMethod};
 
     const S: Duration = Duration::from_secs(1);
     const MAX: Duration = Duration::from_secs(10);
@@ -202,6 +202,7 @@ mod tests {
     fn a_poll_that_timed_out_is_counted_as_timeout_not_error() {
         let url: url::Url = "https://mdma.test/api/fleet/should-join".parse().unwrap();
         let timeout = PollError::Request(RequestError::Timeout {
+            method: RequestMethod::Post,
             url: url.clone(),
             timeout: Duration::from_secs(10),
         });
@@ -211,6 +212,7 @@ mod tests {
         };
         assert_eq!(deadline.metric_label(), "timeout");
         let status = PollError::Request(RequestError::Status {
+            method: RequestMethod::Post,
             url,
             status: 503,
             retry_after_secs: None,
@@ -223,6 +225,7 @@ mod tests {
     async fn a_refused_poll_s_retry_after_is_waited_out_up_to_60_s() {
         let refused = |asked: Option<u32>| {
             PollError::Request(RequestError::Status {
+                method: RequestMethod::Post,
                 url: "https://mdma.test/api/fleet/should-join".parse().unwrap(),
                 status: 429,
                 retry_after_secs: asked,

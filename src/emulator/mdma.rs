@@ -29,6 +29,13 @@
 //!   body's `peer_id`, `namespaces` and `full`, recorded ([`MdmaEmulator::inventories`]) and
 //!   answered 200, or what [`MdmaEmulator::set_inventory_status`] set (unless an answer is
 //!   scripted for the path with [`MdmaEmulator::set_answer`], which then takes it).
+//! - `PUT /api/fleet/recovery-envelope` (a recovery envelope) is checked for the token and
+//!   the body's `peer_id`, `account_id`, `namespace_id`, `ciphertext` (strings) and
+//!   `version` (a positive integer); kept when its version is above the one held for the
+//!   same key (200), else 409; `DELETE` of the same path takes the three ids and drops the
+//!   envelope (200 whether it was held or not). Both are recorded
+//!   ([`MdmaEmulator::recovery_calls`]); [`MdmaEmulator::set_recovery_status`] answers them
+//!   with another status; [`MdmaEmulator::recovery_envelopes`] is what is held.
 //! - Any other path (a tool's own call, e.g. `POST /api/fleet/recovery`) is checked for the
 //!   token, recorded ([`MdmaEmulator::requests`]) and answered with what
 //!   [`MdmaEmulator::set_answer`] scripted for it, else 404 `{"error":"Not found"}`.
@@ -161,6 +168,20 @@ pub struct RegisterRecord {
     pub at: Instant,
 }
 
+/// One `PUT` or `DELETE /api/fleet/recovery-envelope` as received.
+#[derive(Clone, Debug)]
+pub struct RecoveryCall {
+    /// `PUT` or `DELETE`.
+    pub method: String,
+    /// The body, when it was a JSON object.
+    pub body: Option<Map<String, Value>>,
+    /// What was answered.
+    pub status: u16,
+}
+
+/// A recovery envelope held: `(peer_id, namespace_id, account_id)` → `(version, ciphertext)`.
+pub type HeldEnvelopes = std::collections::BTreeMap<(String, String, String), (u64, String)>;
+
 /// One `POST /api/fleet/inventory` as received.
 #[derive(Clone, Debug)]
 pub struct InventoryPost {
@@ -265,6 +286,12 @@ struct Inner {
     inventories: Vec<InventoryPost>,
     /// The status inventory posts are answered with, when not 200.
     inventory_status: Option<u16>,
+    /// Every recovery-envelope request.
+    recovery_calls: Vec<RecoveryCall>,
+    /// The recovery envelopes held.
+    recovery_envelopes: HeldEnvelopes,
+    /// The status recovery-envelope requests are answered with, when set.
+    recovery_status: Option<u16>,
     standing: PollReply,
     queue: VecDeque<PollReply>,
     /// Remaining scripted confirm failures, keyed by lowercase group id.
@@ -322,6 +349,9 @@ impl MdmaEmulator {
                 requests: Vec::new(),
                 inventories: Vec::new(),
                 inventory_status: None,
+                recovery_calls: Vec::new(),
+                recovery_envelopes: HeldEnvelopes::new(),
+                recovery_status: None,
                 standing: PollReply::default(),
                 queue: VecDeque::new(),
                 confirm_failures: HashMap::new(),
@@ -422,6 +452,21 @@ impl MdmaEmulator {
     /// Every `POST /api/fleet/inventory`, in arrival order.
     pub fn inventories(&self) -> Vec<InventoryPost> {
         lock(&self.shared.inner).inventories.clone()
+    }
+
+    /// Every `PUT` and `DELETE /api/fleet/recovery-envelope`, in arrival order.
+    pub fn recovery_calls(&self) -> Vec<RecoveryCall> {
+        lock(&self.shared.inner).recovery_calls.clone()
+    }
+
+    /// The recovery envelopes held now.
+    pub fn recovery_envelopes(&self) -> HeldEnvelopes {
+        lock(&self.shared.inner).recovery_envelopes.clone()
+    }
+
+    /// Answers recovery-envelope requests with `status` (`None`: as MDMA would).
+    pub fn set_recovery_status(&self, status: Option<u16>) {
+        lock(&self.shared.inner).recovery_status = status;
     }
 
     /// Answers inventory posts with `status` (`None`: 200 `{"status":"ok"}`).
@@ -632,8 +677,82 @@ async fn answer(shared: &Shared, request: Received) -> Answer {
         {
             inventory(shared, &request.headers, &body)
         }
+        ("/api/fleet/recovery-envelope", method)
+            if (method == Method::PUT || method == Method::DELETE)
+                && !lock(&shared.inner)
+                    .answers
+                    .contains_key("/api/fleet/recovery-envelope") =>
+        {
+            recovery_envelope(shared, method, &request.headers, &body)
+        }
         (path, method) => other(shared, method, path, &request.headers, &body).await,
     }
+}
+
+/// `PUT` / `DELETE /api/fleet/recovery-envelope` (see the module docs).
+fn recovery_envelope(
+    shared: &Shared,
+    method: &Method,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> Answer {
+    let token = header(headers, TOKEN_HEADER);
+    let kept = json_object(headers, body).ok();
+    let text = |name: &str| {
+        kept.as_ref()
+            .and_then(|m| m.get(name))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    let key = match (text("peer_id"), text("namespace_id"), text("account_id")) {
+        (Some(p), Some(n), Some(a)) => Some((p, n, a)),
+        _ => None,
+    };
+    let put = *method == Method::PUT;
+    let version = kept
+        .as_ref()
+        .and_then(|m| m.get("version"))
+        .and_then(Value::as_u64)
+        .filter(|v| *v > 0);
+    let mut inner = lock(&shared.inner);
+    let (status, answer) = if !authorised(&inner.token, &token) {
+        (401, error_body("missing or wrong X-Fleet-Token"))
+    } else if let Some(status) = inner.recovery_status {
+        (status, error_body("emulated"))
+    } else {
+        match (key, put) {
+            (None, _) => (
+                400,
+                error_body("peer_id, account_id and namespace_id are required"),
+            ),
+            (Some(key), true) => match (version, text("ciphertext")) {
+                (Some(version), Some(ciphertext)) => {
+                    let held = inner.recovery_envelopes.get(&key).map(|(v, _)| *v);
+                    if held.is_some_and(|h| version <= h) {
+                        (409, error_body("a newer or equal version is held"))
+                    } else {
+                        inner.recovery_envelopes.insert(key, (version, ciphertext));
+                        (200, json!({ "status": "ok" }))
+                    }
+                }
+                _ => (
+                    400,
+                    error_body("ciphertext and a positive version are required"),
+                ),
+            },
+            (Some(key), false) => {
+                inner.recovery_envelopes.remove(&key);
+                (200, json!({ "status": "ok" }))
+            }
+        }
+    };
+    inner.recovery_calls.push(RecoveryCall {
+        method: method.to_string(),
+        body: kept,
+        status,
+    });
+    drop(inner);
+    json_response(status, answer)
 }
 
 /// `POST /api/fleet/inventory`: the token checked, then `{"peer_id": s, "namespaces": [..],

@@ -1145,10 +1145,9 @@ fn seal(shared: &Shared, raw: &str, account: &str, post: bool, body: &[u8]) -> A
             json!({ "error": format!("group {id} knows no account {account} with a root key on record") }),
         );
     }
-    let fresh = || {
-        let bytes: Vec<u8> = (0..32).map(|_| fastrand::u8(..)).collect();
-        hex::encode(bytes)
-    };
+    // Different on every call, as real sealing's fresh ephemeral key and nonce are.
+    let n = inner.sealed.len() + 1;
+    let fresh = || format!("{:064x}", n);
     let ciphertext = hex::encode(&plaintext);
     inner.sealed.push((
         id,

@@ -10,7 +10,9 @@ use fleet_sidecar::daemon::Deps;
 use fleet_sidecar::Config;
 use fleet_sidecar::Mrtd;
 use fleet_sidecar::ShouldJoin;
-use fleet_sidecar::{parse_should_join, ConfirmError, ControlPlane, PollError, RequestError};
+use fleet_sidecar::{
+    parse_should_join, ConfirmError, ControlPlane, PollError, RequestError, RequestMethod,
+};
 use fleet_sidecar::{Admission, MerodError, MerodOp, Node, NodeAccount, TeeRole};
 use fleet_sidecar::{GroupId, PeerId};
 use fleet_sidecar::{JoinStatus, NodeReport};
@@ -203,6 +205,7 @@ impl ControlPlane for Fake {
             })),
             Some(Poll::Good(a, r)) => Ok(desired(&a, &r)),
             Some(Poll::Transport) => Err(RequestError::Transport {
+                method: RequestMethod::Post,
                 url,
                 // A real transport error, made without the network: a URL with no host.
                 source: reqwest::Client::new()
@@ -213,6 +216,7 @@ impl ControlPlane for Fake {
             }
             .into()),
             Some(Poll::Status) => Err(RequestError::Status {
+                method: RequestMethod::Post,
                 url,
                 status: 503,
                 retry_after_secs: self.with(|w| w.retry_after_secs),
@@ -263,6 +267,7 @@ impl ControlPlane for Fake {
             Ok(())
         } else {
             Err(RequestError::Status {
+                method: RequestMethod::Post,
                 url: url::Url::parse("https://mdma.test/api/fleet/confirm").unwrap(),
                 status: 500,
                 retry_after_secs: self.with(|w| w.retry_after_secs),

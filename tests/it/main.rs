@@ -32,6 +32,7 @@ mod packaging;
 mod poll_gate;
 mod proto;
 mod reconcile_loop;
+mod recovery;
 mod registration;
 mod reliability;
 mod schema;
