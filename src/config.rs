@@ -130,6 +130,9 @@ pub(crate) struct RawConfig {
     /// The `[inventory]` table: the context inventory reported to MDMA.
     #[serde(default)]
     pub inventory: InventoryConfig,
+    /// The `[recovery]` table: the recovery envelopes written to MDMA.
+    #[serde(default)]
+    pub recovery: RecoveryConfig,
 }
 
 /// The `[tls]` table: the node's TLS certificate (`{dir}/cert.pem`), whose expiry every
@@ -192,6 +195,24 @@ pub struct InventoryConfig {
 }
 
 impl Default for InventoryConfig {
+    fn default() -> Self {
+        Self { enabled: true }
+    }
+}
+
+/// The `[recovery]` table: the recovery envelopes MDMA keeps of each member account of each
+/// confirmed namespace (its groups, contexts and devices, sealed through merod to the
+/// account's root key), written every 300 s when they changed
+/// (`PUT /api/fleet/recovery-envelope`). Unknown keys are rejected.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RecoveryConfig {
+    /// Whether the envelopes are written and removed (default `true`, as the fleet's images
+    /// do).
+    pub enabled: bool,
+}
+
+impl Default for RecoveryConfig {
     fn default() -> Self {
         Self { enabled: true }
     }
@@ -431,6 +452,8 @@ pub struct Config {
     pub logs_token: LogsTokenConfig,
     /// The context inventory (`[inventory]`).
     pub inventory: InventoryConfig,
+    /// The recovery envelopes (`[recovery]`).
+    pub recovery: RecoveryConfig,
     /// Things worth a warning that are not errors (e.g. plain `http://` to loopback); the
     /// daemon logs them once logging is up.
     pub warnings: Vec<String>,
@@ -1146,6 +1169,7 @@ impl RawConfig {
             tls: self.tls,
             logs_token: self.logs_token,
             inventory: self.inventory,
+            recovery: self.recovery,
             warnings,
         })
     }

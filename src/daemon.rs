@@ -42,6 +42,7 @@ mod planner;
 mod poll;
 mod readiness;
 mod record;
+mod recovery;
 mod relay;
 mod roles;
 mod sidecar;

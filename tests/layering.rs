@@ -137,6 +137,7 @@ const DAEMON_FLOORS: &[&[&str]] = &[
         "logs_token",
         "planner",
         "readiness",
+        "recovery",
         "swarm",
         "tls_install",
     ],

@@ -43,13 +43,14 @@ fn accepted_keys(table: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_configuration_table_lists_exactly_the_keys_the_parser_accepts() {
-    const TABLES: [&str; 6] = [
+    const TABLES: [&str; 7] = [
         "merod",
         "tdx",
         "registration",
         "tls",
         "logs_token",
         "inventory",
+        "recovery",
     ];
     let mut code = BTreeSet::new();
     for key in accepted_keys("") {

@@ -206,6 +206,9 @@ fn render(file: &Path, cfg: &Config) -> String {
     line("[inventory]".to_owned());
     line(format!("enabled = {}", cfg.inventory.enabled));
     line(String::new());
+    line("[recovery]".to_owned());
+    line(format!("enabled = {}", cfg.recovery.enabled));
+    line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     line(match check_state_dir(&cfg.state_file) {
         Ok(Some(fs)) => format!(

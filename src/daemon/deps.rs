@@ -15,6 +15,7 @@ use crate::telemetry::Telemetry;
 
 use super::inventory::InventoryDeps;
 use super::readiness::ProbeFailed;
+use super::recovery::RecoveryDeps;
 use super::units::{SystemdUnits, UnitControl};
 
 /// The outside world the loop drives, and where it reports.
@@ -39,6 +40,9 @@ pub struct Deps {
     /// merod's group reads and MDMA's inventory route for the context inventory (the real
     /// clients only: a test's own merod and MDMA have none, and no inventory runs).
     pub(crate) inventory: Option<InventoryDeps>,
+    /// merod's reads and seal route and MDMA's recovery route for the recovery envelopes
+    /// (the real clients only, as `inventory`).
+    pub(crate) recovery: Option<RecoveryDeps>,
 }
 
 impl Deps {
@@ -52,6 +56,7 @@ impl Deps {
             metadata: None,
             units: Arc::new(SystemdUnits),
             inventory: None,
+            recovery: None,
         }
     }
 
@@ -75,6 +80,10 @@ impl Deps {
         let metadata = Some(MetadataClient::new(url)?);
         let token_job = TokenJob::for_config(cfg, &mdma, &registration_merod, metadata.as_ref())?;
         let inventory = Some(InventoryDeps {
+            merod: Arc::clone(&registration_merod) as _,
+            mdma: Arc::new(mdma.clone()),
+        });
+        let recovery = Some(RecoveryDeps {
             merod: registration_merod,
             mdma: Arc::new(mdma.clone()),
         });
@@ -86,6 +95,7 @@ impl Deps {
             metadata,
             units: Arc::new(SystemdUnits),
             inventory,
+            recovery,
         })
     }
 

@@ -444,8 +444,52 @@ impl Job for ScanJob {
     }
 }
 
+/// The groups of a namespace's tree, breadth-first from the namespace, each once, at most
+/// [`MAX_GROUPS`]: the walk the inventory and the recovery envelopes share.
+pub(crate) struct TreeWalk {
+    queue: VecDeque<GroupId>,
+    seen: BTreeSet<GroupId>,
+    walked: usize,
+}
+
+/// The tree has more than [`MAX_GROUPS`] groups: what was walked is not all of it.
+#[derive(Debug)]
+pub(crate) struct TreeTooLarge;
+
+impl TreeWalk {
+    /// A walk from `root`.
+    pub(crate) fn new(root: GroupId) -> Self {
+        Self {
+            queue: VecDeque::from([root]),
+            seen: BTreeSet::from([root]),
+            walked: 0,
+        }
+    }
+
+    /// The next group to read; `None` when the tree is walked.
+    ///
+    /// Errors: [`TreeTooLarge`] when [`MAX_GROUPS`] were walked and more are left.
+    pub(crate) fn next_group(&mut self) -> Result<Option<GroupId>, TreeTooLarge> {
+        if self.queue.is_empty() {
+            return Ok(None);
+        }
+        if self.walked == MAX_GROUPS {
+            return Err(TreeTooLarge);
+        }
+        self.walked += 1;
+        Ok(self.queue.pop_front())
+    }
+
+    /// The subgroups of the group last handed out (one seen before is not walked again).
+    pub(crate) fn found(&mut self, children: Vec<GroupId>) {
+        let seen = &mut self.seen;
+        self.queue
+            .extend(children.into_iter().filter(|c| seen.insert(*c)));
+    }
+}
+
 /// `call`, unless `deadline` passed first (`None`: out of budget).
-async fn within<T>(
+pub(crate) async fn within<T>(
     deadline: Instant,
     call: impl std::future::Future<Output = Result<T, MerodError>>,
 ) -> Option<Result<T, MerodError>> {
@@ -489,19 +533,18 @@ pub(crate) async fn walk_namespace(
 
     let mut complete = true;
     let mut groups = Vec::new();
-    let mut queue = VecDeque::from([namespace]);
-    let mut seen = BTreeSet::from([namespace]);
-    let mut walked = 0usize;
-    while let Some(group) = queue.pop_front() {
-        if walked == MAX_GROUPS {
-            complete = false;
-            break;
-        }
-        walked += 1;
-        match within(deadline, merod.subgroups(group)).await {
-            Some(Ok(children)) => {
-                queue.extend(children.into_iter().filter(|c| seen.insert(*c)));
+    let mut tree = TreeWalk::new(namespace);
+    loop {
+        let group = match tree.next_group() {
+            Ok(Some(group)) => group,
+            Ok(None) => break,
+            Err(TreeTooLarge) => {
+                complete = false;
+                break;
             }
+        };
+        match within(deadline, merod.subgroups(group)).await {
+            Some(Ok(children)) => tree.found(children),
             Some(Err(_)) => complete = false,
             None => {
                 complete = false;

@@ -30,6 +30,7 @@ use super::node_files::NodeFilesView;
 use super::planner::Planner;
 use super::poll::Cadence;
 use super::record::{AfterWrite, Record, Written};
+use super::recovery::RecoveryView;
 use super::relay::RelayView;
 use super::startup::{self, Identity};
 use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
@@ -91,6 +92,9 @@ pub struct Sidecar {
     /// Reports the context inventory of the confirmed namespaces (none in a dry run, with
     /// `[inventory] enabled = false`, or with a test's own merod and MDMA).
     inventory: Option<InventoryView>,
+    /// Writes the recovery envelopes of the confirmed namespaces' members (none in a dry
+    /// run, with `[recovery] enabled = false`, or with a test's own merod and MDMA).
+    recovery: Option<RecoveryView>,
 }
 
 impl Sidecar {
@@ -173,9 +177,17 @@ impl Sidecar {
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
+        let recovery = RecoveryView::start(
+            &cfg,
+            deps.recovery.clone(),
+            identity.peer_id.clone(),
+            Arc::clone(&telemetry),
+            shutdown.clone(),
+        );
         let sidecar = Self {
             view,
             inventory,
+            recovery,
             files,
             relay,
             tls,
@@ -233,6 +245,9 @@ impl Sidecar {
         publish(&self.deps, &self.planner, &self.work, self.record.state());
         if let Some(inventory) = &self.inventory {
             inventory.offer(&self.record.state().confirmed);
+        }
+        if let Some(recovery) = &self.recovery {
+            recovery.offer(&self.record.state().confirmed);
         }
     }
 

@@ -1,0 +1,1173 @@
+//! The recovery envelopes MDMA keeps of each member account of each confirmed namespace:
+//! what to seal and when (pure: [`want_full`], [`plaintexts`], [`RecoveryRecord`]), the read
+//! of one namespace through merod ([`read_namespace`]), and the job that seals and writes
+//! them beside the loop.
+//!
+//! A pass reads each confirmed namespace whole (its groups breadth-first, at most
+//! `MAX_GROUPS`, each group's members, contexts and member devices, every list paged),
+//! builds per member account the v2 plaintext (its groups, the union of their contexts, its
+//! own devices), and for each whose SHA-256 differs from the one recorded (or all of them on
+//! a full pass) seals it through merod to the account's root key and `PUT`s it to MDMA at
+//! the recorded version + 1. A namespace not read whole writes nothing. Members no longer
+//! listed, and every entry of a namespace neither confirmed nor held by merod, are
+//! `DELETE`d. What landed is kept in `fleet-recovery.json` (the Bash sidecar's format),
+//! written after each change, before the next call: a version MDMA took is never offered
+//! again.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::backoff::RETRY;
+use crate::config::Config;
+use crate::durable;
+use crate::ids::{GroupId, PeerId};
+use crate::jobs::{self, Job, Schedule};
+use crate::mdma::{CallError, MdmaClient, RecoveryEnvelope, RecoveryKey, RequestError};
+use crate::merod::{
+    ListenCandidates, MemberDevice, MemberDevices, MerodClient, MerodError, Node, SealedEnvelope,
+};
+use crate::outcome::Timed;
+use crate::telemetry::{unix_now, Telemetry};
+
+use super::inventory::{within, GroupReader, TreeTooLarge, TreeWalk, WALK_BUDGET};
+
+/// How often the envelopes are checked (and at once when the confirmed set changes).
+pub(crate) const PASS_EVERY: Duration = Duration::from_secs(300);
+/// How often every envelope is sealed and written again at the latest.
+pub(crate) const FULL_EVERY: Duration = Duration::from_secs(86_400);
+/// The state file, in the state directory (the Bash sidecar's name and format).
+pub(crate) const RECORD_FILE: &str = "fleet-recovery.json";
+/// Largest record read back (an entry is ~200 bytes).
+const MAX_RECORD: u64 = 64 * 1024 * 1024;
+/// Bound of one pass. A pass cut here keeps what landed (recorded as it landed); the next
+/// one takes up the rest, as their digests still differ.
+const PASS_DEADLINE: Duration = Duration::from_secs(3600);
+
+/// One envelope MDMA took: its version and the SHA-256 (hex) of its plaintext.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Written {
+    /// The version MDMA took.
+    pub(crate) version: u64,
+    /// Hex SHA-256 of the plaintext sealed.
+    pub(crate) sha256: String,
+}
+
+/// What was written, kept as `fleet-recovery.json`: `{"envelopes": {"<ns>/<account>":
+/// {"version", "sha256"}}, "last_full": <Unix s>}`, as the Bash sidecar keeps it (a node
+/// switching over goes on from the versions MDMA holds).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct RecoveryRecord {
+    /// Each envelope this node wrote, by `<namespace>/<account>`.
+    #[serde(default)]
+    pub(crate) envelopes: BTreeMap<String, Written>,
+    /// When the last full pass started, Unix seconds (0: never).
+    #[serde(default)]
+    pub(crate) last_full: u64,
+}
+
+/// `<namespace>/<account>`, the record's key.
+fn entry_key(namespace: GroupId, account: &str) -> String {
+    format!("{namespace}/{account}")
+}
+
+impl RecoveryRecord {
+    /// The accounts recorded for `namespace`.
+    pub(crate) fn accounts(&self, namespace: GroupId) -> Vec<String> {
+        let prefix = format!("{namespace}/");
+        self.envelopes
+            .keys()
+            .filter_map(|k| k.strip_prefix(&prefix).map(str::to_owned))
+            .collect()
+    }
+
+    /// The namespaces recorded (entries whose key does not start with an id are ignored).
+    pub(crate) fn namespaces(&self) -> BTreeSet<GroupId> {
+        self.envelopes
+            .keys()
+            .filter_map(|k| k.split_once('/').and_then(|(ns, _)| ns.parse().ok()))
+            .collect()
+    }
+
+    /// Whether the envelope of `account` in `namespace` is due: never written, its
+    /// plaintext changed, or `full`.
+    pub(crate) fn due(&self, namespace: GroupId, account: &str, sha256: &str, full: bool) -> bool {
+        full || self
+            .envelopes
+            .get(&entry_key(namespace, account))
+            .is_none_or(|w| w.sha256 != sha256)
+    }
+
+    /// The version to write next for `account` in `namespace`: one above the recorded one
+    /// (1 for a new envelope).
+    pub(crate) fn next_version(&self, namespace: GroupId, account: &str) -> u64 {
+        self.envelopes
+            .get(&entry_key(namespace, account))
+            .map_or(1, |w| w.version.saturating_add(1))
+    }
+}
+
+/// Whether this pass seals everything: the confirmed set changed since an earlier pass, or
+/// [`FULL_EVERY`] passed since the last full pass (`last_full` ahead of `now`, a clock
+/// stepped back, counts as due).
+pub(crate) fn want_full(set_changed: bool, last_full: u64, now_unix: u64) -> bool {
+    set_changed || last_full > now_unix || now_unix - last_full >= FULL_EVERY.as_secs()
+}
+
+/// One group of a namespace as read: its direct members, contexts and member devices.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct GroupRead {
+    /// The group.
+    pub(crate) id: GroupId,
+    /// Its member accounts (lowercase hex).
+    pub(crate) members: Vec<String>,
+    /// Its contexts.
+    pub(crate) contexts: Vec<String>,
+    /// Its `member-devices` rows.
+    pub(crate) devices: Vec<MemberDevices>,
+}
+
+/// One account's plaintext and its digest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Plaintext {
+    /// The v2 plaintext (compact JSON, keys sorted).
+    pub(crate) bytes: Vec<u8>,
+    /// Hex SHA-256 of `bytes`.
+    pub(crate) sha256: String,
+}
+
+/// The v2 plaintext; its fields are declared in key order, so it renders with sorted keys.
+#[derive(Serialize)]
+struct PlaintextV2<'a> {
+    contexts: Vec<&'a str>,
+    devices: Vec<&'a MemberDevice>,
+    groups: Vec<String>,
+    namespace_id: String,
+    v: u8,
+}
+
+/// The plaintext of every member account of `namespace` read as `groups`:
+/// `{"contexts": [sorted], "devices": [{"device_id", "signing_key"} sorted by id],
+/// "groups": [sorted], "namespace_id", "v": 2}`, compact, keys sorted; `groups` are those
+/// where the account has a direct row, `contexts` the union of theirs, `devices` the
+/// account's own from every group's `member-devices`, each device id once (its first row in
+/// walk order), signing keys verbatim.
+pub(crate) fn plaintexts(namespace: GroupId, groups: &[GroupRead]) -> BTreeMap<String, Plaintext> {
+    let mut of: BTreeMap<&str, (BTreeSet<GroupId>, BTreeSet<&str>)> = BTreeMap::new();
+    for group in groups {
+        for account in &group.members {
+            let entry = of.entry(account.as_str()).or_default();
+            entry.0.insert(group.id);
+            entry.1.extend(group.contexts.iter().map(String::as_str));
+        }
+    }
+    let mut devices: BTreeMap<&str, BTreeMap<&str, &MemberDevice>> = BTreeMap::new();
+    for row in groups.iter().flat_map(|g| &g.devices) {
+        let own = devices.entry(row.account.as_str()).or_default();
+        for device in &row.devices {
+            own.entry(device.device_id.as_str()).or_insert(device);
+        }
+    }
+    of.into_iter()
+        .map(|(account, (in_groups, contexts))| {
+            let body = PlaintextV2 {
+                contexts: contexts.into_iter().collect(),
+                devices: devices
+                    .get(account)
+                    .map(|d| d.values().copied().collect())
+                    .unwrap_or_default(),
+                groups: in_groups.iter().map(GroupId::to_string).collect(),
+                namespace_id: namespace.to_string(),
+                v: 2,
+            };
+            // Strings, a number and lists of them always render.
+            let bytes = serde_json::to_vec(&body).unwrap_or_default();
+            let sha256 = hex::encode(Sha256::digest(&bytes));
+            (account.to_owned(), Plaintext { bytes, sha256 })
+        })
+        .collect()
+}
+
+/// The merod calls the envelopes need beyond the group reads ([`MerodClient`]'s; a fake in
+/// tests).
+#[async_trait]
+pub(crate) trait EnvelopeReader: GroupReader {
+    /// [`MerodClient::member_devices`].
+    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError>;
+    /// [`MerodClient::seal_to_account`].
+    async fn seal(
+        &self,
+        group: GroupId,
+        account: &str,
+        plaintext: &[u8],
+    ) -> Result<Option<SealedEnvelope>, MerodError>;
+    /// [`MerodClient::lacks_seal_route`].
+    fn lacks_seal_route(&self) -> bool;
+    /// The namespaces merod holds ([`Node::list_namespaces`]).
+    async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError>;
+}
+
+#[async_trait]
+impl EnvelopeReader for MerodClient {
+    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
+        MerodClient::member_devices(self, group).await
+    }
+    async fn seal(
+        &self,
+        group: GroupId,
+        account: &str,
+        plaintext: &[u8],
+    ) -> Result<Option<SealedEnvelope>, MerodError> {
+        self.seal_to_account(group, account, plaintext).await
+    }
+    fn lacks_seal_route(&self) -> bool {
+        MerodClient::lacks_seal_route(self)
+    }
+    async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        MerodClient::list_namespaces(self).await
+    }
+}
+
+/// merod at the `[server].listen` address the loop chose.
+#[async_trait]
+impl EnvelopeReader for ListenCandidates {
+    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
+        self.current().member_devices(group).await
+    }
+    async fn seal(
+        &self,
+        group: GroupId,
+        account: &str,
+        plaintext: &[u8],
+    ) -> Result<Option<SealedEnvelope>, MerodError> {
+        self.current()
+            .seal_to_account(group, account, plaintext)
+            .await
+    }
+    fn lacks_seal_route(&self) -> bool {
+        self.current().lacks_seal_route()
+    }
+    async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+        Node::list_namespaces(self.current()).await
+    }
+}
+
+/// Where the envelopes go ([`MdmaClient`]'s routes; a fake in tests).
+#[async_trait]
+pub(crate) trait EnvelopeSink: Send + Sync {
+    /// [`MdmaClient::put_recovery_envelope`].
+    async fn put(&self, envelope: &RecoveryEnvelope) -> Result<(), CallError>;
+    /// [`MdmaClient::delete_recovery_envelope`].
+    async fn delete(&self, key: &RecoveryKey) -> Result<(), CallError>;
+}
+
+#[async_trait]
+impl EnvelopeSink for MdmaClient {
+    async fn put(&self, envelope: &RecoveryEnvelope) -> Result<(), CallError> {
+        self.put_recovery_envelope(envelope).await
+    }
+    async fn delete(&self, key: &RecoveryKey) -> Result<(), CallError> {
+        self.delete_recovery_envelope(key).await
+    }
+}
+
+/// The outside world the envelopes need: merod's reads and seal, MDMA's route.
+#[derive(Clone)]
+pub(crate) struct RecoveryDeps {
+    /// merod.
+    pub(crate) merod: Arc<dyn EnvelopeReader>,
+    /// MDMA.
+    pub(crate) mdma: Arc<dyn EnvelopeSink>,
+}
+
+/// Why a namespace was not read whole (nothing is written for it).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Incomplete {
+    /// A read failed.
+    #[error("{0}")]
+    Read(#[from] MerodError),
+    /// The walk's budget ran out.
+    #[error("no whole read within {0:?}")]
+    Budget(Duration),
+    /// The tree is larger than the walk takes.
+    #[error("more than {} groups", super::inventory::MAX_GROUPS)]
+    TooLarge,
+}
+
+impl From<TreeTooLarge> for Incomplete {
+    fn from(_: TreeTooLarge) -> Self {
+        Incomplete::TooLarge
+    }
+}
+
+/// Reads `namespace` whole through `merod` within `budget`: every group of its tree
+/// (breadth-first, at most `MAX_GROUPS`) with its members, contexts and member devices.
+///
+/// Errors: [`Incomplete`] for any failed read, the budget spent or a tree too large:
+/// nothing read is used then.
+pub(crate) async fn read_namespace(
+    merod: &dyn EnvelopeReader,
+    namespace: GroupId,
+    budget: Duration,
+) -> Result<Vec<GroupRead>, Incomplete> {
+    let deadline = Instant::now() + budget;
+    let out_of_time = || Incomplete::Budget(budget);
+    let mut tree = TreeWalk::new(namespace);
+    let mut groups = Vec::new();
+    while let Some(id) = tree.next_group()? {
+        tree.found(
+            within(deadline, merod.subgroups(id))
+                .await
+                .ok_or_else(out_of_time)??,
+        );
+        let members = within(deadline, merod.members(id))
+            .await
+            .ok_or_else(out_of_time)??;
+        let contexts = within(deadline, merod.contexts(id))
+            .await
+            .ok_or_else(out_of_time)??;
+        let devices = within(deadline, merod.member_devices(id))
+            .await
+            .ok_or_else(out_of_time)??;
+        groups.push(GroupRead {
+            id,
+            members: members.into_iter().map(|m| m.identity).collect(),
+            contexts,
+            devices,
+        });
+    }
+    Ok(groups)
+}
+
+/// Why a pass did not do all it had to (the harness says each change once; the next pass
+/// takes up what is left).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum PassError {
+    /// merod has no seal route: the job waits (see the module docs of `merod::seal`).
+    #[error("merod has no seal route (POST /admin-api/groups/{{id}}/accounts/{{account}}/seal, 0.11.0-rc.34 or newer); asking again after merod restarts or within {:?}", crate::merod::SEAL_ROUTE_RETRY)]
+    NoSealRoute,
+    /// What landed could not be recorded: no further envelope is written until it can be.
+    #[error(
+        "the recovery record cannot be written ({0}); writing no further envelope until it can"
+    )]
+    Record(String),
+    /// Some envelopes were not written or removed, or some namespaces not read whole.
+    #[error("{failed} envelope(s) not written or removed, {incomplete} namespace(s) not read whole; the first: {first}")]
+    Partly {
+        /// Envelopes not sealed, written or removed.
+        failed: usize,
+        /// Namespaces not read whole.
+        incomplete: usize,
+        /// The first failure.
+        first: String,
+    },
+}
+
+impl Timed for PassError {
+    fn is_timeout(&self) -> bool {
+        false
+    }
+}
+
+/// What a pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct PassDone {
+    /// Envelopes written.
+    pub(crate) written: usize,
+    /// Envelopes removed.
+    pub(crate) removed: usize,
+}
+
+/// The loop's side of the recovery job: hands it the confirmed namespaces.
+#[derive(Clone, Debug)]
+pub(crate) struct RecoveryView {
+    confirmed: watch::Sender<Option<Arc<BTreeSet<GroupId>>>>,
+}
+
+impl RecoveryView {
+    /// Starts the job for the node `peer_id` when `[recovery] enabled` (not in a dry run,
+    /// not without `deps`), its record kept beside the state file.
+    pub(crate) fn start(
+        cfg: &Config,
+        deps: Option<RecoveryDeps>,
+        peer_id: PeerId,
+        telemetry: Arc<Telemetry>,
+        shutdown: CancellationToken,
+    ) -> Option<Self> {
+        let deps = deps?;
+        if !cfg.recovery.enabled || cfg.dry_run {
+            return None;
+        }
+        let (confirmed, rx) = watch::channel(None);
+        let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
+        let job = PassJob {
+            record: load_record(&path),
+            path,
+            deps,
+            peer_id,
+            confirmed: rx,
+            passed: None,
+            pending_full: false,
+        };
+        jobs::spawn(job, telemetry, shutdown);
+        Some(Self { confirmed })
+    }
+
+    /// Hands over the confirmed namespaces; the job wakes only when they differ from the
+    /// set handed over before.
+    pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>) {
+        self.confirmed.send_if_modified(|current| {
+            if current.as_deref() == Some(confirmed) {
+                return false;
+            }
+            *current = Some(Arc::new(confirmed.clone()));
+            true
+        });
+    }
+}
+
+/// The record at `path`; an empty one when there is none or it cannot be read (said: MDMA
+/// may then hold versions this node no longer knows, and answer 409 until they are passed).
+fn load_record(path: &Path) -> RecoveryRecord {
+    let lost = |why: String| {
+        warn!(path = %path.display(), "the recovery record is lost ({why}): envelopes start again at version 1, which MDMA refuses (409) where it holds a newer one");
+        RecoveryRecord::default()
+    };
+    match durable::read_capped(path, MAX_RECORD) {
+        Ok(None) => RecoveryRecord::default(),
+        Ok(Some(bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| lost(e.to_string())),
+        Err(e) => lost(e.to_string()),
+    }
+}
+
+struct PassJob {
+    deps: RecoveryDeps,
+    peer_id: PeerId,
+    confirmed: watch::Receiver<Option<Arc<BTreeSet<GroupId>>>>,
+    /// The set the last pass took.
+    passed: Option<Arc<BTreeSet<GroupId>>>,
+    /// The set changed since a full pass last started: the next pass is full.
+    pending_full: bool,
+    record: RecoveryRecord,
+    path: PathBuf,
+}
+
+/// The failures of one pass so far.
+#[derive(Default)]
+struct Tally {
+    done: PassDone,
+    failed: usize,
+    incomplete: usize,
+    first: Option<String>,
+}
+
+impl Tally {
+    fn failed(&mut self, why: String) {
+        debug!("{why}");
+        self.failed += 1;
+        self.first.get_or_insert(why);
+    }
+}
+
+impl PassJob {
+    /// Writes the record.
+    ///
+    /// Errors: [`PassError::Record`] when it could not be written.
+    async fn keep(&self) -> Result<(), PassError> {
+        let bytes =
+            serde_json::to_vec(&self.record).map_err(|e| PassError::Record(e.to_string()))?;
+        let path = self.path.clone();
+        tokio::task::spawn_blocking(move || durable::write_atomically(&path, &bytes, 0o600))
+            .await
+            .map_err(|e| PassError::Record(e.to_string()))?
+            .map_err(|e| PassError::Record(e.to_string()))
+    }
+
+    fn key(&self, namespace: GroupId, account: &str) -> RecoveryKey {
+        RecoveryKey {
+            peer_id: self.peer_id.clone(),
+            account_id: account.to_owned(),
+            namespace_id: namespace,
+        }
+    }
+
+    /// Seals and writes the due envelopes of `namespace`, then removes those of members no
+    /// longer listed.
+    async fn pass_namespace(
+        &mut self,
+        namespace: GroupId,
+        full: bool,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        let groups = match read_namespace(self.deps.merod.as_ref(), namespace, WALK_BUDGET).await {
+            Ok(groups) => groups,
+            Err(why) => {
+                warn!(namespace_id = %namespace, "Recovery plan for {namespace} is incomplete ({why}); writing nothing rather than a partial list");
+                tally.incomplete += 1;
+                tally
+                    .first
+                    .get_or_insert_with(|| format!("{namespace}: {why}"));
+                return Ok(());
+            }
+        };
+        let plan = plaintexts(namespace, &groups);
+        for (account, plaintext) in &plan {
+            if !self.record.due(namespace, account, &plaintext.sha256, full) {
+                continue;
+            }
+            let sealed = match self
+                .deps
+                .merod
+                .seal(namespace, account, &plaintext.bytes)
+                .await
+            {
+                Ok(Some(sealed)) => sealed,
+                Ok(None) => return Err(PassError::NoSealRoute),
+                Err(e) => {
+                    tally.failed(format!("sealing for {account} in {namespace}: {e}"));
+                    continue;
+                }
+            };
+            let version = self.record.next_version(namespace, account);
+            let envelope = RecoveryEnvelope {
+                key: self.key(namespace, account),
+                ciphertext: sealed.to_json_string(),
+                version,
+            };
+            match self.deps.mdma.put(&envelope).await {
+                Ok(()) => {
+                    self.record.envelopes.insert(
+                        entry_key(namespace, account),
+                        Written {
+                            version,
+                            sha256: plaintext.sha256.clone(),
+                        },
+                    );
+                    self.keep().await?;
+                    tally.done.written += 1;
+                    info!(namespace_id = %namespace, "Recovery envelope written for {account} in {namespace} (v{version})");
+                }
+                // A 409 too: nothing is recorded and no version spent (see docs/mdma.md).
+                Err(e) => tally.failed(format!(
+                    "writing the envelope of {account} in {namespace} (v{version}): {}",
+                    conflict_or(&e)
+                )),
+            }
+        }
+        for account in self.record.accounts(namespace) {
+            if !plan.contains_key(&account) {
+                self.remove(namespace, &account, "no longer a member", tally)
+                    .await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Deletes the envelope of `account` in `namespace` and forgets it once MDMA took that.
+    async fn remove(
+        &mut self,
+        namespace: GroupId,
+        account: &str,
+        why: &str,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        match self.deps.mdma.delete(&self.key(namespace, account)).await {
+            Ok(()) => {
+                self.record.envelopes.remove(&entry_key(namespace, account));
+                self.keep().await?;
+                tally.done.removed += 1;
+                info!(namespace_id = %namespace, "Recovery envelope removed for {account} in {namespace}: {why}");
+            }
+            Err(e) => tally.failed(format!(
+                "removing the envelope of {account} in {namespace}: {e}"
+            )),
+        }
+        Ok(())
+    }
+
+    /// Removes every entry of the recorded namespaces that are neither `confirmed` nor held
+    /// by merod (a failed read of merod's holdings removes nothing).
+    async fn remove_gone(
+        &mut self,
+        confirmed: &BTreeSet<GroupId>,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        let gone: Vec<GroupId> = self
+            .record
+            .namespaces()
+            .into_iter()
+            .filter(|ns| !confirmed.contains(ns))
+            .collect();
+        if gone.is_empty() {
+            return Ok(());
+        }
+        let held = match self.deps.merod.held().await {
+            Ok(held) => held,
+            Err(e) => {
+                tally.failed(format!(
+                    "merod's namespaces could not be read, so no envelope of a namespace left is removed: {e}"
+                ));
+                return Ok(());
+            }
+        };
+        for namespace in gone.into_iter().filter(|ns| !held.contains(ns)) {
+            for account in self.record.accounts(namespace) {
+                self.remove(
+                    namespace,
+                    &account,
+                    "the node no longer holds the namespace",
+                    tally,
+                )
+                .await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A 409 said as what it means here, anything else as it is.
+fn conflict_or(e: &CallError) -> String {
+    match e {
+        CallError::Request(RequestError::Status { status: 409, .. }) => {
+            format!("{e} (MDMA holds this version or a newer one)")
+        }
+        _ => e.to_string(),
+    }
+}
+
+#[async_trait]
+impl Job for PassJob {
+    type Output = PassDone;
+    type Error = PassError;
+    const NAME: &'static str = "recovery";
+    const FAILING: &'static str = "the recovery envelopes are not all written";
+    const EFFECT: &'static str = "MDMA keeps the envelopes it has; the next pass tries again";
+    const RECOVERED: &'static str = "the recovery envelopes are written again";
+
+    fn schedule(&self) -> Schedule {
+        Schedule {
+            every: Some(PASS_EVERY),
+            min_gap: Duration::from_secs(1),
+            deadline: PASS_DEADLINE,
+            backoff: RETRY,
+        }
+    }
+
+    async fn run(&mut self) -> Result<PassDone, PassError> {
+        let Some(confirmed) = self.confirmed.borrow_and_update().clone() else {
+            return Ok(PassDone::default());
+        };
+        if self.deps.merod.lacks_seal_route() {
+            return Err(PassError::NoSealRoute);
+        }
+        if self
+            .passed
+            .as_ref()
+            .is_some_and(|before| before != &confirmed)
+        {
+            self.pending_full = true;
+        }
+        self.passed = Some(Arc::clone(&confirmed));
+        // Whole seconds; a clock before 1970 reads as 0 (a full pass is then due).
+        let now = unix_now().max(0.0) as u64;
+        let full = want_full(self.pending_full, self.record.last_full, now);
+        if full {
+            // Stamped at the start: a pass cut short is not begun again in full.
+            self.record.last_full = now;
+            self.pending_full = false;
+            self.keep().await?;
+        }
+        let mut tally = Tally::default();
+        for namespace in confirmed.iter() {
+            self.pass_namespace(*namespace, full, &mut tally).await?;
+        }
+        self.remove_gone(&confirmed, &mut tally).await?;
+        match tally.first {
+            None => Ok(tally.done),
+            Some(first) => Err(PassError::Partly {
+                failed: tally.failed,
+                incomplete: tally.incomplete,
+                first,
+            }),
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.confirmed.borrow().is_none() || self.deps.merod.lacks_seal_route()
+    }
+
+    async fn wake(&mut self) {
+        if self.confirmed.changed().await.is_err() {
+            // The loop is gone (shutdown): nothing is handed over again.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::merod::{GroupMember, MerodOp, StorageBytes};
+    use std::collections::HashMap;
+    use std::sync::Mutex;
+
+    const PEER: &str = "12D3KooWNXNMakaAKyWpBemRiWWqusgQCrxvwjtJdRQMzLScTJDT";
+
+    fn gid(n: u8) -> GroupId {
+        format!("{n:02x}").repeat(32).parse().unwrap()
+    }
+
+    fn acct(name: &str) -> String {
+        // A hex account per name, readable in failures.
+        format!("{:0<64}", hex::encode(name))
+    }
+
+    fn fail(op: MerodOp) -> MerodError {
+        MerodError::Status {
+            op,
+            url: "http://127.0.0.1/".to_owned(),
+            status: 500,
+        }
+    }
+
+    /// A merod of groups: children, members, contexts (missing: the read fails), devices.
+    #[derive(Default)]
+    struct Merod {
+        children: HashMap<GroupId, Vec<GroupId>>,
+        members: HashMap<GroupId, Vec<String>>,
+        contexts: HashMap<GroupId, Vec<String>>,
+        devices: HashMap<GroupId, Vec<MemberDevices>>,
+        held: BTreeSet<GroupId>,
+        no_route: bool,
+        lacks: bool,
+        seals: Mutex<Vec<(GroupId, String, String)>>,
+    }
+
+    #[async_trait]
+    impl GroupReader for Merod {
+        async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
+            Ok(self.children.get(&group).cloned().unwrap_or_default())
+        }
+        async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
+            self.contexts
+                .get(&group)
+                .cloned()
+                .ok_or_else(|| fail(MerodOp::Contexts))
+        }
+        async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
+            Ok(self
+                .members
+                .get(&group)
+                .cloned()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|identity| GroupMember {
+                    identity,
+                    role: "Member".to_owned(),
+                })
+                .collect())
+        }
+        async fn capabilities(&self, _: GroupId, _: &str) -> Result<u32, MerodError> {
+            Err(fail(MerodOp::Capabilities))
+        }
+        async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+            Ok(BTreeMap::new())
+        }
+    }
+
+    #[async_trait]
+    impl EnvelopeReader for Merod {
+        async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
+            Ok(self.devices.get(&group).cloned().unwrap_or_default())
+        }
+        async fn seal(
+            &self,
+            group: GroupId,
+            account: &str,
+            plaintext: &[u8],
+        ) -> Result<Option<SealedEnvelope>, MerodError> {
+            if self.no_route {
+                return Ok(None);
+            }
+            let mut seals = self.seals.lock().unwrap();
+            seals.push((
+                group,
+                account.to_owned(),
+                String::from_utf8(plaintext.to_vec()).unwrap(),
+            ));
+            // A fresh ciphertext every call, as real sealing.
+            Ok(Some(SealedEnvelope {
+                account_root_epoch: 3,
+                ciphertext: format!("ct{}", seals.len()),
+                ephemeral_public_key: format!("eph{}", seals.len()),
+                nonce: format!("n{}", seals.len()),
+            }))
+        }
+        fn lacks_seal_route(&self) -> bool {
+            self.lacks
+        }
+        async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError> {
+            Ok(self.held.clone())
+        }
+    }
+
+    #[derive(Default)]
+    struct Mdma {
+        puts: Mutex<Vec<RecoveryEnvelope>>,
+        deletes: Mutex<Vec<RecoveryKey>>,
+        failing: Mutex<bool>,
+    }
+
+    fn refused(status: u16) -> CallError {
+        CallError::Request(RequestError::Status {
+            method: crate::mdma::RequestMethod::Put,
+            url: "https://mdma.test/api/fleet/recovery-envelope"
+                .parse()
+                .unwrap(),
+            status,
+            retry_after_secs: None,
+            body: Box::default(),
+        })
+    }
+
+    #[async_trait]
+    impl EnvelopeSink for Mdma {
+        async fn put(&self, envelope: &RecoveryEnvelope) -> Result<(), CallError> {
+            if *self.failing.lock().unwrap() {
+                return Err(refused(409));
+            }
+            self.puts.lock().unwrap().push(envelope.clone());
+            Ok(())
+        }
+        async fn delete(&self, key: &RecoveryKey) -> Result<(), CallError> {
+            self.deletes.lock().unwrap().push(key.clone());
+            Ok(())
+        }
+    }
+
+    fn device(id: &str) -> MemberDevice {
+        MemberDevice {
+            device_id: id.to_owned(),
+            signing_key: format!("Sk-{id}"),
+        }
+    }
+
+    /// Namespace 1: alice, bob and carol; context ctx1; alice has d2 and d1, bob d3, carol
+    /// none.
+    fn three_members() -> Merod {
+        let mut m = Merod::default();
+        m.members
+            .insert(gid(1), vec![acct("alice"), acct("bob"), acct("carol")]);
+        m.contexts.insert(gid(1), vec!["ctx1".into()]);
+        m.devices.insert(
+            gid(1),
+            vec![
+                MemberDevices {
+                    account: acct("alice"),
+                    devices: vec![device("d2"), device("d1")],
+                },
+                MemberDevices {
+                    account: acct("bob"),
+                    devices: vec![device("d3")],
+                },
+                MemberDevices {
+                    account: acct("carol"),
+                    devices: vec![],
+                },
+            ],
+        );
+        m.held.insert(gid(1));
+        m
+    }
+
+    struct Rig {
+        job: PassJob,
+        merod: Arc<Merod>,
+        mdma: Arc<Mdma>,
+        _confirmed: watch::Sender<Option<Arc<BTreeSet<GroupId>>>>,
+        _dir: tempfile::TempDir,
+    }
+
+    fn rig_in(dir: tempfile::TempDir, merod: Merod, confirmed: &[GroupId]) -> Rig {
+        let merod = Arc::new(merod);
+        let mdma = Arc::new(Mdma::default());
+        let (tx, rx) = watch::channel(Some(Arc::new(confirmed.iter().copied().collect())));
+        let path = dir.path().join(RECORD_FILE);
+        let job = PassJob {
+            deps: RecoveryDeps {
+                merod: Arc::clone(&merod) as _,
+                mdma: Arc::clone(&mdma) as _,
+            },
+            peer_id: PEER.parse().unwrap(),
+            confirmed: rx,
+            passed: None,
+            pending_full: false,
+            record: load_record(&path),
+            path,
+        };
+        Rig {
+            job,
+            merod,
+            mdma,
+            _confirmed: tx,
+            _dir: dir,
+        }
+    }
+
+    fn rig(merod: Merod, confirmed: &[GroupId]) -> Rig {
+        rig_in(tempfile::tempdir().unwrap(), merod, confirmed)
+    }
+
+    impl Rig {
+        fn puts(&self) -> Vec<RecoveryEnvelope> {
+            self.mdma.puts.lock().unwrap().clone()
+        }
+        fn sealed(&self) -> Vec<String> {
+            self.merod
+                .seals
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|s| s.2.clone())
+                .collect()
+        }
+        /// The job again over the same record file, as after a restart.
+        fn restarted(self, merod: Merod, confirmed: &[GroupId]) -> Rig {
+            rig_in(self._dir, merod, confirmed)
+        }
+    }
+
+    #[tokio::test]
+    async fn each_member_gets_one_envelope_with_its_own_devices() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        let done = r.job.run().await.unwrap();
+        assert_eq!(done.written, 3);
+        let puts = r.puts();
+        let accounts: Vec<&str> = puts.iter().map(|p| p.key.account_id.as_str()).collect();
+        assert_eq!(accounts, [acct("alice"), acct("bob"), acct("carol")]);
+        assert!(puts.iter().all(|p| p.key.namespace_id == gid(1)
+            && p.version == 1
+            && p.key.peer_id.to_string() == PEER));
+        // The ciphertext MDMA stores: the sealed envelope as one sorted, compact string.
+        assert_eq!(
+            puts[0].ciphertext,
+            r#"{"accountRootEpoch":3,"ciphertext":"ct1","ephemeralPublicKey":"eph1","nonce":"n1"}"#
+        );
+        let sealed = r.sealed();
+        let ns = gid(1).to_string();
+        assert_eq!(
+            sealed[0],
+            format!(
+                r#"{{"contexts":["ctx1"],"devices":[{{"device_id":"d1","signing_key":"Sk-d1"}},{{"device_id":"d2","signing_key":"Sk-d2"}}],"groups":["{ns}"],"namespace_id":"{ns}","v":2}}"#
+            ),
+            "sorted keys, compact, alice's devices sorted, keys verbatim"
+        );
+        assert_eq!(
+            sealed
+                .iter()
+                .filter(|p| p.contains(r#""device_id":"d3""#))
+                .count(),
+            1,
+            "bob's device is in bob's envelope only"
+        );
+        assert!(
+            sealed[2].contains(r#""devices":[]"#),
+            "carol: an empty list"
+        );
+    }
+
+    #[tokio::test]
+    async fn only_a_changed_plaintext_is_written_again_and_the_version_survives_a_restart() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.job.run().await.unwrap();
+        assert_eq!(r.job.run().await.unwrap().written, 0, "nothing changed");
+        assert_eq!(r.puts().len(), 3);
+        // The fake's ciphertexts differ on every seal: only the plaintext's digest counts.
+        let mut changed = three_members();
+        changed
+            .contexts
+            .insert(gid(1), vec!["ctx1".into(), "ctx2".into()]);
+        let mut r = r.restarted(changed, &[gid(1)]);
+        assert_eq!(r.job.run().await.unwrap().written, 3);
+        assert!(r.puts().iter().all(|p| p.version == 2));
+        let mut again = three_members();
+        again
+            .contexts
+            .insert(gid(1), vec!["ctx1".into(), "ctx2".into(), "ctx3".into()]);
+        let mut r = r.restarted(again, &[gid(1)]);
+        r.job.run().await.unwrap();
+        assert!(r.puts().iter().all(|p| p.version == 3), "{:?}", r.puts());
+    }
+
+    #[tokio::test]
+    async fn an_incomplete_read_or_no_member_writes_nothing() {
+        let mut m = three_members();
+        m.contexts.clear();
+        let mut r = rig(m, &[gid(1)]);
+        let err = r.job.run().await.unwrap_err();
+        assert!(
+            matches!(
+                err,
+                PassError::Partly {
+                    incomplete: 1,
+                    failed: 0,
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert!(r.puts().is_empty() && r.sealed().is_empty());
+        // A subgroup that cannot be read makes the namespace incomplete too.
+        let mut m = three_members();
+        m.children.insert(gid(1), vec![gid(2)]);
+        let mut r = rig(m, &[gid(1)]);
+        assert!(r.job.run().await.is_err());
+        assert!(r.puts().is_empty());
+        let mut m = three_members();
+        m.members.clear();
+        m.devices.clear();
+        let mut r = rig(m, &[gid(1)]);
+        assert_eq!(r.job.run().await.unwrap(), PassDone::default());
+        assert!(r.puts().is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_refused_put_spends_no_version_and_is_retried_at_v1() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        *r.mdma.failing.lock().unwrap() = true;
+        let err = r.job.run().await.unwrap_err();
+        assert!(err.to_string().contains("409"), "{err}");
+        assert!(err.to_string().contains("MDMA holds this version"), "{err}");
+        assert!(r.job.record.envelopes.is_empty());
+        *r.mdma.failing.lock().unwrap() = false;
+        assert_eq!(r.job.run().await.unwrap().written, 3);
+        assert!(r.puts().iter().all(|p| p.version == 1));
+    }
+
+    #[tokio::test]
+    async fn a_subgroup_s_members_get_its_groups_and_contexts_and_the_union_for_both() {
+        let mut m = three_members();
+        m.children.insert(gid(1), vec![gid(2)]);
+        m.members.insert(gid(2), vec![acct("alice"), acct("dave")]);
+        m.contexts.insert(gid(2), vec!["ctx9".into()]);
+        // A device listed in two groups is in the envelope once.
+        m.devices.insert(
+            gid(2),
+            vec![MemberDevices {
+                account: acct("alice"),
+                devices: vec![device("d1")],
+            }],
+        );
+        let plan = plaintexts(
+            gid(1),
+            &read_namespace(&m, gid(1), WALK_BUDGET).await.unwrap(),
+        );
+        let text = |a: &str| String::from_utf8(plan[&acct(a)].bytes.clone()).unwrap();
+        let (g1, g2) = (gid(1).to_string(), gid(2).to_string());
+        assert!(text("alice").contains(r#""contexts":["ctx1","ctx9"]"#));
+        assert!(text("alice").contains(&format!(r#""groups":["{g1}","{g2}"]"#)));
+        assert_eq!(text("alice").matches(r#""device_id":"d1""#).count(), 1);
+        assert!(text("dave").contains(&format!(r#""groups":["{g2}"],"#)));
+        assert!(text("dave").contains(r#""contexts":["ctx9"]"#));
+        assert!(text("bob").contains(r#""contexts":["ctx1"]"#));
+    }
+
+    #[tokio::test]
+    async fn members_who_left_and_namespaces_gone_from_merod_are_deleted() {
+        let mut m = three_members();
+        m.members.insert(gid(2), vec![acct("erin")]);
+        m.contexts.insert(gid(2), vec![]);
+        m.held.insert(gid(2));
+        let mut r = rig(m, &[gid(1), gid(2)]);
+        assert_eq!(r.job.run().await.unwrap().written, 4);
+        // Carol left namespace 1; namespace 2 is withdrawn but still held: kept.
+        let mut m = three_members();
+        m.members.insert(gid(1), vec![acct("alice"), acct("bob")]);
+        m.held.insert(gid(2));
+        let mut r = r.restarted(m, &[gid(1)]);
+        let done = r.job.run().await.unwrap();
+        assert_eq!(done.removed, 1);
+        let deleted = r.mdma.deletes.lock().unwrap().clone();
+        assert_eq!(deleted.len(), 1);
+        assert_eq!(deleted[0].account_id, acct("carol"));
+        assert_eq!(deleted[0].namespace_id, gid(1));
+        assert!(r
+            .job
+            .record
+            .envelopes
+            .contains_key(&entry_key(gid(2), &acct("erin"))));
+        // merod no longer holds namespace 2: its entries go too.
+        let mut r = r.restarted(three_members(), &[gid(1)]);
+        let _ = r.job.run().await.unwrap();
+        let deleted = r.mdma.deletes.lock().unwrap().clone();
+        assert_eq!(deleted.len(), 1);
+        assert_eq!(
+            (deleted[0].namespace_id, deleted[0].account_id.clone()),
+            (gid(2), acct("erin"))
+        );
+        assert_eq!(r.job.record.namespaces(), BTreeSet::from([gid(1)]));
+        // Carol is back: her envelope starts again at v1 (her entry was dropped).
+        let carol: Vec<u64> = r
+            .puts()
+            .iter()
+            .filter(|p| p.key.account_id == acct("carol"))
+            .map(|p| p.version)
+            .collect();
+        assert_eq!(carol, [1]);
+    }
+
+    #[tokio::test]
+    async fn no_seal_route_stops_the_pass_and_the_job_idles_while_it_is_known() {
+        let mut m = three_members();
+        m.no_route = true;
+        let mut r = rig(m, &[gid(1)]);
+        assert!(matches!(r.job.run().await, Err(PassError::NoSealRoute)));
+        assert!(r.puts().is_empty());
+        let mut m = three_members();
+        m.lacks = true;
+        let mut r = rig(m, &[gid(1)]);
+        assert!(r.job.idle(), "a known lack: no run, no merod call");
+        assert!(matches!(r.job.run().await, Err(PassError::NoSealRoute)));
+        assert!(r.sealed().is_empty());
+    }
+
+    #[test]
+    fn a_full_pass_is_daily_after_a_set_change_or_a_clock_stepped_back() {
+        assert!(want_full(false, 0, 1_000_000));
+        assert!(!want_full(false, 1_000_000, 1_000_000 + 86_399));
+        assert!(want_full(false, 1_000_000, 1_000_000 + 86_400));
+        assert!(want_full(true, 1_000_000, 1_000_001));
+        assert!(want_full(false, 1_000_000, 999_999));
+    }
+
+    #[tokio::test]
+    async fn a_full_pass_writes_every_envelope_again_at_the_next_version() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.job.run().await.unwrap();
+        r.job.record.last_full -= FULL_EVERY.as_secs();
+        assert_eq!(r.job.run().await.unwrap().written, 3);
+        assert!(r.puts()[3..].iter().all(|p| p.version == 2));
+    }
+
+    #[test]
+    fn the_record_reads_the_bash_sidecar_s_file() {
+        let text = format!(
+            r#"{{"envelopes":{{"{}/{}":{{"version":4,"sha256":"ab"}}}},"last_full":1700000000}}"#,
+            gid(1),
+            acct("alice")
+        );
+        let record: RecoveryRecord = serde_json::from_str(&text).unwrap();
+        assert_eq!(record.next_version(gid(1), &acct("alice")), 5);
+        assert_eq!(record.last_full, 1_700_000_000);
+        assert_eq!(serde_json::to_string(&record).unwrap(), text);
+    }
+}
