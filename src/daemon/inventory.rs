@@ -237,10 +237,70 @@ impl Timed for ScanError {
     }
 }
 
+/// The confirmed namespaces as the loop hands them to a job beside it (the inventory, the
+/// recovery envelopes): the loop's side.
+#[derive(Clone, Debug)]
+pub(crate) struct ConfirmedOffer(watch::Sender<Option<Arc<BTreeSet<GroupId>>>>);
+
+/// The job's side of [`ConfirmedOffer`]: the latest set, and whether it changed since the
+/// set the job took before.
+#[derive(Debug)]
+pub(crate) struct ConfirmedFeed {
+    rx: watch::Receiver<Option<Arc<BTreeSet<GroupId>>>>,
+    /// The set taken last.
+    taken: Option<Arc<BTreeSet<GroupId>>>,
+}
+
+impl ConfirmedOffer {
+    /// A new offer and its feed, with no set yet.
+    pub(crate) fn channel() -> (Self, ConfirmedFeed) {
+        let (tx, rx) = watch::channel(None);
+        (Self(tx), ConfirmedFeed { rx, taken: None })
+    }
+
+    /// Hands over `confirmed`; the job wakes only when it differs from the set handed over
+    /// before (cloned only then).
+    pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>) {
+        self.0.send_if_modified(|current| {
+            if current.as_deref() == Some(confirmed) {
+                return false;
+            }
+            *current = Some(Arc::new(confirmed.clone()));
+            true
+        });
+    }
+}
+
+impl ConfirmedFeed {
+    /// The latest set and whether it differs from one taken before (`false` the first
+    /// time); `None` before the loop handed any.
+    pub(crate) fn take(&mut self) -> Option<(Arc<BTreeSet<GroupId>>, bool)> {
+        let confirmed = self.rx.borrow_and_update().clone()?;
+        let changed = self
+            .taken
+            .as_ref()
+            .is_some_and(|before| before != &confirmed);
+        self.taken = Some(Arc::clone(&confirmed));
+        Some((confirmed, changed))
+    }
+
+    /// Whether the loop has handed no set yet.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.rx.borrow().is_none()
+    }
+
+    /// Waits for another set (cancel-safe); never ends once the loop is gone (shutdown).
+    pub(crate) async fn changed(&mut self) {
+        if self.rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 /// The loop's side of the inventory job: hands it the confirmed namespaces.
 #[derive(Clone, Debug)]
 pub(crate) struct InventoryView {
-    confirmed: watch::Sender<Option<Arc<BTreeSet<GroupId>>>>,
+    confirmed: ConfirmedOffer,
 }
 
 impl InventoryView {
@@ -258,7 +318,7 @@ impl InventoryView {
         if !cfg.inventory.enabled || cfg.dry_run {
             return None;
         }
-        let (confirmed, rx) = watch::channel(None);
+        let (confirmed, feed) = ConfirmedOffer::channel();
         let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
         let job = ScanJob {
             record: load_record(&path),
@@ -266,8 +326,7 @@ impl InventoryView {
             deps,
             peer_id,
             account,
-            confirmed: rx,
-            scanned: None,
+            confirmed: feed,
             pending_full: false,
         };
         jobs::spawn(job, telemetry, shutdown);
@@ -277,13 +336,7 @@ impl InventoryView {
     /// Hands over the confirmed namespaces; the job wakes (scans at once) only when they
     /// differ from the set handed over before. Cloned only then.
     pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>) {
-        self.confirmed.send_if_modified(|current| {
-            if current.as_deref() == Some(confirmed) {
-                return false;
-            }
-            *current = Some(Arc::new(confirmed.clone()));
-            true
-        });
+        self.confirmed.offer(confirmed);
     }
 }
 
@@ -310,9 +363,7 @@ struct ScanJob {
     deps: InventoryDeps,
     peer_id: PeerId,
     account: AccountSource,
-    confirmed: watch::Receiver<Option<Arc<BTreeSet<GroupId>>>>,
-    /// The set the last scan walked.
-    scanned: Option<Arc<BTreeSet<GroupId>>>,
+    confirmed: ConfirmedFeed,
     /// The set changed since a full report last landed: the next reports are full.
     pending_full: bool,
     record: InventoryRecord,
@@ -360,17 +411,10 @@ impl Job for ScanJob {
     }
 
     async fn run(&mut self) -> Result<usize, ScanError> {
-        let Some(confirmed) = self.confirmed.borrow_and_update().clone() else {
+        let Some((confirmed, changed)) = self.confirmed.take() else {
             return Ok(0);
         };
-        if self
-            .scanned
-            .as_ref()
-            .is_some_and(|before| before != &confirmed)
-        {
-            self.pending_full = true;
-        }
-        self.scanned = Some(Arc::clone(&confirmed));
+        self.pending_full |= changed;
         // Whole seconds; a clock before 1970 reads as 0 (a full report is then due).
         let now = unix_now().max(0.0) as u64;
         let full = want_full(self.pending_full, self.record.last_full, now);
@@ -433,14 +477,11 @@ impl Job for ScanJob {
     }
 
     fn idle(&self) -> bool {
-        self.confirmed.borrow().is_none()
+        self.confirmed.is_empty()
     }
 
     async fn wake(&mut self) {
-        if self.confirmed.changed().await.is_err() {
-            // The loop is gone (shutdown): nothing is handed over again.
-            std::future::pending::<()>().await;
-        }
+        self.confirmed.changed().await;
     }
 }
 

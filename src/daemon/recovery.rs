@@ -22,7 +22,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
@@ -39,7 +38,9 @@ use crate::merod::{
 use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
-use super::inventory::{within, GroupReader, TreeTooLarge, TreeWalk, WALK_BUDGET};
+use super::inventory::{
+    within, ConfirmedFeed, ConfirmedOffer, GroupReader, TreeTooLarge, TreeWalk, WALK_BUDGET,
+};
 
 /// How often the envelopes are checked (and at once when the confirmed set changes).
 pub(crate) const PASS_EVERY: Duration = Duration::from_secs(300);
@@ -390,7 +391,7 @@ pub(crate) struct PassDone {
 /// The loop's side of the recovery job: hands it the confirmed namespaces.
 #[derive(Clone, Debug)]
 pub(crate) struct RecoveryView {
-    confirmed: watch::Sender<Option<Arc<BTreeSet<GroupId>>>>,
+    confirmed: ConfirmedOffer,
 }
 
 impl RecoveryView {
@@ -407,15 +408,14 @@ impl RecoveryView {
         if !cfg.recovery.enabled || cfg.dry_run {
             return None;
         }
-        let (confirmed, rx) = watch::channel(None);
+        let (confirmed, feed) = ConfirmedOffer::channel();
         let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
         let job = PassJob {
             record: load_record(&path),
             path,
             deps,
             peer_id,
-            confirmed: rx,
-            passed: None,
+            confirmed: feed,
             pending_full: false,
         };
         jobs::spawn(job, telemetry, shutdown);
@@ -425,13 +425,7 @@ impl RecoveryView {
     /// Hands over the confirmed namespaces; the job wakes only when they differ from the
     /// set handed over before.
     pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>) {
-        self.confirmed.send_if_modified(|current| {
-            if current.as_deref() == Some(confirmed) {
-                return false;
-            }
-            *current = Some(Arc::new(confirmed.clone()));
-            true
-        });
+        self.confirmed.offer(confirmed);
     }
 }
 
@@ -452,9 +446,7 @@ fn load_record(path: &Path) -> RecoveryRecord {
 struct PassJob {
     deps: RecoveryDeps,
     peer_id: PeerId,
-    confirmed: watch::Receiver<Option<Arc<BTreeSet<GroupId>>>>,
-    /// The set the last pass took.
-    passed: Option<Arc<BTreeSet<GroupId>>>,
+    confirmed: ConfirmedFeed,
     /// The set changed since a full pass last started: the next pass is full.
     pending_full: bool,
     record: RecoveryRecord,
@@ -663,20 +655,13 @@ impl Job for PassJob {
     }
 
     async fn run(&mut self) -> Result<PassDone, PassError> {
-        let Some(confirmed) = self.confirmed.borrow_and_update().clone() else {
-            return Ok(PassDone::default());
-        };
         if self.deps.merod.lacks_seal_route() {
             return Err(PassError::NoSealRoute);
         }
-        if self
-            .passed
-            .as_ref()
-            .is_some_and(|before| before != &confirmed)
-        {
-            self.pending_full = true;
-        }
-        self.passed = Some(Arc::clone(&confirmed));
+        let Some((confirmed, changed)) = self.confirmed.take() else {
+            return Ok(PassDone::default());
+        };
+        self.pending_full |= changed;
         // Whole seconds; a clock before 1970 reads as 0 (a full pass is then due).
         let now = unix_now().max(0.0) as u64;
         let full = want_full(self.pending_full, self.record.last_full, now);
@@ -702,14 +687,11 @@ impl Job for PassJob {
     }
 
     fn idle(&self) -> bool {
-        self.confirmed.borrow().is_none() || self.deps.merod.lacks_seal_route()
+        self.confirmed.is_empty() || self.deps.merod.lacks_seal_route()
     }
 
     async fn wake(&mut self) {
-        if self.confirmed.changed().await.is_err() {
-            // The loop is gone (shutdown): nothing is handed over again.
-            std::future::pending::<()>().await;
-        }
+        self.confirmed.changed().await;
     }
 }
 
@@ -893,14 +875,15 @@ mod tests {
         job: PassJob,
         merod: Arc<Merod>,
         mdma: Arc<Mdma>,
-        _confirmed: watch::Sender<Option<Arc<BTreeSet<GroupId>>>>,
+        _confirmed: ConfirmedOffer,
         _dir: tempfile::TempDir,
     }
 
     fn rig_in(dir: tempfile::TempDir, merod: Merod, confirmed: &[GroupId]) -> Rig {
         let merod = Arc::new(merod);
         let mdma = Arc::new(Mdma::default());
-        let (tx, rx) = watch::channel(Some(Arc::new(confirmed.iter().copied().collect())));
+        let (tx, feed) = ConfirmedOffer::channel();
+        tx.offer(&confirmed.iter().copied().collect());
         let path = dir.path().join(RECORD_FILE);
         let job = PassJob {
             deps: RecoveryDeps {
@@ -908,8 +891,7 @@ mod tests {
                 mdma: Arc::clone(&mdma) as _,
             },
             peer_id: PEER.parse().unwrap(),
-            confirmed: rx,
-            passed: None,
+            confirmed: feed,
             pending_full: false,
             record: load_record(&path),
             path,
