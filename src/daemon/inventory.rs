@@ -237,25 +237,25 @@ impl Timed for ScanError {
     }
 }
 
-/// The confirmed namespaces as the loop hands them to a job beside it (the inventory, the
-/// recovery envelopes): the loop's side.
+/// A set of namespaces the loop hands to a job beside it (the confirmed ones to the
+/// inventory and the recovery envelopes): the loop's side.
 #[derive(Clone, Debug)]
-pub(crate) struct ConfirmedOffer(watch::Sender<Option<Arc<BTreeSet<GroupId>>>>);
+pub(crate) struct NamespacesOffer(watch::Sender<Option<Arc<BTreeSet<GroupId>>>>);
 
-/// The job's side of [`ConfirmedOffer`]: the latest set, and whether it changed since the
+/// The job's side of [`NamespacesOffer`]: the latest set, and whether it changed since the
 /// set the job took before.
 #[derive(Debug)]
-pub(crate) struct ConfirmedFeed {
+pub(crate) struct NamespacesFeed {
     rx: watch::Receiver<Option<Arc<BTreeSet<GroupId>>>>,
     /// The set taken last.
     taken: Option<Arc<BTreeSet<GroupId>>>,
 }
 
-impl ConfirmedOffer {
+impl NamespacesOffer {
     /// A new offer and its feed, with no set yet.
-    pub(crate) fn channel() -> (Self, ConfirmedFeed) {
+    pub(crate) fn channel() -> (Self, NamespacesFeed) {
         let (tx, rx) = watch::channel(None);
-        (Self(tx), ConfirmedFeed { rx, taken: None })
+        (Self(tx), NamespacesFeed { rx, taken: None })
     }
 
     /// Hands over `confirmed`; the job wakes only when it differs from the set handed over
@@ -271,7 +271,7 @@ impl ConfirmedOffer {
     }
 }
 
-impl ConfirmedFeed {
+impl NamespacesFeed {
     /// The latest set and whether it differs from one taken before (`false` the first
     /// time); `None` before the loop handed any.
     pub(crate) fn take(&mut self) -> Option<(Arc<BTreeSet<GroupId>>, bool)> {
@@ -300,7 +300,7 @@ impl ConfirmedFeed {
 /// The loop's side of the inventory job: hands it the confirmed namespaces.
 #[derive(Clone, Debug)]
 pub(crate) struct InventoryView {
-    confirmed: ConfirmedOffer,
+    confirmed: NamespacesOffer,
 }
 
 impl InventoryView {
@@ -318,7 +318,7 @@ impl InventoryView {
         if !cfg.inventory.enabled || cfg.dry_run {
             return None;
         }
-        let (confirmed, feed) = ConfirmedOffer::channel();
+        let (confirmed, feed) = NamespacesOffer::channel();
         let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
         let job = ScanJob {
             record: load_record(&path),
@@ -363,7 +363,7 @@ struct ScanJob {
     deps: InventoryDeps,
     peer_id: PeerId,
     account: AccountSource,
-    confirmed: ConfirmedFeed,
+    confirmed: NamespacesFeed,
     /// The set changed since a full report last landed: the next reports are full.
     pending_full: bool,
     record: InventoryRecord,

@@ -39,7 +39,7 @@ use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
 use super::inventory::{
-    within, ConfirmedFeed, ConfirmedOffer, GroupReader, TreeTooLarge, TreeWalk, WALK_BUDGET,
+    within, GroupReader, NamespacesFeed, NamespacesOffer, TreeTooLarge, TreeWalk, WALK_BUDGET,
 };
 
 /// How often the envelopes are checked (and at once when the confirmed set changes).
@@ -391,7 +391,10 @@ pub(crate) struct PassDone {
 /// The loop's side of the recovery job: hands it the confirmed namespaces.
 #[derive(Clone, Debug)]
 pub(crate) struct RecoveryView {
-    confirmed: ConfirmedOffer,
+    confirmed: NamespacesOffer,
+    /// The namespaces the state records as admitted: a leave that ends drops one and wakes
+    /// the job, which then deletes what merod no longer holds.
+    recorded: NamespacesOffer,
 }
 
 impl RecoveryView {
@@ -408,7 +411,8 @@ impl RecoveryView {
         if !cfg.recovery.enabled || cfg.dry_run {
             return None;
         }
-        let (confirmed, feed) = ConfirmedOffer::channel();
+        let (confirmed, feed) = NamespacesOffer::channel();
+        let (recorded, recorded_feed) = NamespacesOffer::channel();
         let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
         let job = PassJob {
             record: load_record(&path),
@@ -416,16 +420,21 @@ impl RecoveryView {
             deps,
             peer_id,
             confirmed: feed,
+            recorded: recorded_feed,
             pending_full: false,
         };
         jobs::spawn(job, telemetry, shutdown);
-        Some(Self { confirmed })
+        Some(Self {
+            confirmed,
+            recorded,
+        })
     }
 
-    /// Hands over the confirmed namespaces; the job wakes only when they differ from the
-    /// set handed over before.
-    pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>) {
+    /// Hands over the confirmed namespaces and the admitted ones (`recorded`); the job wakes
+    /// only when one differs from the set handed over before.
+    pub(crate) fn offer(&self, confirmed: &BTreeSet<GroupId>, recorded: &BTreeSet<GroupId>) {
         self.confirmed.offer(confirmed);
+        self.recorded.offer(recorded);
     }
 }
 
@@ -446,7 +455,9 @@ fn load_record(path: &Path) -> RecoveryRecord {
 struct PassJob {
     deps: RecoveryDeps,
     peer_id: PeerId,
-    confirmed: ConfirmedFeed,
+    confirmed: NamespacesFeed,
+    /// What the node may hold; only wakes the job.
+    recorded: NamespacesFeed,
     /// The set changed since a full pass last started: the next pass is full.
     pending_full: bool,
     record: RecoveryRecord,
@@ -691,7 +702,10 @@ impl Job for PassJob {
     }
 
     async fn wake(&mut self) {
-        self.confirmed.changed().await;
+        tokio::select! {
+            () = self.confirmed.changed() => {}
+            () = self.recorded.changed() => {}
+        }
     }
 }
 
@@ -875,14 +889,15 @@ mod tests {
         job: PassJob,
         merod: Arc<Merod>,
         mdma: Arc<Mdma>,
-        _confirmed: ConfirmedOffer,
+        _confirmed: NamespacesOffer,
         _dir: tempfile::TempDir,
     }
 
     fn rig_in(dir: tempfile::TempDir, merod: Merod, confirmed: &[GroupId]) -> Rig {
         let merod = Arc::new(merod);
         let mdma = Arc::new(Mdma::default());
-        let (tx, feed) = ConfirmedOffer::channel();
+        let (tx, feed) = NamespacesOffer::channel();
+        let (_, recorded) = NamespacesOffer::channel();
         tx.offer(&confirmed.iter().copied().collect());
         let path = dir.path().join(RECORD_FILE);
         let job = PassJob {
@@ -892,6 +907,7 @@ mod tests {
             },
             peer_id: PEER.parse().unwrap(),
             confirmed: feed,
+            recorded,
             pending_full: false,
             record: load_record(&path),
             path,

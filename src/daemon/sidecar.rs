@@ -247,7 +247,8 @@ impl Sidecar {
             inventory.offer(&self.record.state().confirmed);
         }
         if let Some(recovery) = &self.recovery {
-            recovery.offer(&self.record.state().confirmed);
+            let state = self.record.state();
+            recovery.offer(&state.confirmed, &state.admitted);
         }
     }
 
