@@ -344,6 +344,34 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
         assert!(ns["context_count"].is_u64(), "read whole: {ns}");
     }
 
+    // The recovery envelopes: rc.25 has no seal route. The job reads a namespace whole
+    // (member-devices included), asks once, says so once and idles; MDMA gets nothing.
+    let no_route_lines = || {
+        std::fs::read_to_string(&log_file)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains("merod has no seal route"))
+            .count()
+    };
+    eventually(
+        "the recovery job saying merod has no seal route",
+        Duration::from_secs(60),
+        why,
+        || async { no_route_lines() == 1 },
+    )
+    .await;
+    assert!(
+        mdma.recovery_calls().is_empty(),
+        "no envelope without a seal"
+    );
+    let said = std::fs::read_to_string(&log_file).unwrap_or_default();
+    println!(
+        "real merod: the recovery job idles: {}",
+        said.lines()
+            .find(|l| l.contains("merod has no seal route"))
+            .unwrap_or_default()
+    );
+
     // 2. An MDMA outage: failed polls, then an answer that cannot be read. Nothing is left.
     let before = mdma.polls().len();
     mdma.set_reply(PollReply::Status(503));
@@ -517,6 +545,12 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     step("registered through the attest fallback; polls carry the issued token");
 
     // The daemon stops cleanly on SIGTERM.
+    assert_eq!(
+        no_route_lines(),
+        1,
+        "merod without the seal route is not asked again and again\n{}",
+        why()
+    );
     let mut daemon = daemon;
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(daemon.0.id() as i32),
