@@ -258,6 +258,26 @@ fn every_mdma_example_matches_the_openapi_document() {
         let bytes = serde_json::to_vec(&bad).unwrap();
         assert!(fleet_sidecar::parse_should_join(&bytes).is_err());
     }
+    // The recovery envelopes' bodies, as the client renders them.
+    let key = fleet_sidecar::RecoveryKey {
+        peer_id: "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk"
+            .parse()
+            .unwrap(),
+        account_id: "ab".repeat(32),
+        namespace_id: "cd".repeat(32).parse().unwrap(),
+    };
+    let put = fleet_sidecar::RecoveryEnvelope {
+        key: key.clone(),
+        ciphertext: r#"{"accountRootEpoch":1}"#.to_owned(),
+        version: 1,
+    };
+    let put = serde_json::to_value(put).unwrap();
+    assert!(component(&doc, "RecoveryEnvelopeRequest").is_valid(&put));
+    assert!(component(&doc, "RecoveryKeyRequest").is_valid(&serde_json::to_value(key).unwrap()));
+    assert!(
+        !component(&doc, "RecoveryKeyRequest").is_valid(&put),
+        "a delete names only the key"
+    );
     let request = component(&doc, "ShouldJoinRequest");
     assert!(request
         .is_valid(&json!({"peer_id": "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk"})));
