@@ -23,7 +23,7 @@
 //! | need | items |
 //! |---|---|
 //! | the sidecar's config | [`ToolConfig`] (`[merod]`, `state_file`, `[tdx]`, `mdma_url`; nothing required), [`ToolConfig::mdma_credentials`] (token and CA file, the daemon's checks), [`resolve_admin_url`], [`read_peer_id`]; [`Config`] is the daemon's (every check) |
-//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`] every page, [`MerodClient::identity`], [`MerodClient::tee_role`], and through the [`Node`] trait `probe`, `fleet_join` with `admitterAddrs`, `leave_namespace`, `holds_namespace` on merod's own 404s), [`MerodClientBuilder`], [`Admission`] with [`Refusal`]s, [`TeeRole`], [`MerodError`] |
+//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`] every page, [`MerodClient::identity`], [`MerodClient::node_key`] ([`NodeKey`]: 64 hex or rc.25's base58), [`MerodClient::tee_role`], and through the [`Node`] trait `probe`, `fleet_join` with `admitterAddrs`, `leave_namespace`, `holds_namespace` on merod's own 404s), [`MerodClientBuilder`], [`Admission`] with [`Refusal`]s, [`TeeRole`], [`MerodError`] |
 //! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` (with a [`NodeReport`]: `held_namespaces`), `confirm` (with the role) and `join_status` ([`JoinStatus`]) |
 //! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`read_mrtd_bounded_async`] from async code; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`RegisterRequest`], [`Registered`], [`RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
@@ -32,7 +32,7 @@
 //! | fakes for your tests (`testing` feature) | `emulator::merod::MerodEmulator`, `emulator::mdma::MdmaEmulator` (see below) |
 //!
 //! Every type a tool prints is `Display` and `Serialize` ([`GroupId`] and [`Mrtd`] as
-//! lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`StateFormat`] by name,
+//! lowercase hex, [`NodeKey`] as 64 lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`StateFormat`] by name,
 //! [`MrtdReading`], [`StateReport`] and [`StateFile`] as JSON objects), so
 //! `serde_json::json!({"mrtd": reading.mrtd, "namespaces": held})` is a body to post.
 //!
@@ -260,12 +260,12 @@ pub use mdma::{
 };
 pub use merod::{
     refuses_admitter_addrs, Admission, GroupMember, MemberDevice, MemberDevices, MerodClient,
-    MerodClientBuilder, MerodError, MerodOp, NetworkStatus, Node, NodeAccount, Refusal,
-    SealedEnvelope, StorageBytes, TeeRole, ADMITTER_ADDRS_RETRY, ATTEST_TIMEOUT, CHECK_TIMEOUT,
-    GROUP_PAGE, GROUP_PAGES, JOIN_TIMEOUT, LEAVE_TIMEOUT, LIST_PAGES, MAX_REFUSALS,
-    MAX_REFUSAL_MESSAGE, MAX_REFUSAL_PEER, MAX_REFUSAL_REASON, MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS,
-    MEMBERS_TIMEOUT, MEMBER_PAGES, MEROD_CONNECT_TIMEOUT, NOT_HELD_MESSAGES, PROBE_TIMEOUT,
-    SEAL_ROUTE_RETRY, SEAL_TIMEOUT,
+    MerodClientBuilder, MerodError, MerodOp, NetworkStatus, Node, NodeAccount, NodeKey,
+    NodeKeyError, Refusal, SealedEnvelope, StorageBytes, TeeRole, ADMITTER_ADDRS_RETRY,
+    ATTEST_TIMEOUT, CHECK_TIMEOUT, GROUP_PAGE, GROUP_PAGES, JOIN_TIMEOUT, LEAVE_TIMEOUT,
+    LIST_PAGES, MAX_REFUSALS, MAX_REFUSAL_MESSAGE, MAX_REFUSAL_PEER, MAX_REFUSAL_REASON,
+    MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS, MEMBERS_TIMEOUT, MEMBER_PAGES, MEROD_CONNECT_TIMEOUT,
+    NOT_HELD_MESSAGES, PROBE_TIMEOUT, SEAL_ROUTE_RETRY, SEAL_TIMEOUT,
 };
 pub use metadata::{
     server_port, MetadataAttribute, MetadataClient, MetadataError, DEFAULT_SERVER_PORT,

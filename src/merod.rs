@@ -36,12 +36,14 @@ use crate::strict_json::StrictValue;
 mod groups;
 #[cfg(feature = "daemon")]
 mod listen;
+mod node_key;
 mod paging;
 mod seal;
 
 pub use groups::{GroupMember, StorageBytes, GROUP_PAGE, GROUP_PAGES};
 #[cfg(feature = "daemon")]
 pub(crate) use listen::ListenCandidates;
+pub use node_key::{NodeKey, NodeKeyError};
 pub use seal::{MemberDevice, MemberDevices, SealedEnvelope, SEAL_ROUTE_RETRY, SEAL_TIMEOUT};
 
 /// Default bound of a connection attempt to merod (it is on loopback: longer means it is
@@ -65,6 +67,9 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 pub const ATTEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest identity or attest answer read (a quote is a few KiB).
 const MAX_ATTEST_BODY: usize = 1024 * 1024;
+
+/// The route of the node's identity (its account and node key).
+const IDENTITY_PATH: &str = "admin-api/identity";
 
 /// What `GET /admin-api/identity` says of the node's account.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -866,32 +871,14 @@ impl MerodClient {
     /// that is empty or not printable ASCII without `|` (it is a field of the registration
     /// nonce); transport and timeout as usual.
     pub async fn identity(&self) -> Result<NodeAccount, MerodError> {
-        let op = MerodOp::Identity;
-        let path = "admin-api/identity";
-        let (status, body) = self.raw(op, path, None, self.deadlines.check).await?;
+        let Some(value) = self.identity_answer().await? else {
+            return Ok(NodeAccount::NotMinted);
+        };
         let answer_err = |reason: &str| MerodError::Answer {
-            op,
-            url: self.url(path).to_string(),
+            op: MerodOp::Identity,
+            url: self.url(IDENTITY_PATH).to_string(),
             reason: reason.to_owned(),
         };
-        let value = crate::strict_json::from_slice::<StrictValue>(&body).map(|v| v.0);
-        if status == 404 {
-            let words = value
-                .as_ref()
-                .ok()
-                .and_then(|v| v.get("error"))
-                .and_then(Value::as_str)
-                .unwrap_or_default();
-            // Only merod's own words mean "not minted": a 404 from a proxy or an old merod
-            // without the route is not an answer about the account.
-            if words.contains("neither a device nor an account") {
-                return Ok(NodeAccount::NotMinted);
-            }
-        }
-        if !(200..300).contains(&status) {
-            return Err(refusal_of(op, self.url(path).as_str(), status, &body));
-        }
-        let value = value.map_err(|e| answer_err(&e.to_string()))?;
         let account = value
             .pointer("/data/accountId")
             .and_then(Value::as_str)
@@ -904,6 +891,44 @@ impl MerodClient {
             ));
         }
         Ok(NodeAccount::Account(account))
+    }
+
+    /// `GET /admin-api/identity`'s JSON answer, `None` for merod's own "not minted yet" 404
+    /// (bounded by the check deadline).
+    ///
+    /// Errors: as [`MerodClient::identity`], but for the account checks.
+    pub(crate) async fn identity_answer(&self) -> Result<Option<Value>, MerodError> {
+        let op = MerodOp::Identity;
+        let (status, body) = self
+            .raw(op, IDENTITY_PATH, None, self.deadlines.check)
+            .await?;
+        let value = crate::strict_json::from_slice::<StrictValue>(&body).map(|v| v.0);
+        if status == 404 {
+            let words = value
+                .as_ref()
+                .ok()
+                .and_then(|v| v.get("error"))
+                .and_then(Value::as_str)
+                .unwrap_or_default();
+            // Only merod's own words mean "not minted": a 404 from a proxy or an old merod
+            // without the route is not an answer about the account.
+            if words.contains("neither a device nor an account") {
+                return Ok(None);
+            }
+        }
+        if !(200..300).contains(&status) {
+            return Err(refusal_of(
+                op,
+                self.url(IDENTITY_PATH).as_str(),
+                status,
+                &body,
+            ));
+        }
+        value.map(Some).map_err(|e| MerodError::Answer {
+            op,
+            url: self.url(IDENTITY_PATH).to_string(),
+            reason: e.to_string(),
+        })
     }
 
     /// A TD quote bound to a registration: `POST /admin-api/tee/registration-attest`

@@ -16,7 +16,9 @@
 //!   by page, then the [`ListBehaviour`];
 //! - `GET /identity`: 404 "holds neither a device nor an account root yet" until the node
 //!   first takes part in a namespace (an admission, [`MerodEmulator::hold`] or
-//!   [`MerodEmulator::set_minted`]), then the recorded account;
+//!   [`MerodEmulator::set_minted`]), then the recorded account (rc.25's: its `publicKey` in
+//!   base58), its `publicKey` replaced by what [`MerodEmulator::set_public_key`] gave (a
+//!   newer core's 64 hex, or anything);
 //! - `GET /network/status`: flat `{"localPeerId", "listenAddrs", "externalAddrs", …}`, the
 //!   sandbox's PeerId and [`MerodEmulator::set_external_addrs`] (none by default);
 //! - `POST /tee/attest` `{"nonce": "<64 hex>"}`: 200 `{"data":{"quoteB64": …, "quote": {…}}}`,
@@ -457,6 +459,8 @@ struct Inner {
     seal_refused: BTreeSet<String>,
     /// Each plaintext sealed: (group, account, plaintext as UTF-8).
     sealed: Vec<(String, String, String)>,
+    /// `publicKey` of the identity answer, in place of the recorded one.
+    public_key: Option<String>,
 }
 
 /// An account and its `(deviceId, signingKey)`s, as `member-devices` lists them.
@@ -532,6 +536,7 @@ impl MerodEmulator {
                 group_members: HashMap::new(),
                 member_devices: HashMap::new(),
                 seal_route: false,
+                public_key: None,
                 seal_refused: BTreeSet::new(),
                 sealed: Vec::new(),
             }),
@@ -762,6 +767,12 @@ impl MerodEmulator {
     /// as rc.25 and every core before rc.34 answer).
     pub fn set_seal_route(&self, on: bool) {
         lock(&self.shared.inner).seal_route = on;
+    }
+
+    /// What `GET /identity` answers as `data.publicKey` once the node is minted (`None`: the
+    /// recorded rc.25 answer's base58 key).
+    pub fn set_public_key(&self, key: Option<&str>) {
+        lock(&self.shared.inner).public_key = key.map(str::to_owned);
     }
 
     /// Makes sealing to `account` answer merod's 404 (no root key on record in the group).
@@ -1467,8 +1478,17 @@ fn network_status(shared: &Shared) -> Answer {
 }
 
 fn identity(shared: &Shared) -> Answer {
-    if lock(&shared.inner).minted {
-        shared.fixtures.identity_after.respond()
+    let inner = lock(&shared.inner);
+    if inner.minted {
+        let recorded = &shared.fixtures.identity_after;
+        match &inner.public_key {
+            None => recorded.respond(),
+            Some(key) => {
+                let mut body = recorded.body.clone();
+                body["data"]["publicKey"] = Value::String(key.clone());
+                json_response(recorded.status, body)
+            }
+        }
     } else {
         shared.fixtures.identity_before.respond()
     }

@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Router;
 use fleet_sidecar::GroupId;
-use fleet_sidecar::{Admission, MerodClient, MerodError, Node, NodeAccount};
+use fleet_sidecar::{Admission, MerodClient, MerodError, Node, NodeAccount, NodeKey};
 use serde_json::Value;
 
 fn fixture(name: &str) -> Value {
@@ -657,6 +657,38 @@ async fn identity_answers_not_minted_before_a_namespace_and_the_account_after() 
             "{name}"
         );
     }
+}
+
+#[tokio::test]
+async fn the_node_key_is_rc25s_base58_as_hex_a_newer_cores_hex_and_nothing_else() {
+    let (_s, client, _f) = replay("identity-before-join").await;
+    assert_eq!(client.node_key().await.unwrap(), None, "not minted: no key");
+    // rc.25, recorded: base58 of 32 bytes, read as those bytes.
+    let (_s, client, _f) = replay("identity-after-join").await;
+    let key = client.node_key().await.unwrap().expect("a key");
+    assert_eq!(
+        key.to_string(),
+        "6f74442edba9238bfaf0a993ccf53b117e36e350614a1b7ba7c8a8ecf7422c5f"
+    );
+    // rc.29 on: 64 hex, lowercased.
+    let (_s, client) = answering(
+        200,
+        r#"{"data":{"accountId":"ab","publicKey":"6F74442EDBA9238BFAF0A993CCF53B117E36E350614A1B7BA7C8A8ECF7422C5F"}}"#,
+    )
+    .await;
+    assert_eq!(client.node_key().await.unwrap(), Some(key));
+    // Anything else is an error, never a key: another length, no field, another 404.
+    for (status, body) in [
+        (200, r#"{"data":{"publicKey":"abc"}}"#),
+        (200, r#"{"data":{"publicKey":7}}"#),
+        (200, r#"{"data":{}}"#),
+        (404, r#"{"error":"Not found"}"#),
+    ] {
+        let (_s, client) = answering(status, body).await;
+        let got = client.node_key().await;
+        assert!(got.is_err(), "{body}: {got:?}");
+    }
+    assert!(NodeKey::parse("8W55hTWXwYgpV5hwnZ3f25G5H1Yt5Qb3bRMwFTFDEyin").is_ok());
 }
 
 /// A server answering every request with `status` and `body`.
