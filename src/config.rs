@@ -133,6 +133,9 @@ pub(crate) struct RawConfig {
     /// The `[recovery]` table: the recovery envelopes written to MDMA.
     #[serde(default)]
     pub recovery: RecoveryConfig,
+    /// The `[device_login]` table: merod's node key handed to `mero-auth`.
+    #[serde(default)]
+    pub device_login: DeviceLoginConfig,
 }
 
 /// The `[tls]` table: the node's TLS certificate (`{dir}/cert.pem`), whose expiry every
@@ -215,6 +218,39 @@ pub struct RecoveryConfig {
 impl Default for RecoveryConfig {
     fn default() -> Self {
         Self { enabled: true }
+    }
+}
+
+/// The `[device_login]` table: device-key login on images built with delegated access.
+/// While `marker` exists, merod's node key (`GET /admin-api/identity` `publicKey`) is kept
+/// in `key_file` for `mero-auth` (the login service), and `restart_units` are restarted when
+/// it changes. Unknown keys are rejected; every key is optional.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DeviceLoginConfig {
+    /// Whether the job runs at all (default `true`: login is handed over while `marker`
+    /// exists; `false`: never, marker or not).
+    pub enabled: bool,
+    /// The file whose existence turns login on (the image bakes it, empty, when built with
+    /// delegated access). Default `/etc/calimero/device-key-login`.
+    pub marker: PathBuf,
+    /// Where the key is written, as 64 lowercase hex and a newline, mode 0600, atomically.
+    /// Default `/mnt/data/fleet/login-node-key` (what `mero-auth-start.sh` reads).
+    pub key_file: PathBuf,
+    /// The units restarted through systemd's D-Bus API when the key changed, or when one
+    /// became active before the file was last written (default `["mero-auth.service"]`;
+    /// `[]` restarts none).
+    pub restart_units: Vec<String>,
+}
+
+impl Default for DeviceLoginConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            marker: PathBuf::from("/etc/calimero/device-key-login"),
+            key_file: PathBuf::from("/mnt/data/fleet/login-node-key"),
+            restart_units: vec!["mero-auth.service".to_owned()],
+        }
     }
 }
 
@@ -454,6 +490,8 @@ pub struct Config {
     pub inventory: InventoryConfig,
     /// The recovery envelopes (`[recovery]`).
     pub recovery: RecoveryConfig,
+    /// Device-key login (`[device_login]`).
+    pub device_login: DeviceLoginConfig,
     /// Things worth a warning that are not errors (e.g. plain `http://` to loopback); the
     /// daemon logs them once logging is up.
     pub warnings: Vec<String>,
@@ -1074,15 +1112,23 @@ impl RawConfig {
                 ));
             }
         }
-        for unit in &self.tls.restart_units {
-            if !is_unit_name(unit) {
+        for (key, units) in [
+            ("tls.restart_units", &self.tls.restart_units),
+            (
+                "device_login.restart_units",
+                &self.device_login.restart_units,
+            ),
+        ] {
+            if let Some(unit) = units.iter().find(|u| !is_unit_name(u)) {
                 return Err(invalid(
-                    "tls.restart_units",
+                    key,
                     unit.escape_debug().to_string(),
                     "must be a systemd unit name such as \"traefik.service\"".to_owned(),
                 ));
             }
         }
+        check_file_path(path, "device_login.marker", &self.device_login.marker)?;
+        check_file_path(path, "device_login.key_file", &self.device_login.key_file)?;
 
         let merod = self.merod.validate(path)?;
 
@@ -1170,6 +1216,7 @@ impl RawConfig {
             logs_token: self.logs_token,
             inventory: self.inventory,
             recovery: self.recovery,
+            device_login: self.device_login,
             warnings,
         })
     }
@@ -1756,6 +1803,15 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
             ),
             // The same rule for every file key: a final `/` names a directory.
             ("state_file = \"/var/lib/calimero/\"\n", "state_file"),
+            (
+                "[device_login]\nrestart_units = [\"mero-auth\"]\n",
+                "device_login.restart_units",
+            ),
+            ("[device_login]\nmarker = \"\"\n", "device_login.marker"),
+            (
+                "[device_login]\nkey_file = \"/mnt/data/fleet/\"\n",
+                "device_login.key_file",
+            ),
         ] {
             let err = load(&format!("mdma_url = \"https://m\"\n{text}")).unwrap_err();
             assert!(
@@ -1763,6 +1819,14 @@ mrtd_path = "/sys/class/misc/tdx_guest/measurements/mrtd:sha384"
                 "{text}: {err}"
             );
         }
+        let cfg = load("mdma_url = \"https://m\"\n").unwrap();
+        assert_eq!(cfg.device_login, DeviceLoginConfig::default());
+        assert!(cfg.device_login.enabled);
+        assert_eq!(cfg.device_login.restart_units, ["mero-auth.service"]);
+        let cfg = load("mdma_url = \"https://m\"\n[device_login]\nenabled = false\nmarker = \"/run/x\"\nkey_file = \"/run/k\"\nrestart_units = []\n").unwrap();
+        assert!(!cfg.device_login.enabled);
+        assert_eq!(cfg.device_login.key_file, PathBuf::from("/run/k"));
+        assert!(cfg.device_login.restart_units.is_empty());
         let err = load("mdma_url = \"https://m\"\n[tls]\ndirectory = \"/x\"\n").unwrap_err();
         assert!(err.to_string().contains("directory"), "{err}");
     }

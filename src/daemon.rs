@@ -30,6 +30,7 @@
 
 mod account;
 mod deps;
+mod device_login;
 mod held;
 mod inventory;
 mod join_status;

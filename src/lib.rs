@@ -242,9 +242,9 @@ mod strict_json;
 mod telemetry;
 
 pub use config::{
-    Config, ConfigError, InventoryConfig, LogFormat, LogTarget, LogsTokenConfig, MdmaCredentials,
-    MerodConfig, RecoveryConfig, RegistrationConfig, TlsConfig, ToolConfig, DEFAULT_ADMIN_URL,
-    DEFAULT_CONFIG_PATH, DEFAULT_METADATA_URL,
+    Config, ConfigError, DeviceLoginConfig, InventoryConfig, LogFormat, LogTarget, LogsTokenConfig,
+    MdmaCredentials, MerodConfig, RecoveryConfig, RegistrationConfig, TlsConfig, ToolConfig,
+    DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH, DEFAULT_METADATA_URL,
 };
 pub use identity::{
     read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError, ListenAddrError,

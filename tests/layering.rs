@@ -133,6 +133,7 @@ const DAEMON_FLOORS: &[&[&str]] = &[
     ],
     &[
         "account",
+        "device_login",
         "join_status",
         "logs_token",
         "planner",

@@ -43,7 +43,7 @@ fn accepted_keys(table: &str) -> BTreeSet<String> {
 
 #[test]
 fn the_configuration_table_lists_exactly_the_keys_the_parser_accepts() {
-    const TABLES: [&str; 7] = [
+    const TABLES: [&str; 8] = [
         "merod",
         "tdx",
         "registration",
@@ -51,6 +51,7 @@ fn the_configuration_table_lists_exactly_the_keys_the_parser_accepts() {
         "logs_token",
         "inventory",
         "recovery",
+        "device_login",
     ];
     let mut code = BTreeSet::new();
     for key in accepted_keys("") {

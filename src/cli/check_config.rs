@@ -209,6 +209,21 @@ fn render(file: &Path, cfg: &Config) -> String {
     line("[recovery]".to_owned());
     line(format!("enabled = {}", cfg.recovery.enabled));
     line(String::new());
+    let dl = &cfg.device_login;
+    line("[device_login]".to_owned());
+    line(format!("enabled = {}", dl.enabled));
+    line(format!("marker = {}", path(&dl.marker)));
+    line(format!("key_file = {}", path(&dl.key_file)));
+    line(format!(
+        "restart_units = [{}]",
+        dl.restart_units
+            .iter()
+            .map(String::as_str)
+            .map(quoted)
+            .collect::<Vec<_>>()
+            .join(", ")
+    ));
+    line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     line(match check_state_dir(&cfg.state_file) {
         Ok(Some(fs)) => format!(
@@ -295,6 +310,19 @@ fn render(file: &Path, cfg: &Config) -> String {
                 format!("# note  [logs_token] {name}: {} not executable or {} missing ({name} is not configured when a token is delivered)", script.display(), config.display())
             });
         }
+    }
+    if dl.enabled {
+        let marker = dl.marker.display();
+        line(match dl.marker.try_exists() {
+            Ok(true) => format!(
+                "# ok    [device_login] {marker} exists: merod's node key is kept in {}",
+                dl.key_file.display()
+            ),
+            Ok(false) => {
+                format!("# note  [device_login] {marker} does not exist: device-key login is off")
+            }
+            Err(e) => format!("# fail  [device_login] {marker}: {e}"),
+        });
     }
     for &source in &cfg.tdx.sources {
         line(match source {

@@ -13,6 +13,7 @@ use crate::registration::TokenJob;
 use crate::state::StateError;
 use crate::telemetry::Telemetry;
 
+use super::device_login::NodeKeySource;
 use super::inventory::InventoryDeps;
 use super::readiness::ProbeFailed;
 use super::recovery::RecoveryDeps;
@@ -43,6 +44,8 @@ pub struct Deps {
     /// merod's reads and seal route and MDMA's recovery route for the recovery envelopes
     /// (the real clients only, as `inventory`).
     pub(crate) recovery: Option<RecoveryDeps>,
+    /// merod's node key for device-key login (the real client only, as `inventory`).
+    pub(crate) node_key: Option<Arc<dyn NodeKeySource>>,
 }
 
 impl Deps {
@@ -57,6 +60,7 @@ impl Deps {
             units: Arc::new(SystemdUnits),
             inventory: None,
             recovery: None,
+            node_key: None,
         }
     }
 
@@ -83,6 +87,7 @@ impl Deps {
             merod: Arc::clone(&registration_merod) as _,
             mdma: Arc::new(mdma.clone()),
         });
+        let node_key = Some(Arc::clone(&registration_merod) as Arc<dyn NodeKeySource>);
         let recovery = Some(RecoveryDeps {
             merod: registration_merod,
             mdma: Arc::new(mdma.clone()),
@@ -96,6 +101,7 @@ impl Deps {
             units: Arc::new(SystemdUnits),
             inventory,
             recovery,
+            node_key,
         })
     }
 

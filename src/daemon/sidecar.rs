@@ -20,6 +20,7 @@ use crate::state::{State, StateStore};
 use crate::telemetry::{unix_now, Phase, Projection, Telemetry};
 
 use super::deps::{DaemonError, Deps, NotPersisted};
+use super::device_login;
 use super::held::HELD_READ_TIMEOUT;
 use super::inventory::InventoryView;
 use super::join_status::Attempt;
@@ -174,6 +175,13 @@ impl Sidecar {
                 let account = Arc::clone(&view.account);
                 Arc::new(move || account.get())
             },
+            Arc::clone(&telemetry),
+            shutdown.clone(),
+        );
+        device_login::start(
+            &cfg,
+            deps.node_key.clone(),
+            Arc::clone(&deps.units),
             Arc::clone(&telemetry),
             shutdown.clone(),
         );

@@ -76,8 +76,19 @@ impl Sandbox {
         self.dir.path().join("fleet-sidecar.log")
     }
 
-    /// The full config text pointing at the emulators; `extra` is inserted as top-level
-    /// keys (e.g. `leave_after_polls = 1`).
+    /// The `[device_login] marker` of the sandbox's config (absent until a test makes it).
+    pub fn device_login_marker(&self) -> PathBuf {
+        self.dir.path().join("device-key-login")
+    }
+
+    /// The `[device_login] key_file` of the sandbox's config.
+    pub fn login_key_file(&self) -> PathBuf {
+        self.dir.path().join("login-node-key")
+    }
+
+    /// The full config text pointing at the emulators, every file the daemon writes or
+    /// looks at inside the sandbox; `extra` is inserted as top-level keys (e.g.
+    /// `leave_after_polls = 1`).
     pub fn config_text(&self, extra: &str) -> String {
         let token = self
             .token
@@ -85,7 +96,7 @@ impl Sandbox {
             .map(|t| format!("fleet_token = \"{t}\"\n"))
             .unwrap_or_default();
         format!(
-            "mdma_url = \"{mdma}\"\n{token}poll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\n{extra}\n\n[merod]\nhome = \"{home}\"\nnode = \"default\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[tls]\ndir = \"{tls}\"\n\n[logs_token]\nfile = \"{logs_token}\"\n",
+            "mdma_url = \"{mdma}\"\n{token}poll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\n{extra}\n\n[merod]\nhome = \"{home}\"\nnode = \"default\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[tls]\ndir = \"{tls}\"\n\n[logs_token]\nfile = \"{logs_token}\"\n\n[device_login]\nmarker = \"{marker}\"\nkey_file = \"{login_key}\"\n",
             mdma = self.mdma.url(),
             state = self.state_file().display(),
             log = self.log_file().display(),
@@ -93,6 +104,8 @@ impl Sandbox {
             mrtd = self.dir.path().join("mrtd-sha384").display(),
             tls = self.dir.path().join("tls").display(),
             logs_token = self.dir.path().join("provided_token").display(),
+            marker = self.device_login_marker().display(),
+            login_key = self.login_key_file().display(),
         )
     }
 

@@ -75,6 +75,10 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
         "file = \"/etc/vector/provided_token\"",
         "[inventory]",
         "enabled = true",
+        "[device_login]",
+        "marker = \"/etc/calimero/device-key-login\"",
+        "key_file = \"/mnt/data/fleet/login-node-key\"",
+        "restart_units = [\"mero-auth.service\"]",
     ] {
         assert!(
             stdout.lines().any(|l| l == line),
@@ -87,6 +91,10 @@ fn check_config_prints_the_effective_config_and_what_it_could_read() {
     );
     assert!(
         stdout.contains("# note  [tls] /mnt/data/tls/key.pem: "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("# note  [device_login] /etc/calimero/device-key-login does not exist: device-key login is off"),
         "{stdout}"
     );
     assert!(

@@ -13,6 +13,7 @@ mod confirm_gate;
 mod contract;
 mod crash;
 mod deliveries;
+mod device_login;
 mod fakes;
 mod faults;
 mod heartbeat;
