@@ -81,7 +81,10 @@ async fn rc25s_base58_key_is_handed_over_as_hex_with_one_restart() {
     std::fs::write(sb.device_login_marker(), "").unwrap();
     let units = Arc::new(Units::default());
     let d = spawn(&sb, &units);
-    eventually("mero-auth restarted", LIMIT, || !units.restarts().is_empty()).await;
+    eventually("mero-auth restarted", LIMIT, || {
+        !units.restarts().is_empty()
+    })
+    .await;
     let file = sb.login_key_file();
     assert_eq!(
         std::fs::read_to_string(&file).unwrap(),
@@ -96,10 +99,7 @@ async fn rc25s_base58_key_is_handed_over_as_hex_with_one_restart() {
     })
     .await;
     assert_eq!(units.restarts(), [AUTH], "one restart");
-    assert_eq!(
-        std::fs::metadata(&file).unwrap().modified().unwrap(),
-        mtime
-    );
+    assert_eq!(std::fs::metadata(&file).unwrap().modified().unwrap(), mtime);
     assert_eq!(failing(&d), None);
     d.stop().await;
 
@@ -155,7 +155,10 @@ async fn a_non_key_records_nothing_and_a_refused_restart_is_retried() {
 
     let hex = "AB".repeat(32);
     sb.merod.set_public_key(Some(&hex));
-    eventually("mero-auth restarted", LIMIT, || !units.restarts().is_empty()).await;
+    eventually("mero-auth restarted", LIMIT, || {
+        !units.restarts().is_empty()
+    })
+    .await;
     assert_eq!(
         std::fs::read_to_string(sb.login_key_file()).unwrap(),
         format!("{}\n", "ab".repeat(32))

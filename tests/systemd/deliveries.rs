@@ -22,55 +22,76 @@ const TRAEFIK: &str = "traefik.service";
 /// writable by the unit's `ReadWritePaths=-/mnt/data/tls`).
 const TLS_DIR: &str = "/mnt/data/tls";
 
-/// The stand-in traefik's current invocation (a new one per start).
-async fn invocation(sysd: &Boot) -> String {
-    sysd.run(&[
-        "systemctl",
-        "show",
-        "-p",
-        "InvocationID",
-        "--value",
-        TRAEFIK,
-    ])
-    .await
-    .trim()
-    .to_owned()
+/// A unit's current invocation (a new one per start).
+pub async fn invocation(sysd: &Boot, unit: &str) -> String {
+    sysd.run(&["systemctl", "show", "-p", "InvocationID", "--value", unit])
+        .await
+        .trim()
+        .to_owned()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_delivered_certificate_is_installed_and_traefik_restarted_over_d_bus() {
-    const TEST: &str = "a_delivered_certificate_is_installed_and_traefik_restarted_over_d_bus";
-    if skipped(TEST) {
-        return;
+/// Waits until `unit` runs another invocation than `before` and returns it; panics after
+/// [`SOON`] with the daemon's journal.
+pub async fn until_restarted(sysd: &Boot, unit: &str, before: &str) -> String {
+    let start = Instant::now();
+    loop {
+        let now = invocation(sysd, unit).await;
+        if now != before {
+            return now;
+        }
+        assert!(
+            start.elapsed() < SOON,
+            "{unit} was not restarted; the daemon said:\n{}",
+            sysd.daemon_journal().await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Boots with the machine's system bus and a stand-in `unit` (a process that sleeps) both
+/// started, the shipped unit installed but not; `None` (said) when the suite or the bus
+/// cannot run here. The directory holds the stand-in's file while the boot lives.
+pub async fn boot_with_bus(test: &str, unit: &str) -> Option<(Boot, tempfile::TempDir)> {
+    if skipped(test) {
+        return None;
     }
     if let Some(missing) = DBUS_UNITS
         .iter()
         .chain(&["/usr/bin/dbus-daemon"])
         .find(|p| !Path::new(p).exists())
     {
-        eprintln!("SKIPPED systemd test {TEST}: {missing} is missing (no system bus to run)");
-        return;
+        eprintln!("SKIPPED systemd test {test}: {missing} is missing (no system bus to run)");
+        return None;
     }
     std::fs::create_dir_all(base_dir()).expect("base dir");
     let units = tempfile::tempdir_in(base_dir()).expect("unit dir");
-    let traefik = units.path().join(TRAEFIK);
+    let stand_in = units.path().join(unit);
     std::fs::write(
-        &traefik,
-        "[Unit]\nDescription=stand-in TLS terminator\n[Service]\nExecStart=/bin/sleep infinity\n",
+        &stand_in,
+        format!("[Unit]\nDescription=stand-in {unit}\n[Service]\nExecStart=/bin/sleep infinity\n"),
     )
     .expect("stand-in unit");
     let mut extra: Vec<PathBuf> = DBUS_UNITS.iter().map(PathBuf::from).collect();
-    extra.push(traefik);
+    extra.push(stand_in);
     let sysd = match Boot::up_with(&extra).await {
         Ok(b) => b,
         Err(e) => {
-            eprintln!("SKIPPED systemd test {TEST}: {e}");
-            return;
+            eprintln!("SKIPPED systemd test {test}: {e}");
+            return None;
         }
     };
-    sysd.run(&["systemctl", "start", "dbus.socket", "dbus.service", TRAEFIK])
+    sysd.run(&["systemctl", "start", "dbus.socket", "dbus.service", unit])
         .await;
-    let before = invocation(&sysd).await;
+    Some((sysd, units))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivered_certificate_is_installed_and_traefik_restarted_over_d_bus() {
+    const TEST: &str = "a_delivered_certificate_is_installed_and_traefik_restarted_over_d_bus";
+    let Some((sysd, _units)) = boot_with_bus(TEST, TRAEFIK).await else {
+        return;
+    };
+    let before = invocation(&sysd, TRAEFIK).await;
     assert!(!before.is_empty(), "the stand-in traefik runs");
 
     // The node's key on the data disk, and a certificate over it that MDMA delivers in
@@ -104,22 +125,14 @@ async fn a_delivered_certificate_is_installed_and_traefik_restarted_over_d_bus()
         .until_file(&format!("{TLS_DIR}/cert.pem"), SOON, |t| !t.is_empty())
         .await;
     assert_eq!(installed.trim_end(), cert.trim_end());
-    let start = Instant::now();
-    let after = loop {
-        let now = invocation(&sysd).await;
-        if now != before {
-            break now;
-        }
-        assert!(
-            start.elapsed() < SOON,
-            "traefik was not restarted; the daemon said:\n{}",
-            sysd.daemon_journal().await
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let after = until_restarted(&sysd, TRAEFIK, &before).await;
     // The same certificate, delivered again by every poll, restarts nothing more.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    assert_eq!(invocation(&sysd).await, after, "restarted more than once");
+    assert_eq!(
+        invocation(&sysd, TRAEFIK).await,
+        after,
+        "restarted more than once"
+    );
     let said = sysd.daemon_journal().await;
     assert!(
         said.contains("restarted for the new TLS certificate"),

@@ -6,13 +6,14 @@
 //!
 //! Needs root; skipped with a printed `SKIPPED` line otherwise. Run alone with
 //! `cargo test --locked --test systemd`. Each test boots its own systemd (about a second),
-//! so the three run in parallel.
+//! so they run in parallel.
 
 // A test binary has no audience: the harness's helpers are `pub` for this module, which the
 // crate's `unreachable_pub` lint (Cargo.toml) would otherwise ask to spell `pub(crate)`.
 #![allow(unreachable_pub)]
 
 mod deliveries;
+mod device_login;
 mod harness;
 mod package;
 
