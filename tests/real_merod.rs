@@ -216,7 +216,7 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
     std::fs::write(
         &config,
         format!(
-            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[registration]\ntoken_file = \"{token}\"\nenrolment_token_file = \"{enrolment}\"\nrelay_url = \"{RELAY}\"\nretry_interval = \"1s\"\n\n[tls]\ndir = \"{tls}\"\n\n[logs_token]\nfile = \"{logs_token}\"\n",
+            "mdma_url = \"{mdma}\"\npoll_interval = \"1s\"\nstate_file = \"{state}\"\nlog_file = \"{log}\"\nlog_target = \"stderr\"\n{BACKOFF}\n{LEAVE_POLICY}\n\n[merod]\nhome = \"{home}\"\nnode = \"b\"\n\n[tdx]\nmrtd_path = \"{mrtd}\"\nsources = [\"sysfs\"]\n\n[registration]\ntoken_file = \"{token}\"\nenrolment_token_file = \"{enrolment}\"\nrelay_url = \"{RELAY}\"\nretry_interval = \"1s\"\n\n[tls]\ndir = \"{tls}\"\n\n[logs_token]\nfile = \"{logs_token}\"\n\n[device_login]\nmarker = \"{marker}\"\nkey_file = \"{login_key}\"\nrestart_units = []\n",
             mdma = mdma.url(),
             state = state_file.display(),
             log = log_file.display(),
@@ -226,9 +226,13 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
             enrolment = work.join("enrolment-token").display(),
             tls = work.join("tls").display(),
             logs_token = work.join("provided_token").display(),
+            marker = work.join("device-key-login").display(),
+            login_key = work.join("login-node-key").display(),
         ),
     )
     .expect("config");
+    // A node built with delegated access: device-key login is on (no unit to restart here).
+    std::fs::write(work.join("device-key-login"), "").expect("marker");
     let daemon = Daemon(
         Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"))
             .arg("--config")
@@ -314,6 +318,39 @@ async fn the_daemon_joins_confirms_outlasts_an_outage_and_leaves_against_a_real_
         .polls()
         .iter()
         .all(|p| p.executor_account.is_some() && p.tls_cert_not_after.is_some()));
+
+    // Device-key login: rc.25 answers `publicKey` in base58 (which the Bash sidecar never
+    // takes); the key file holds its 32 bytes as hex.
+    let login_key = work.join("login-node-key");
+    eventually(
+        "merod's node key written for device-key login",
+        Duration::from_secs(30),
+        why,
+        || async { std::fs::read_to_string(&login_key).is_ok_and(|t| !t.is_empty()) },
+    )
+    .await;
+    let written = std::fs::read_to_string(&login_key).unwrap();
+    let identity: serde_json::Value = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .expect("client")
+        .get(format!("{}admin-api/identity", lab.str("b_admin_url")))
+        .send()
+        .await
+        .expect("identity")
+        .json()
+        .await
+        .expect("identity JSON");
+    let answered = identity["data"]["publicKey"].as_str().expect("publicKey");
+    let bytes = bs58::decode(answered)
+        .into_vec()
+        .expect("rc.25's key is base58");
+    assert_eq!(bytes.len(), 32, "{answered}");
+    assert_eq!(written, format!("{}\n", hex::encode(&bytes)));
+    println!(
+        "real merod: publicKey {answered:?} written as {:?}",
+        written.trim_end()
+    );
 
     // The context inventory of both, walked in the real merod and posted in full.
     let inventory_of_both = || {
