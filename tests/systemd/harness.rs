@@ -139,10 +139,9 @@ impl Boot {
             .args(unit)
             .args(extra)
             .env("SYSD_SHARE_NET", "1")
-            .env("SYSD_OVERLAYS", overlays)
             .env("SYSD_BASE", base.join("boots"))
             // /mnt too, so the state directory on the "data disk" never reaches the host's.
-            .env("SYSD_OVERLAYS", "/etc /var /mnt")
+            .env("SYSD_OVERLAYS", format!("{overlays} /mnt"))
             // PID 1 logs each sd_notify message at debug level (READY=1, STOPPING=1, ...).
             .env("SYSD_LOG_LEVEL", "debug")
             .output()
@@ -165,15 +164,7 @@ impl Boot {
 
     /// Runs `args` inside the private namespaces; returns stdout, panics on failure.
     pub async fn run(&self, args: &[&str]) -> String {
-        let out = self.output(args).await;
-        assert!(
-            out.status.success(),
-            "{args:?} failed ({}): {}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        succeeded(args, &self.output(args).await)
     }
 
     /// Runs `args` inside the private namespaces.
@@ -411,6 +402,18 @@ impl Node {
         .expect("config");
         path
     }
+}
+
+/// The stdout of a command that ran `args`; panics with its output if it failed.
+pub fn succeeded(args: &[&str], out: &std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{args:?} failed ({}): {}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The drop-in lines pointing `ExecStart=` at the test binary and `config`.

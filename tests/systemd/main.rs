@@ -12,6 +12,7 @@
 // crate's `unreachable_pub` lint (Cargo.toml) would otherwise ask to spell `pub(crate)`.
 #![allow(unreachable_pub)]
 
+mod ansible;
 mod deliveries;
 mod device_login;
 mod harness;
