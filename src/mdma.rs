@@ -18,6 +18,7 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use url::Url;
@@ -25,7 +26,7 @@ use url::Url;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::{Refusal, TeeRole};
 use crate::mrtd::Mrtd;
-use crate::net::{is_loopback, read_capped, BodyError};
+use crate::net::{is_loopback, read_capped, read_capped_seeing, BodyError};
 
 mod answer;
 mod inventory;
@@ -818,6 +819,46 @@ pub struct MdmaClient {
     join_status_url: Url,
     token: TokenSlot,
     timeout: Duration,
+    /// The last should-join answer that passed the whole validation, by its bytes' digest.
+    last_answer: LastAnswer,
+}
+
+/// The last accepted should-join answer, kept with the SHA-256 of the bytes it was read
+/// from: an answer byte-for-byte the same is that answer again, so it is not parsed again
+/// (MDMA repeats an unchanged answer every poll). Only bytes that passed the whole
+/// validation are kept; any other body goes through it again. Shared by the client's clones.
+#[derive(Clone, Debug, Default)]
+struct LastAnswer {
+    kept: Arc<std::sync::Mutex<Kept>>,
+    reused: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// An accepted answer and the SHA-256 of its bytes.
+type Kept = Option<([u8; 32], ShouldJoin)>;
+
+impl LastAnswer {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Kept> {
+        self.kept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// The kept answer if `digest` is its bytes' digest.
+    fn reuse(&self, digest: &[u8; 32]) -> Option<ShouldJoin> {
+        let slot = self.slot();
+        let (kept, answer) = slot.as_ref()?;
+        if kept != digest {
+            return None;
+        }
+        self.reused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Some(answer.clone())
+    }
+
+    /// Keeps `answer`, read and validated from bytes whose digest is `digest`.
+    fn keep(&self, digest: [u8; 32], answer: &ShouldJoin) {
+        *self.slot() = Some((digest, answer.clone()));
+    }
 }
 
 /// Builds an [`MdmaClient`]: token, extra CA file, request timeout.
@@ -994,7 +1035,17 @@ impl MdmaClient {
             join_status_url: join("api/fleet/join-status")?,
             token: TokenSlot::new(b.token),
             timeout: b.timeout,
+            last_answer: LastAnswer::default(),
         })
+    }
+
+    /// How many should-join answers were byte-for-byte the last accepted one, and so were
+    /// that answer again without being parsed (since the client was built, its clones
+    /// included).
+    pub fn answers_reused(&self) -> u64 {
+        self.last_answer
+            .reused
+            .load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The MDMA base URL the client was built for.
@@ -1488,7 +1539,8 @@ impl ControlPlane for MdmaClient {
         if resp.status().as_u16() != 200 {
             return Err(self.refused(RequestMethod::Post, url, resp).await.into());
         }
-        let bytes = read_capped(resp, MAX_POLL_BODY)
+        let mut hasher = Sha256::new();
+        let bytes = read_capped_seeing(resp, MAX_POLL_BODY, |chunk| hasher.update(chunk))
             .await
             .map_err(|e| match e {
                 BodyError::TooLarge { .. } => PollError::Malformed {
@@ -1499,10 +1551,17 @@ impl ControlPlane for MdmaClient {
                 },
                 BodyError::Transport(e) => fail(e),
             })?;
-        parse_should_join(&bytes).map_err(|source| PollError::Malformed {
+        let digest: [u8; 32] = hasher.finalize().into();
+        if let Some(answer) = self.last_answer.reuse(&digest) {
+            return Ok(answer);
+        }
+        let answer = parse_should_join(&bytes).map_err(|source| PollError::Malformed {
             url: url.clone(),
             source,
-        })
+        })?;
+        drop(bytes);
+        self.last_answer.keep(digest, &answer);
+        Ok(answer)
     }
 
     async fn confirm(

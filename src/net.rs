@@ -77,8 +77,20 @@ impl BodyError {
 ///
 /// Errors: [`BodyError::TooLarge`], [`BodyError::Transport`].
 pub(crate) async fn read_capped(
+    resp: reqwest::Response,
+    limit: usize,
+) -> Result<Vec<u8>, BodyError> {
+    read_capped_seeing(resp, limit, |_| {}).await
+}
+
+/// [`read_capped`], handing each chunk to `seen` as it arrives (a digest computed while the
+/// body streams in, with no second pass over it).
+///
+/// Errors: as [`read_capped`].
+pub(crate) async fn read_capped_seeing(
     mut resp: reqwest::Response,
     limit: usize,
+    mut seen: impl FnMut(&[u8]),
 ) -> Result<Vec<u8>, BodyError> {
     let too_large = BodyError::TooLarge { limit };
     let announced = resp.content_length();
@@ -90,6 +102,7 @@ pub(crate) async fn read_capped(
         if bytes.len() + chunk.len() > limit {
             return Err(too_large);
         }
+        seen(&chunk);
         bytes.extend_from_slice(&chunk);
     }
     Ok(bytes)

@@ -128,3 +128,53 @@ async fn a_withdrawal_after_an_outage_is_still_left() {
     assert_eq!(sb.merod.held(), strings(&[A]));
     assert_eq!(load(&sb).confirmed, set(&[A]));
 }
+
+/// An answer byte-for-byte the last accepted one is that answer again, not parsed again;
+/// one changed byte anywhere (an assignment, a field the gate checks, only the spacing) is
+/// parsed and validated again, and a body refused by the gate is never kept.
+#[tokio::test]
+async fn only_an_answer_identical_to_the_last_accepted_one_is_reused() {
+    use fleet_sidecar::emulator::mdma::MdmaEmulator;
+    use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId, PollError};
+
+    let mdma = MdmaEmulator::start(None).await.unwrap();
+    let client = MdmaClient::builder(mdma.url()).build().unwrap();
+    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let poll = |body: String| {
+        mdma.set_reply(PollReply::RawBody(body));
+        client.should_join(&peer, None, NodeReport::default())
+    };
+    let body = |a: &str| {
+        format!(
+            r#"{{"assignments":[{{"group_id":"{a}","admitter_addrs":["/ip4/10.0.0.1/tcp/2428"]}}],"retain":["{B}"],"logs_token":"t"}}"#
+        )
+    };
+    let first = poll(body(A)).await.unwrap();
+    assert_eq!(first.assignments, set(&[A]));
+    assert_eq!(client.answers_reused(), 0);
+    for n in 1..=3 {
+        assert_eq!(poll(body(A)).await.unwrap(), first, "the same answer");
+        assert_eq!(client.answers_reused(), n);
+    }
+    // One changed byte in an assignment: parsed again, the new set.
+    let changed = poll(body(C)).await.unwrap();
+    assert_eq!(changed.assignments, set(&[C]));
+    assert_eq!(client.answers_reused(), 3);
+    // A byte that breaks the gate (an id that is not hex, a key named twice): refused as
+    // any malformed answer, never taken for the one before it.
+    let not_hex = body(C).replacen(&C[..1], "g", 1);
+    let twice = body(C).replacen("\"retain\"", "\"logs_token\":\"u\",\"retain\"", 1);
+    for bad in [not_hex, twice] {
+        assert!(
+            matches!(poll(bad.clone()).await, Err(PollError::Malformed { .. })),
+            "{bad}"
+        );
+    }
+    assert_eq!(client.answers_reused(), 3);
+    // Only the spacing changed: parsed again (the same answer), then reused.
+    let spaced = body(C).replace(",", ", ");
+    assert_eq!(poll(spaced.clone()).await.unwrap(), changed);
+    assert_eq!(client.answers_reused(), 3);
+    assert_eq!(poll(spaced).await.unwrap(), changed);
+    assert_eq!(client.answers_reused(), 4);
+}
