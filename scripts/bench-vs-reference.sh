@@ -14,8 +14,10 @@
 # Prints a Markdown table with ratios and writes bench/cpu-vs-namespaces.tsv (for
 # bench/plot.py). Usage: scripts/bench-vs-reference.sh [SECONDS_PER_WINDOW] (default 20).
 # Env: SIZES (namespace counts), TRIALS (assignment trials), BIN_DIR (binaries built
-# elsewhere, e.g. an older commit's, instead of building these), REFERENCE=0 (daemon only:
-# idle figures, no reference, no latencies).
+# elsewhere, e.g. an older commit's, instead of building these), EMU_BIN (the emulators'
+# binary, default the one in BIN_DIR: a newer one answers as the fleet does for an older
+# daemon), ADMITTERS (admitter addresses per assignment in MDMA's answer, default 0; the
+# fleet sends 8), REFERENCE=0 (daemon only: idle figures, no reference, no latencies).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-20}
@@ -44,7 +46,7 @@ trap cleanup EXIT
 
 # Starts the emulators with $1 namespaces on a coprocess; sets the KEY=value it prints.
 start_emulators() {
-  coproc EMU { exec "$bin/fleet-emulators" --namespaces "$1"; }
+  coproc EMU { exec "${EMU_BIN:-$bin/fleet-emulators}" --namespaces "$1" --admitters "${ADMITTERS:-0}"; }
   pids+=("$EMU_PID")
   local line
   while read -r line <&"${EMU[0]}"; do

@@ -2,8 +2,9 @@
 //! the release daemon (or the Bash reference loop) against them from the outside
 //! (`scripts/bench-vs-reference.sh`).
 //!
-//! `fleet-emulators [--namespaces N]` starts both emulators in a temp sandbox, assigns N
-//! generated namespace ids (64 hex), makes merod hold them, writes the daemon's state file
+//! `fleet-emulators [--namespaces N] [--admitters K]` starts both emulators in a temp
+//! sandbox, assigns N generated namespace ids (64 hex; each assignment with K admitter
+//! addresses of the longest common form when K > 0, the fleet's real answer), makes merod hold them, writes the daemon's state file
 //! with all N admitted and confirmed (and the reference's confirmed set, a bare JSON array,
 //! to `{dir}/reference-confirmed.json`), so a daemon started on it is idle from its first
 //! poll. It prints `KEY=value` lines (`CONFIG`, `STATE`, `REF_STATE`, `DIR`, `MDMA_URL`,
@@ -23,7 +24,7 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::emulator::mdma::{fleet_answer_for, PollReply};
 use fleet_sidecar::emulator::merod::{JoinBehaviour, MerodEmulator};
 use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
 use fleet_sidecar::GroupId;
@@ -69,11 +70,15 @@ async fn report_call(
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut n = 3usize;
+    let mut admitters = 0usize;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "--namespaces" => {
                 n = args.next().ok_or("--namespaces needs a number")?.parse()?;
+            }
+            "--admitters" => {
+                admitters = args.next().ok_or("--admitters needs a number")?.parse()?;
             }
             other => return Err(format!("unknown argument {other:?}").into()),
         }
@@ -81,7 +86,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let ids: Vec<String> = (0..n).map(namespace_id).collect();
     let sb = Sandbox::start(None).await?;
     let assigned = Arc::new(Mutex::new(ids.iter().cloned().collect::<BTreeSet<_>>()));
-    sb.mdma.set_reply(PollReply::assign(ids.clone()));
+    // The answer for the assigned set: with admitter addresses, the fleet's own form.
+    let reply = move |set: &BTreeSet<String>| {
+        if admitters == 0 {
+            PollReply::assign(set.iter().cloned())
+        } else {
+            PollReply::RawBody(fleet_answer_for(&set.iter().collect::<Vec<_>>(), admitters))
+        }
+    };
+    sb.mdma.set_reply(reply(&ids.iter().cloned().collect()));
     let mut held = BTreeSet::new();
     for id in &ids {
         sb.merod.hold(id);
@@ -121,7 +134,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let since = Instant::now();
                 let mut set = assigned.lock().unwrap_or_else(|p| p.into_inner());
                 set.insert(id.clone());
-                sb.mdma.set_reply(PollReply::assign(set.iter().cloned()));
+                sb.mdma.set_reply(reply(&set));
                 drop(set);
                 let merod = sb.merod.clone();
                 tokio::spawn(report_call(merod, "fleet-join", id, since, "JOINED"));
@@ -130,7 +143,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 let since = Instant::now();
                 let mut set = assigned.lock().unwrap_or_else(|p| p.into_inner());
                 set.remove(&id);
-                sb.mdma.set_reply(PollReply::assign(set.iter().cloned()));
+                sb.mdma.set_reply(reply(&set));
                 drop(set);
                 let merod = sb.merod.clone();
                 tokio::spawn(report_call(merod, "/leave", id, since, "LEFT"));

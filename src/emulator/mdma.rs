@@ -111,12 +111,21 @@ impl PollReply {
 /// `addrs` admitter addresses of the longest common form
 /// (`/ip6/<full address>/udp/65535/quic-v1/p2p/<PeerId>`, 119 bytes each), compact.
 pub fn fleet_answer(entries: usize, addrs: usize) -> String {
+    let ids: Vec<String> = (0..entries).map(|i| format!("{i:064x}")).collect();
+    fleet_answer_for(&ids, addrs)
+}
+
+/// [`fleet_answer`] for these assignment ids, in this order.
+pub fn fleet_answer_for<S: AsRef<str>>(ids: &[S], addrs: usize) -> String {
     let mut body = String::from(r#"{"assignments":["#);
-    for i in 0..entries {
+    for (i, id) in ids.iter().enumerate() {
         if i > 0 {
             body.push(',');
         }
-        body.push_str(&format!(r#"{{"group_id":"{i:064x}","admitter_addrs":["#));
+        body.push_str(&format!(
+            r#"{{"group_id":"{}","admitter_addrs":["#,
+            id.as_ref()
+        ));
         for a in 0..addrs {
             if a > 0 {
                 body.push(',');
