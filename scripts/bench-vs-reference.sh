@@ -46,7 +46,10 @@ trap cleanup EXIT
 
 # Starts the emulators with $1 namespaces on a coprocess; sets the KEY=value it prints.
 start_emulators() {
-  coproc EMU { exec "${EMU_BIN:-$bin/fleet-emulators}" --namespaces "$1" --admitters "${ADMITTERS:-0}"; }
+  # --admitters only when asked: an older revision's emulators do not know it.
+  local extra=()
+  [ "${ADMITTERS:-0}" = 0 ] || extra=(--admitters "$ADMITTERS")
+  coproc EMU { exec "${EMU_BIN:-$bin/fleet-emulators}" --namespaces "$1" "${extra[@]}"; }
   pids+=("$EMU_PID")
   local line
   while read -r line <&"${EMU[0]}"; do
