@@ -3,6 +3,8 @@
 //!
 //! - `idle-3`, `idle-10000`: an idle cycle (`Sidecar::cycle`) at 3 or 10,000 namespaces, all
 //!   held and confirmed, MDMA repeating the same answer;
+//! - `idle-10000x8`: an idle cycle at 10,000 namespaces whose assignments carry 8 admitter
+//!   addresses each (about 9.5 MB), MDMA repeating the same answer: the fleet's real idle poll;
 //! - `accept-10000x8`: a cycle whose answer differs from the one before (two answers of the
 //!   same 10,000 assignments with 8 admitter addresses each, taking turns: each is read and
 //!   validated whole), the fleet's real answer.
@@ -54,12 +56,13 @@ fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
     let scenario = args
         .next()
-        .ok_or("usage: cycle-cost idle-3|idle-10000|accept-10000x8 [ROUNDS]")?;
+        .ok_or("usage: cycle-cost idle-3|idle-10000|idle-10000x8|accept-10000x8 [ROUNDS]")?;
     let rounds: usize = args.next().map(|r| r.parse()).transpose()?.unwrap_or(5);
-    let (n, admitters) = match scenario.as_str() {
-        "idle-3" => (3, 0),
-        "idle-10000" => (10_000, 0),
-        "accept-10000x8" => (10_000, 8),
+    let (n, admitters, alternate) = match scenario.as_str() {
+        "idle-3" => (3, 0, false),
+        "idle-10000" => (10_000, 0, false),
+        "idle-10000x8" => (10_000, 8, false),
+        "accept-10000x8" => (10_000, 8, true),
         other => return Err(format!("unknown scenario {other:?}").into()),
     };
     let ids: Vec<String> = (0..n)
@@ -68,6 +71,8 @@ fn main() -> Result<(), Error> {
     let held: BTreeSet<GroupId> = ids.iter().map(|id| id.parse()).collect::<Result<_, _>>()?;
     let answers = if admitters == 0 {
         Answers::Same(PollReply::assign(ids.clone()))
+    } else if !alternate {
+        Answers::Same(PollReply::RawBody(fleet_answer_for(&ids, admitters)))
     } else {
         // The same assignments; the second answer also retains nothing explicitly, a
         // byte-level change the gate reads whole.

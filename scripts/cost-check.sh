@@ -27,6 +27,7 @@ trap 'rm -rf "$out"' EXIT
 # scenario and rounds: enough rounds that one cycle's jitter is small against the total.
 scenarios="idle-3 10
 idle-10000 5
+idle-10000x8 3
 accept-10000x8 3"
 
 count() {

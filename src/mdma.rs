@@ -18,7 +18,6 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use url::Url;
@@ -668,7 +667,9 @@ pub struct ShouldJoin {
     /// `assignments[].admitter_addrs`: the admitting nodes' multiaddrs MDMA sends for an
     /// assignment (direct admission), in MDMA's order, only the strings starting with `/`
     /// and holding no line break; only assignments with at least one such address.
-    pub admitter_addrs: BTreeMap<GroupId, Vec<String>>,
+    /// Each list is shared (`Arc`): an answer kept for reuse and the copies handed out hold
+    /// one copy of the strings.
+    pub admitter_addrs: BTreeMap<GroupId, Arc<[String]>>,
     /// `tls_certificate`: a PEM certificate MDMA signed for the node (over the CSR its
     /// registration sent), when the answer carries a non-empty string; anything else is no
     /// delivery.
@@ -823,7 +824,7 @@ pub struct MdmaClient {
     last_answer: LastAnswer,
 }
 
-/// The last accepted should-join answer, kept with the SHA-256 of the bytes it was read
+/// The last accepted should-join answer, kept with the BLAKE3 digest of the bytes it was read
 /// from: an answer byte-for-byte the same is that answer again, so it is not parsed again
 /// (MDMA repeats an unchanged answer every poll). Only bytes that passed the whole
 /// validation are kept; any other body goes through it again. Shared by the client's clones.
@@ -833,7 +834,7 @@ struct LastAnswer {
     reused: Arc<std::sync::atomic::AtomicU64>,
 }
 
-/// An accepted answer and the SHA-256 of its bytes.
+/// An accepted answer and the BLAKE3 digest of its bytes.
 type Kept = Option<([u8; 32], ShouldJoin)>;
 
 impl LastAnswer {
@@ -1539,18 +1540,20 @@ impl ControlPlane for MdmaClient {
         if resp.status().as_u16() != 200 {
             return Err(self.refused(RequestMethod::Post, url, resp).await.into());
         }
-        let mut hasher = Sha256::new();
-        let bytes = read_capped_seeing(resp, MAX_POLL_BODY, |chunk| hasher.update(chunk))
-            .await
-            .map_err(|e| match e {
-                BodyError::TooLarge { .. } => PollError::Malformed {
-                    url: url.clone(),
-                    source: MalformedAnswer::TooLarge {
-                        limit: MAX_POLL_BODY,
-                    },
+        let mut hasher = blake3::Hasher::new();
+        let bytes = read_capped_seeing(resp, MAX_POLL_BODY, |chunk| {
+            hasher.update(chunk);
+        })
+        .await
+        .map_err(|e| match e {
+            BodyError::TooLarge { .. } => PollError::Malformed {
+                url: url.clone(),
+                source: MalformedAnswer::TooLarge {
+                    limit: MAX_POLL_BODY,
                 },
-                BodyError::Transport(e) => fail(e),
-            })?;
+            },
+            BodyError::Transport(e) => fail(e),
+        })?;
         let digest: [u8; 32] = hasher.finalize().into();
         if let Some(answer) = self.last_answer.reuse(&digest) {
             return Ok(answer);
@@ -1607,7 +1610,7 @@ struct PollEntry {
 
 /// The addresses of `admitter_addrs` kept: those starting with `/` and holding no line
 /// break, in order.
-pub(crate) fn keep_admitter_addrs(addrs: Vec<String>) -> Vec<String> {
+pub(crate) fn keep_admitter_addrs(addrs: Vec<String>) -> Arc<[String]> {
     addrs
         .into_iter()
         .filter(|a| a.starts_with('/') && !a.contains(['\n', '\r']))
@@ -1797,6 +1800,7 @@ mod tests {
                     "/ip4/10.0.0.1/tcp/2428/p2p/12D3KooWA".to_owned(),
                     "/dns4/b/tcp/2/p2p/12D3KooWB".to_owned()
                 ]
+                .into()
             )]
             .into()
         );

@@ -40,6 +40,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -112,8 +113,9 @@ pub struct Desired {
     /// `retain`: namespaces the node may keep but must not newly join; never left.
     pub retain: BTreeSet<GroupId>,
     /// `assignments[].admitter_addrs`: the admitting nodes to ask directly when joining
-    /// (only assignments with some); not a decision input.
-    pub admitter_addrs: BTreeMap<GroupId, Vec<String>>,
+    /// (only assignments with some), shared with the answer they came from; not a decision
+    /// input.
+    pub admitter_addrs: BTreeMap<GroupId, Arc<[String]>>,
 }
 
 impl From<ShouldJoin> for Desired {

@@ -740,7 +740,7 @@ struct JoinArgs {
     /// Bound of the fleet-join.
     timeout: Duration,
     /// The assignment's `admitter_addrs` (empty: broadcast only).
-    admitter_addrs: Vec<String>,
+    admitter_addrs: Arc<[String]>,
 }
 
 /// Leaves `id` and checks merod no longer holds it. `maybe_held`: only a fleet-join was
@@ -890,7 +890,7 @@ impl InFlight {
         id: GroupId,
         calls: &Calls,
         peer_id: &PeerId,
-        admitter_addrs: Vec<String>,
+        admitter_addrs: Arc<[String]>,
         recorded_held: bool,
     ) {
         if recorded_held {

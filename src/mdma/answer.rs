@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
+use std::sync::Arc;
 
 use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
@@ -21,7 +22,7 @@ use crate::strict_json::{Key, NoDuplicates, SeenKeys};
 pub(super) struct Read {
     pub(super) assignments: BTreeSet<GroupId>,
     pub(super) retain: BTreeSet<GroupId>,
-    pub(super) admitter_addrs: BTreeMap<GroupId, Vec<String>>,
+    pub(super) admitter_addrs: BTreeMap<GroupId, Arc<[String]>>,
     /// `tls_certificate`, when a non-empty string.
     pub(super) tls_certificate: Option<String>,
     /// `logs_token`, when a non-empty string.
@@ -156,7 +157,7 @@ trait Element: Copy {
         seq: &mut A,
         keys: &mut SeenKeys<'de>,
         out: &mut Vec<GroupId>,
-        addrs: &mut BTreeMap<GroupId, Vec<String>>,
+        addrs: &mut BTreeMap<GroupId, Arc<[String]>>,
     ) -> Result<bool, A::Error>;
 }
 
@@ -170,7 +171,7 @@ impl Element for Bare {
         seq: &mut A,
         _: &mut SeenKeys<'de>,
         out: &mut Vec<GroupId>,
-        _: &mut BTreeMap<GroupId, Vec<String>>,
+        _: &mut BTreeMap<GroupId, Arc<[String]>>,
     ) -> Result<bool, A::Error> {
         Ok(seq
             .next_element::<GroupId>()?
@@ -190,7 +191,7 @@ impl Element for Entries {
         seq: &mut A,
         keys: &mut SeenKeys<'de>,
         out: &mut Vec<GroupId>,
-        addrs: &mut BTreeMap<GroupId, Vec<String>>,
+        addrs: &mut BTreeMap<GroupId, Arc<[String]>>,
     ) -> Result<bool, A::Error> {
         let Some((id, listed)) = seq.next_element_seed(Entry { keys })? else {
             return Ok(false);
@@ -213,14 +214,14 @@ impl Element for Entries {
 struct Ids<E>(E, usize);
 
 impl<'de, E: Element> DeserializeSeed<'de> for Ids<E> {
-    type Value = (BTreeSet<GroupId>, BTreeMap<GroupId, Vec<String>>);
+    type Value = (BTreeSet<GroupId>, BTreeMap<GroupId, Arc<[String]>>);
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
         d.deserialize_seq(self)
     }
 }
 
 impl<'de, E: Element> Visitor<'de> for Ids<E> {
-    type Value = (BTreeSet<GroupId>, BTreeMap<GroupId, Vec<String>>);
+    type Value = (BTreeSet<GroupId>, BTreeMap<GroupId, Arc<[String]>>);
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an array of namespace ids")
     }

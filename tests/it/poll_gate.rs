@@ -153,8 +153,15 @@ async fn only_an_answer_identical_to_the_last_accepted_one_is_reused() {
     assert_eq!(first.assignments, set(&[A]));
     assert_eq!(client.answers_reused(), 0);
     for n in 1..=3 {
-        assert_eq!(poll(body(A)).await.unwrap(), first, "the same answer");
+        let again = poll(body(A)).await.unwrap();
+        assert_eq!(again, first, "the same answer");
         assert_eq!(client.answers_reused(), n);
+        // Not a copy of the addresses: the kept answer's lists are shared.
+        let id = A.parse().unwrap();
+        assert!(std::sync::Arc::ptr_eq(
+            &again.admitter_addrs[&id],
+            &first.admitter_addrs[&id]
+        ));
     }
     // One changed byte in an assignment: parsed again, the new set.
     let changed = poll(body(C)).await.unwrap();
