@@ -25,7 +25,7 @@ use url::Url;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::{Refusal, TeeRole};
 use crate::mrtd::Mrtd;
-use crate::net::{is_loopback, read_capped, read_capped_seeing, BodyError};
+use crate::net::{is_loopback, read_capped, read_capped_chunks, BodyError};
 
 mod answer;
 mod inventory;
@@ -1541,7 +1541,7 @@ impl ControlPlane for MdmaClient {
             return Err(self.refused(RequestMethod::Post, url, resp).await.into());
         }
         let mut hasher = blake3::Hasher::new();
-        let bytes = read_capped_seeing(resp, MAX_POLL_BODY, |chunk| {
+        let chunks = read_capped_chunks(resp, MAX_POLL_BODY, |chunk| {
             hasher.update(chunk);
         })
         .await
@@ -1558,6 +1558,9 @@ impl ControlPlane for MdmaClient {
         if let Some(answer) = self.last_answer.reuse(&digest) {
             return Ok(answer);
         }
+        // The chunks are copied into one buffer only now, for an answer that changed, and
+        // freed chunk by chunk as they are copied.
+        let bytes = chunks.into_contiguous();
         let answer = parse_should_join(&bytes).map_err(|source| PollError::Malformed {
             url: url.clone(),
             source,

@@ -80,32 +80,73 @@ pub(crate) async fn read_capped(
     resp: reqwest::Response,
     limit: usize,
 ) -> Result<Vec<u8>, BodyError> {
-    read_capped_seeing(resp, limit, |_| {}).await
+    let announced = resp.content_length();
+    let mut bytes = Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
+    each_chunk(resp, limit, |chunk| bytes.extend_from_slice(&chunk)).await?;
+    Ok(bytes)
 }
 
-/// [`read_capped`], handing each chunk to `seen` as it arrives (a digest computed while the
-/// body streams in, with no second pass over it).
+/// [`read_capped`], but the body stays in the chunks it arrived in (no copy into one
+/// buffer), and each is handed to `seen` first (a digest computed while the body streams
+/// in, with no second pass). For a large answer that is usually dropped unread (one whose
+/// digest says it is the last one again): its bytes are neither copied nor put in pages
+/// of their own.
 ///
 /// Errors: as [`read_capped`].
-pub(crate) async fn read_capped_seeing(
-    mut resp: reqwest::Response,
+pub(crate) async fn read_capped_chunks(
+    resp: reqwest::Response,
     limit: usize,
     mut seen: impl FnMut(&[u8]),
-) -> Result<Vec<u8>, BodyError> {
+) -> Result<Chunks, BodyError> {
+    let mut chunks = Vec::new();
+    each_chunk(resp, limit, |chunk| {
+        seen(&chunk);
+        chunks.push(chunk);
+    })
+    .await?;
+    Ok(Chunks(chunks))
+}
+
+/// The one capped read of a body: each chunk to `take` as it arrives, refusing a body
+/// announced or found larger than `limit` bytes.
+async fn each_chunk(
+    mut resp: reqwest::Response,
+    limit: usize,
+    mut take: impl FnMut(bytes::Bytes),
+) -> Result<(), BodyError> {
     let too_large = BodyError::TooLarge { limit };
-    let announced = resp.content_length();
-    if announced.is_some_and(|n| n > limit as u64) {
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
         return Err(too_large);
     }
-    let mut bytes = Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
+    let mut read = 0usize;
     while let Some(chunk) = resp.chunk().await.map_err(BodyError::Transport)? {
-        if bytes.len() + chunk.len() > limit {
+        read += chunk.len();
+        if read > limit {
             return Err(too_large);
         }
-        seen(&chunk);
-        bytes.extend_from_slice(&chunk);
+        take(chunk);
     }
-    Ok(bytes)
+    Ok(())
+}
+
+/// A body as it arrived, chunk by chunk ([`read_capped_chunks`]).
+#[derive(Debug, Default)]
+pub(crate) struct Chunks(Vec<bytes::Bytes>);
+
+impl Chunks {
+    /// The body in one piece: as it came when it came in one chunk, else copied into one
+    /// buffer, each chunk freed once copied (the body is not held twice over).
+    pub(crate) fn into_contiguous(self) -> bytes::Bytes {
+        let mut chunks = self.0;
+        if chunks.len() == 1 {
+            return chunks.pop().unwrap_or_default();
+        }
+        let mut whole = Vec::with_capacity(chunks.iter().map(bytes::Bytes::len).sum());
+        for chunk in chunks {
+            whole.extend_from_slice(&chunk);
+        }
+        whole.into()
+    }
 }
 
 #[cfg(test)]

@@ -934,11 +934,14 @@ impl StateStore {
         let Some(last) = &self.last_written else {
             return false;
         };
-        if last == state {
-            return true;
+        if !last.same_but_time(state) {
+            return false;
         }
-        last.same_but_time(state)
-            && (!state.time_matters()
+        // The sets, compared once (a walk of every id, every poll): they agree. With the
+        // same clock and counts too, it is exactly as saved.
+        let exactly = last.observed_ms == state.observed_ms && last.absent == state.absent;
+        exactly
+            || (!state.time_matters()
                 || self
                     .written_at
                     .is_some_and(|at| now.saturating_duration_since(at) < TIME_ONLY_WRITE_INTERVAL))

@@ -185,3 +185,88 @@ async fn only_an_answer_identical_to_the_last_accepted_one_is_reused() {
     assert_eq!(poll(spaced).await.unwrap(), changed);
     assert_eq!(client.answers_reused(), 4);
 }
+
+/// Serves one `200` per connection, its body in chunked pieces of `piece` bytes, each
+/// written on its own after a pause (so the client reads them apart). Keep-alive is off:
+/// each poll opens a connection and gets the next of `bodies`.
+async fn serve_in_pieces(bodies: Vec<(String, usize)>) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        for (body, piece) in bodies {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            // The request: read until its body, whose length its header gives, is in.
+            let mut req = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = conn.read(&mut buf).await.unwrap();
+                req.extend_from_slice(&buf[..n]);
+                let text = String::from_utf8_lossy(&req).to_ascii_lowercase();
+                if let Some(end) = text.find("\r\n\r\n") {
+                    let len: usize = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    if req.len() >= end + 4 + len {
+                        break;
+                    }
+                }
+                assert!(n > 0, "the request ended early");
+            }
+            conn.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n",
+            )
+            .await
+            .unwrap();
+            for part in body.as_bytes().chunks(piece) {
+                let mut chunk = format!("{:x}\r\n", part.len()).into_bytes();
+                chunk.extend_from_slice(part);
+                chunk.extend_from_slice(b"\r\n");
+                conn.write_all(&chunk).await.unwrap();
+                conn.flush().await.unwrap();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            conn.write_all(b"0\r\n\r\n").await.unwrap();
+            conn.shutdown().await.unwrap();
+        }
+    });
+    url
+}
+
+/// The digest is of the bytes, not of how they arrived: an answer read in many pieces is
+/// the answer read whole, the same bytes split otherwise are reused, and one changed byte
+/// in the last piece is parsed again.
+#[tokio::test]
+async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
+    use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId};
+
+    let body = |a: &str| {
+        format!(
+            r#"{{"assignments":[{{"group_id":"{B}"}},{{"group_id":"{a}","admitter_addrs":["/ip4/10.0.0.1/tcp/2428"]}}],"retain":[]}}"#
+        )
+    };
+    let url = serve_in_pieces(vec![
+        (body(A), 7),
+        (body(A), 13),
+        (body(A), body(A).len()),
+        (body(C), 7),
+    ])
+    .await;
+    let client = MdmaClient::builder(url.parse().unwrap()).build().unwrap();
+    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let poll = || client.should_join(&peer, None, NodeReport::default());
+    let first = poll().await.unwrap();
+    assert_eq!(first.assignments, set(&[A, B]));
+    assert_eq!(
+        first.admitter_addrs[&A.parse().unwrap()].as_ref(),
+        ["/ip4/10.0.0.1/tcp/2428".to_string()]
+    );
+    assert_eq!(client.answers_reused(), 0);
+    assert_eq!(poll().await.unwrap(), first, "split in 13-byte pieces");
+    assert_eq!(poll().await.unwrap(), first, "in one piece");
+    assert_eq!(client.answers_reused(), 2);
+    let changed = poll().await.unwrap();
+    assert_eq!(changed.assignments, set(&[B, C]));
+    assert_eq!(client.answers_reused(), 2);
+}
