@@ -25,7 +25,7 @@ use url::Url;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::{Refusal, TeeRole};
 use crate::mrtd::Mrtd;
-use crate::net::{is_loopback, read_capped, read_capped_chunks, BodyError};
+use crate::net::{is_loopback, read_capped, read_capped_chunks, BodyError, Chunks};
 
 mod answer;
 mod inventory;
@@ -678,6 +678,28 @@ pub struct ShouldJoin {
     pub logs_token: Option<LogsToken>,
 }
 
+/// Which should-join answer an answer is: the BLAKE3 digest of the bytes it was read from
+/// (32 bytes). Only [`ControlPlane::should_join_if_changed`] makes one, for an answer that
+/// passed the whole validation; it is handed back to that method to say which answer the
+/// caller holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AnswerDigest([u8; 32]);
+
+/// What [`ControlPlane::should_join_if_changed`] polled.
+#[derive(Debug)]
+pub enum Polled {
+    /// An answer other than the one the caller holds (or the caller named none).
+    Changed {
+        /// The answer, validated as [`ControlPlane::should_join`]'s.
+        answer: ShouldJoin,
+        /// Its digest, to hand back next time; `None` when the control plane keeps none
+        /// (every answer is then `Changed`).
+        digest: Option<AnswerDigest>,
+    },
+    /// Byte-for-byte the answer the caller holds: nothing to take in.
+    Unchanged,
+}
+
 /// What the node tells MDMA about itself in a `should-join`, besides its identity.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NodeReport<'a> {
@@ -767,6 +789,31 @@ pub trait ControlPlane: Send + Sync + 'static {
         report: NodeReport<'_>,
     ) -> Result<ShouldJoin, PollError>;
 
+    /// [`ControlPlane::should_join`], told which answer the caller holds: `held`, the
+    /// digest of an answer an earlier call gave. An answer byte-for-byte that one is
+    /// [`Polled::Unchanged`], neither parsed nor copied (MDMA repeats an unchanged answer
+    /// every poll, and at 10,000 assignments handing it out again costs more than reading
+    /// it). The poll is the heartbeat all the same.
+    ///
+    /// The default never says `Unchanged` and gives no digest: every answer is
+    /// [`Polled::Changed`]. [`MdmaClient`] gives the BLAKE3 digest of the bytes.
+    ///
+    /// Errors: as [`ControlPlane::should_join`].
+    async fn should_join_if_changed(
+        &self,
+        peer_id: &PeerId,
+        mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
+        held: Option<&AnswerDigest>,
+    ) -> Result<Polled, PollError> {
+        let _ = held;
+        let answer = self.should_join(peer_id, mrtd, report).await?;
+        Ok(Polled::Changed {
+            answer,
+            digest: None,
+        })
+    }
+
     /// Confirms the admission of `group_id`, with the node's TEE role in it (`tee_role`,
     /// `null` when unknown) and `authorship_ready` (true only for `RelayTee`).
     ///
@@ -835,7 +882,7 @@ struct LastAnswer {
 }
 
 /// An accepted answer and the BLAKE3 digest of its bytes.
-type Kept = Option<([u8; 32], ShouldJoin)>;
+type Kept = Option<(AnswerDigest, ShouldJoin)>;
 
 impl LastAnswer {
     fn slot(&self) -> std::sync::MutexGuard<'_, Kept> {
@@ -845,19 +892,24 @@ impl LastAnswer {
     }
 
     /// The kept answer if `digest` is its bytes' digest.
-    fn reuse(&self, digest: &[u8; 32]) -> Option<ShouldJoin> {
+    fn reuse(&self, digest: &AnswerDigest) -> Option<ShouldJoin> {
         let slot = self.slot();
         let (kept, answer) = slot.as_ref()?;
         if kept != digest {
             return None;
         }
-        self.reused
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.count_reuse();
         Some(answer.clone())
     }
 
+    /// Counts an answer not parsed again ([`MdmaClient::answers_reused`]).
+    fn count_reuse(&self) {
+        self.reused
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+
     /// Keeps `answer`, read and validated from bytes whose digest is `digest`.
-    fn keep(&self, digest: [u8; 32], answer: &ShouldJoin) {
+    fn keep(&self, digest: AnswerDigest, answer: &ShouldJoin) {
         *self.slot() = Some((digest, answer.clone()));
     }
 }
@@ -1487,14 +1539,15 @@ fn describe(e: &reqwest::Error) -> String {
     text
 }
 
-#[async_trait]
-impl ControlPlane for MdmaClient {
-    async fn should_join(
+impl MdmaClient {
+    /// Sends a should-join and reads its `200` body (capped at [`MAX_POLL_BODY`]) with its
+    /// digest, computed as it streams in.
+    async fn fetch_should_join(
         &self,
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
         report: NodeReport<'_>,
-    ) -> Result<ShouldJoin, PollError> {
+    ) -> Result<(Chunks, AnswerDigest), PollError> {
         let url = &self.should_join_url;
         let body = PollRequest {
             peer_id: peer_id.as_str(),
@@ -1554,7 +1607,12 @@ impl ControlPlane for MdmaClient {
             },
             BodyError::Transport(e) => fail(e),
         })?;
-        let digest: [u8; 32] = hasher.finalize().into();
+        Ok((chunks, AnswerDigest(hasher.finalize().into())))
+    }
+
+    /// The answer read as `chunks`, whose digest is `digest`: the last accepted one again
+    /// when it is its bytes, else parsed and validated (and kept when it passes).
+    fn answer_from(&self, chunks: Chunks, digest: AnswerDigest) -> Result<ShouldJoin, PollError> {
         if let Some(answer) = self.last_answer.reuse(&digest) {
             return Ok(answer);
         }
@@ -1562,12 +1620,45 @@ impl ControlPlane for MdmaClient {
         // freed chunk by chunk as they are copied.
         let bytes = chunks.into_contiguous();
         let answer = parse_should_join(&bytes).map_err(|source| PollError::Malformed {
-            url: url.clone(),
+            url: self.should_join_url.clone(),
             source,
         })?;
         drop(bytes);
         self.last_answer.keep(digest, &answer);
         Ok(answer)
+    }
+}
+
+#[async_trait]
+impl ControlPlane for MdmaClient {
+    async fn should_join(
+        &self,
+        peer_id: &PeerId,
+        mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
+    ) -> Result<ShouldJoin, PollError> {
+        let (chunks, digest) = self.fetch_should_join(peer_id, mrtd, report).await?;
+        self.answer_from(chunks, digest)
+    }
+
+    async fn should_join_if_changed(
+        &self,
+        peer_id: &PeerId,
+        mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
+        held: Option<&AnswerDigest>,
+    ) -> Result<Polled, PollError> {
+        let (chunks, digest) = self.fetch_should_join(peer_id, mrtd, report).await?;
+        // A digest is only ever made for bytes that passed the whole validation.
+        if held == Some(&digest) {
+            self.last_answer.count_reuse();
+            return Ok(Polled::Unchanged);
+        }
+        let answer = self.answer_from(chunks, digest)?;
+        Ok(Polled::Changed {
+            answer,
+            digest: Some(digest),
+        })
     }
 
     async fn confirm(

@@ -327,6 +327,12 @@ impl StateChange {
         }
     }
 
+    /// Whether applying it changes a set (`confirmed`: a prune); else only the clock,
+    /// the absences and the leave stamps move.
+    pub(crate) fn changes_membership(&self) -> bool {
+        !self.unconfirmed.is_empty()
+    }
+
     /// Whether applying it leaves the sets of `state` as they are (the observed clock may
     /// still advance).
     #[cfg(test)]

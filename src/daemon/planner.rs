@@ -11,6 +11,7 @@ use tokio::time::Instant;
 use tracing::warn;
 
 use crate::ids::GroupId;
+use crate::mdma::AnswerDigest;
 use crate::reconcile::{self, Desired, Guard, LeavePolicy, LeaveWait};
 use crate::state::State;
 
@@ -24,6 +25,9 @@ pub(super) struct Planner {
     dry_run: bool,
     /// The latest successful poll's answer.
     pub(super) desired: Arc<Desired>,
+    /// The digest of the answer `desired` came from, when MDMA's client gave one: the
+    /// next poll is told it, and an answer byte-for-byte that one is not taken in again.
+    desired_digest: Option<AnswerDigest>,
     /// Every successful poll's answer, for the joins waiting for a slot.
     latest_poll: watch::Sender<Arc<Desired>>,
     /// The mass-withdrawal guard and the leave rate limit.
@@ -51,6 +55,7 @@ impl Planner {
             policy,
             dry_run,
             desired: Arc::default(),
+            desired_digest: None,
             latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
@@ -68,9 +73,16 @@ impl Planner {
 
     /// A successful poll's answer becomes the latest: planned from, and seen by the joins
     /// waiting for a slot and by the confirm gate.
-    pub(super) fn polled(&mut self, desired: Desired) {
+    /// `digest`: the answer's ([`Planner::desired_digest`]).
+    pub(super) fn polled(&mut self, desired: Desired, digest: Option<AnswerDigest>) {
         self.desired = Arc::new(desired);
+        self.desired_digest = digest;
         self.latest_poll.send_replace(Arc::clone(&self.desired));
+    }
+
+    /// The digest of the answer [`Planner::desired`] came from, if known.
+    pub(super) fn desired_digest(&self) -> Option<&AnswerDigest> {
+        self.desired_digest.as_ref()
     }
 
     /// Every successful poll's answer from now on, for a task.

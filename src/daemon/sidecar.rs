@@ -13,7 +13,7 @@ use tracing::{debug, debug_span, error, info, warn, Instrument};
 
 use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
-use crate::mdma::{NodeReport, PollError};
+use crate::mdma::{NodeReport, PollError, Polled};
 use crate::merod::TeeRole;
 use crate::reconcile::{self, Desired, LeaveWait, MassDropEvent, Outcome, PlanInput};
 use crate::state::{State, StateStore};
@@ -96,6 +96,8 @@ pub struct Sidecar {
     /// Writes the recovery envelopes of the confirmed namespaces' members (none in a dry
     /// run, with `[recovery] enabled = false`, or with a test's own merod and MDMA).
     recovery: Option<RecoveryView>,
+    /// The [`Record::membership`] whose sets `inventory` and `recovery` were handed last.
+    offered_membership: Option<u64>,
 }
 
 impl Sidecar {
@@ -192,10 +194,11 @@ impl Sidecar {
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
-        let sidecar = Self {
+        let mut sidecar = Self {
             view,
             inventory,
             recovery,
+            offered_membership: None,
             files,
             relay,
             tls,
@@ -248,14 +251,20 @@ impl Sidecar {
         self.record.state()
     }
 
-    /// Shows the loop's sets in the live status and the namespace gauges.
-    fn publish(&self) {
+    /// Shows the loop's sets in the live status and the namespace gauges, and hands them to
+    /// the jobs reporting on them when they may have changed since they were handed over.
+    fn publish(&mut self) {
         publish(&self.deps, &self.planner, &self.work, self.record.state());
+        let membership = self.record.membership();
+        if self.offered_membership == Some(membership) {
+            return;
+        }
+        self.offered_membership = Some(membership);
+        let state = self.record.state();
         if let Some(inventory) = &self.inventory {
-            inventory.offer(&self.record.state().confirmed);
+            inventory.offer(&state.confirmed);
         }
         if let Some(recovery) = &self.recovery {
-            let state = self.record.state();
             recovery.offer(&state.confirmed, &state.admitted);
         }
     }
@@ -345,9 +354,12 @@ impl Sidecar {
         };
         let polled = match timeout(
             MDMA_DEADLINE,
-            self.deps
-                .mdma
-                .should_join(&self.identity.peer_id, self.identity.mrtd.as_ref(), report),
+            self.deps.mdma.should_join_if_changed(
+                &self.identity.peer_id,
+                self.identity.mrtd.as_ref(),
+                report,
+                self.planner.desired_digest(),
+            ),
         )
         .instrument(debug_span!("poll"))
         .await
@@ -374,7 +386,7 @@ impl Sidecar {
                 });
                 CycleOutcome::PollFailed(e)
             }
-            Ok(mut answer) => {
+            Ok(polled) => {
                 self.cadence.succeed();
                 Telemetry::count(&telemetry.polls, "ok");
                 telemetry.last_ok_poll.set(now);
@@ -385,17 +397,23 @@ impl Sidecar {
                     st.last_poll_error = None;
                     st.consecutive_failures = 0;
                 });
-                // What it delivers is installed beside the loop, never in it.
-                if let (Some(tls), Some(pem)) = (&self.tls, answer.tls_certificate.take()) {
-                    tls.offer(pem);
+                // An answer byte-for-byte the one planned from is that one again: its
+                // deliveries were offered when it came (an offer of the same one is a
+                // no-op), and the planner keeps it.
+                if let Polled::Changed { mut answer, digest } = polled {
+                    // What it delivers is installed beside the loop, never in it.
+                    if let (Some(tls), Some(pem)) = (&self.tls, answer.tls_certificate.take()) {
+                        tls.offer(pem);
+                    }
+                    if let (Some(installer), Some(token)) =
+                        (&self.logs_token, answer.logs_token.take())
+                    {
+                        installer.offer(token);
+                    }
+                    // Stored before the plan, so a status published while it is recorded
+                    // is the status of this poll.
+                    self.planner.polled(Desired::from(answer), digest);
                 }
-                if let (Some(installer), Some(token)) = (&self.logs_token, answer.logs_token.take())
-                {
-                    installer.offer(token);
-                }
-                // Stored before the plan, so a status published while it is recorded is
-                // the status of this poll.
-                self.planner.polled(Desired::from(answer));
                 if !self.view.up.is_up() {
                     // The poll was the heartbeat; joins and leaves wait for merod.
                     self.publish();

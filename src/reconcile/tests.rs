@@ -101,10 +101,12 @@ fn an_idle_poll_changes_no_set_and_the_change_applied_prunes() {
     let change = super::plan(input(&d, &s));
     assert!(change.joins.is_empty() && change.leaves.is_empty());
     assert!(change.state.keeps_sets(&s));
+    assert!(!change.state.changes_membership());
     // Withdrawn, retained and re-assigned ones: the change applied prunes and counts.
     let (d, s) = (desired(&[1, 4], &[2]), state(&[1, 2, 3], &[1, 2, 3]));
     let change = super::plan(input(&d, &s));
     assert!(!change.state.keeps_sets(&s));
+    assert!(change.state.changes_membership());
     let mut changed = s.clone();
     change.state.apply_to(&mut changed);
     assert_eq!(changed.confirmed, ids(&[1]), "confirmed ∩ assigned");

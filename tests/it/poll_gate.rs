@@ -270,3 +270,53 @@ async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
     assert_eq!(changed.assignments, set(&[B, C]));
     assert_eq!(client.answers_reused(), 2);
 }
+
+/// Told which answer it holds, the caller hears `Unchanged` for the same bytes (nothing
+/// parsed or copied), and gets any other answer whole, with a digest of its own; a
+/// refused answer gives no digest and changes nothing the caller holds.
+#[tokio::test]
+async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
+    use fleet_sidecar::emulator::mdma::MdmaEmulator;
+    use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId, PollError, Polled};
+
+    let mdma = MdmaEmulator::start(None).await.unwrap();
+    let client = MdmaClient::builder(mdma.url()).build().unwrap();
+    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let body = |a: &str| format!(r#"{{"assignments":[{{"group_id":"{a}"}}]}}"#);
+    let poll = |body: String, held| {
+        mdma.set_reply(PollReply::RawBody(body));
+        client.should_join_if_changed(&peer, None, NodeReport::default(), held)
+    };
+    let Polled::Changed { answer, digest } = poll(body(A), None).await.unwrap() else {
+        panic!("nothing held: the answer comes whole");
+    };
+    assert_eq!(answer.assignments, set(&[A]));
+    let held = digest.expect("MdmaClient gives a digest");
+    for n in 1..=2 {
+        assert!(matches!(
+            poll(body(A), Some(&held)).await.unwrap(),
+            Polled::Unchanged
+        ));
+        assert_eq!(client.answers_reused(), n);
+    }
+    // Held nothing: the same bytes come whole again (the kept answer, not parsed).
+    let Polled::Changed {
+        answer: again,
+        digest: same,
+    } = poll(body(A), None).await.unwrap()
+    else {
+        panic!("nothing held: the answer comes whole");
+    };
+    assert_eq!((again, same), (answer, Some(held)));
+    // A refused answer is an error whatever is held; then another answer comes whole.
+    let not_hex = body(C).replacen(&C[..1], "g", 1);
+    assert!(matches!(
+        poll(not_hex, Some(&held)).await,
+        Err(PollError::Malformed { .. })
+    ));
+    let Polled::Changed { answer, digest } = poll(body(C), Some(&held)).await.unwrap() else {
+        panic!("a changed answer comes whole");
+    };
+    assert_eq!(answer.assignments, set(&[C]));
+    assert_ne!(digest, Some(held));
+}
