@@ -13,11 +13,17 @@
 #   - withdrawal → leave latency while 10 joins hang (merod never answers them).
 # Prints a Markdown table with ratios and writes bench/cpu-vs-namespaces.tsv (for
 # bench/plot.py). Usage: scripts/bench-vs-reference.sh [SECONDS_PER_WINDOW] (default 20).
-# Env: SIZES (namespace counts), TRIALS (assignment trials), BIN_DIR (binaries built
+# Env: SIZES (namespace counts; NxK: N namespaces with K admitter addresses each), TRIALS (assignment trials), BIN_DIR (binaries built
 # elsewhere, e.g. an older commit's, instead of building these), EMU_BIN (the emulators'
 # binary, default the one in BIN_DIR: a newer one answers as the fleet does for an older
 # daemon), ADMITTERS (admitter addresses per assignment in MDMA's answer, default 0; the
-# fleet sends 8), REFERENCE=0 (daemon only: idle figures, no reference, no latencies).
+# fleet sends 8), REFERENCE=0 (daemon only: idle figures, no reference, no latencies),
+# WARM (seconds between the daemon's start and the window, default 3), CONFIG_DROP (tables
+# removed from the emulators' config: an older daemon refuses a table it does not know),
+# STATE_V3=1 (the seeded state file rewritten as version 3, for a daemon older than v4).
+# The idle CPU is also split: the loop's (the median second's CPU per poll) and the
+# background jobs' (the rest, per second); a window of 60 s or more holds one of each
+# periodic job's runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-20}
@@ -48,7 +54,7 @@ trap cleanup EXIT
 start_emulators() {
   # --admitters only when asked: an older revision's emulators do not know it.
   local extra=()
-  [ "${ADMITTERS:-0}" = 0 ] || extra=(--admitters "$ADMITTERS")
+  [ "${2:-${ADMITTERS:-0}}" = 0 ] || extra=(--admitters "${2:-$ADMITTERS}")
   coproc EMU { exec "${EMU_BIN:-$bin/fleet-emulators}" --namespaces "$1" "${extra[@]}"; }
   pids+=("$EMU_PID")
   local line
@@ -104,36 +110,77 @@ cpu_ns() {
   fi
 }
 
-# CPU ms per should-join poll over a window of $secs s, and the polls answered in it.
+# Over a window of $secs s, sampled every second: CPU ms per should-join poll (all of it),
+# the polls answered, the loop's CPU ms per poll and the background jobs' CPU ms per
+# second. A second whose CPU is over twice the median second's and 1 ms more is a
+# background job's (the 60 s inventory walk, the held refresh): the loop's figure is the
+# CPU per poll of the other seconds, and what the busy seconds took beyond it is the
+# background's, averaged over the whole window.
 cpu_window() {
-  local c0 c1 p0 p1
-  c0=$(cpu_ns "$1")
-  p0=$(polls)
-  sleep "$secs"
-  c1=$(cpu_ns "$1")
-  p1=$(polls)
-  awk -v c=$((c1 - c0)) -v p=$((p1 - p0)) 'BEGIN {printf "%.3f %d\n", (p > 0 ? c / 1e6 / p : -1), p}'
+  local i samples=() median
+  samples+=("$(cpu_ns "$1") $(polls)")
+  for i in $(seq "$secs"); do
+    sleep 1
+    samples+=("$(cpu_ns "$1") $(polls)")
+  done
+  # Each second's CPU ms and polls.
+  local seconds
+  seconds=$(printf '%s\n' "${samples[@]}" |
+    awk 'NR > 1 {printf "%.6f %d\n", ($1 - c) / 1e6, $2 - p} {c = $1; p = $2}')
+  median=$(awk '{print $1}' <<<"$seconds" | sort -g |
+    awk '{r[NR] = $1} END {print NR ? (NR % 2 ? r[(NR + 1) / 2] : (r[NR / 2] + r[NR / 2 + 1]) / 2) : 0}')
+  awk -v secs="$secs" -v m="$median" '
+    {cpu += $1; polls += $2}
+    $1 > 2 * m + 1 {bc += $1; bp += $2; next}
+    {qc += $1; qp += $2}
+    END {
+      loop = qp > 0 ? qc / qp : -1
+      bg = loop >= 0 ? (bc - loop * bp) / secs : 0
+      printf "%.3f %d %.3f %.3f\n", (polls > 0 ? cpu / polls : -1), polls, loop, (bg > 0 ? bg : 0)
+    }' <<<"$seconds"
 }
 
-printf 'namespaces\tdaemon_cpu_ms_per_poll\treference_cpu_ms_per_poll\tdaemon_peak_rss_kib\treference_peak_rss_kib\tdaemon_polls\treference_polls\n' >"$tsv"
-for n in $sizes; do
-  start_emulators "$n"
+printf 'namespaces\tdaemon_cpu_ms_per_poll\treference_cpu_ms_per_poll\tdaemon_peak_rss_kib\treference_peak_rss_kib\tdaemon_polls\treference_polls\tdaemon_loop_ms_per_poll\tdaemon_background_ms_per_s\treference_loop_ms_per_poll\n' >"$tsv"
+for size in $sizes; do
+  n=${size%%x*}
+  admitters=${ADMITTERS:-0}
+  [ "$size" = "$n" ] || admitters=${size#*x}
+  start_emulators "$n" "$admitters"
+  # An older revision refuses a table it does not know: drop those.
+  for table in ${CONFIG_DROP:-}; do
+    python3 - "$CONFIG" "$table" <<'PY'
+import re, sys
+path, table = sys.argv[1], sys.argv[2]
+text = open(path).read()
+open(path, "w").write(re.sub(r"(?ms)^\[" + re.escape(table) + r"\]\n.*?(?=^\[|\Z)", "", text))
+PY
+  done
+  if [ "${STATE_V3:-0}" = 1 ]; then
+    # An older revision reads state files up to version 3: the same sets in that form.
+    python3 - "$CONFIG" <<'PY'
+import json, re, sys
+path = re.search(r'(?m)^state_file = "(.*)"$', open(sys.argv[1]).read()).group(1)
+doc = json.load(open(path))
+keep = {k: doc[k] for k in ("admitted", "confirmed", "joining") if k in doc}
+json.dump({"version": 3, **keep}, open(path, "w"))
+PY
+  fi
   start_daemon
-  sleep 3
-  read -r d_cpu d_polls < <(cpu_window daemon)
+  sleep "${WARM:-3}"
+  read -r d_cpu d_polls d_loop d_bg < <(cpu_window daemon)
   d_rss=$(awk '/VmHWM/ {print $2}' "/proc/$pid/status")
   stop
-  r_cpu=-1 r_polls=0 r_rss=0
+  r_cpu=-1 r_polls=0 r_rss=0 r_loop=-1
   if [ "$with_reference" = 1 ]; then
     start_reference
     sleep 3
-    read -r r_cpu r_polls < <(cpu_window reference)
+    read -r r_cpu r_polls r_loop _ < <(cpu_window reference)
     stop
     r_rss=$(tail -1 "$work/ref-rss" 2>/dev/null)
   fi
   stop_emulators
-  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$n" "$d_cpu" "$r_cpu" "$d_rss" "$r_rss" "$d_polls" "$r_polls" >>"$tsv"
-  echo "idle, $n namespaces: daemon $d_cpu ms/poll ($d_polls polls), peak RSS $d_rss KiB; reference $r_cpu ms/poll ($r_polls polls), peak RSS $r_rss KiB" >&2
+  printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$size" "$d_cpu" "$r_cpu" "$d_rss" "$r_rss" "$d_polls" "$r_polls" "$d_loop" "$d_bg" "$r_loop" >>"$tsv"
+  echo "idle, $size namespaces: daemon $d_cpu ms/poll ($d_polls polls; loop $d_loop ms/poll, background $d_bg ms/s), peak RSS $d_rss KiB; reference $r_cpu ms/poll ($r_polls polls), peak RSS $r_rss KiB" >&2
 done
 
 # Latencies at 3 namespaces. $1: daemon|reference.
