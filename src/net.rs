@@ -80,8 +80,14 @@ pub(crate) async fn read_capped(
     resp: reqwest::Response,
     limit: usize,
 ) -> Result<Vec<u8>, BodyError> {
-    let announced = resp.content_length();
-    let mut bytes = Vec::with_capacity(announced.map_or(0, |n| usize::try_from(n).unwrap_or(0)));
+    // Room for an announced length only within the cap: a larger one is refused by
+    // `each_chunk` before any byte is read, and must not be allocated first.
+    let room = resp
+        .content_length()
+        .and_then(|n| usize::try_from(n).ok())
+        .filter(|&n| n <= limit)
+        .unwrap_or(0);
+    let mut bytes = Vec::with_capacity(room);
     each_chunk(resp, limit, |chunk| bytes.extend_from_slice(&chunk)).await?;
     Ok(bytes)
 }
@@ -184,6 +190,33 @@ mod tests {
         }
         assert_eq!(read(&[]), None);
         assert_eq!(read(&["30", "60"]), None, "named twice");
+    }
+
+    /// A server announcing a body of 1 TB: refused as too large, and nothing of that size
+    /// is allocated first (that would abort the process).
+    #[tokio::test]
+    async fn an_announced_length_over_the_cap_is_refused_before_any_room_is_taken() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut buf = [0u8; 1024];
+            let _ = conn.read(&mut buf).await;
+            let head = "HTTP/1.1 200 OK\r\ncontent-length: 1000000000000\r\n\r\n{}";
+            let _ = conn.write_all(head.as_bytes()).await;
+            // Held open: the client must not wait for the rest.
+            tokio::time::sleep(Duration::from_secs(30)).await;
+        });
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let resp = tokio::time::timeout(Duration::from_secs(10), client.get(&url).send())
+            .await
+            .unwrap()
+            .unwrap();
+        let read = tokio::time::timeout(Duration::from_secs(10), read_capped(resp, 1024))
+            .await
+            .unwrap();
+        assert!(matches!(read, Err(BodyError::TooLarge { limit: 1024 })));
     }
 
     #[test]
