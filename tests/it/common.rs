@@ -337,3 +337,35 @@ pub fn metric(text: &str, series: &str) -> f64 {
         })
         .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
 }
+
+/// A loopback HTTP server that reads the request, then writes `head` and hands the socket
+/// to `then`.
+pub async fn raw_server<F, Fut>(head: &'static str, then: F) -> url::Url
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let then = Arc::new(then);
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            let then = Arc::clone(&then);
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 64 * 1024];
+                let _ = tokio::io::AsyncReadExt::read(&mut tcp, &mut buf).await;
+                if tokio::io::AsyncWriteExt::write_all(&mut tcp, head.as_bytes())
+                    .await
+                    .is_ok()
+                {
+                    then(tcp).await;
+                }
+            });
+        }
+    });
+    format!("http://127.0.0.1:{port}/").parse().unwrap()
+}
+
+/// The head of a chunked `200` JSON answer, for [`raw_server`].
+pub const CHUNKED: &str =
+    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";

@@ -186,52 +186,36 @@ async fn only_an_answer_identical_to_the_last_accepted_one_is_reused() {
     assert_eq!(client.answers_reused(), 4);
 }
 
-/// Serves one `200` per connection, its body in chunked pieces of `piece` bytes, each
-/// written on its own after a pause (so the client reads them apart). Keep-alive is off:
-/// each poll opens a connection and gets the next of `bodies`.
-async fn serve_in_pieces(bodies: Vec<(String, usize)>) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/", listener.local_addr().unwrap());
-    tokio::spawn(async move {
-        for (body, piece) in bodies {
-            let (mut conn, _) = listener.accept().await.unwrap();
-            // The request: read until its body, whose length its header gives, is in.
-            let mut req = Vec::new();
-            let mut buf = [0u8; 4096];
-            loop {
-                let n = conn.read(&mut buf).await.unwrap();
-                req.extend_from_slice(&buf[..n]);
-                let text = String::from_utf8_lossy(&req).to_ascii_lowercase();
-                if let Some(end) = text.find("\r\n\r\n") {
-                    let len: usize = text
-                        .lines()
-                        .find_map(|l| l.strip_prefix("content-length:"))
-                        .map_or(0, |v| v.trim().parse().unwrap());
-                    if req.len() >= end + 4 + len {
-                        break;
-                    }
-                }
-                assert!(n > 0, "the request ended early");
-            }
-            conn.write_all(
-                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n",
-            )
-            .await
-            .unwrap();
-            for part in body.as_bytes().chunks(piece) {
+/// A chunked `200` JSON answer that closes its connection: each poll opens one.
+const CHUNKED_CLOSE: &str = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+
+/// Serves chunked answers (keep-alive off: a connection each), the next of `bodies`
+/// to each connection, in pieces of the given size, each written on its own after a pause
+/// (so the client reads them apart).
+async fn serve_in_pieces(bodies: Vec<(String, usize)>) -> url::Url {
+    use tokio::io::AsyncWriteExt;
+    let bodies = std::sync::Arc::new(bodies);
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    raw_server(CHUNKED_CLOSE, move |mut conn| {
+        let n = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let bodies = std::sync::Arc::clone(&bodies);
+        async move {
+            let Some((body, piece)) = bodies.get(n) else {
+                return;
+            };
+            for part in body.as_bytes().chunks(*piece) {
                 let mut chunk = format!("{:x}\r\n", part.len()).into_bytes();
                 chunk.extend_from_slice(part);
                 chunk.extend_from_slice(b"\r\n");
-                conn.write_all(&chunk).await.unwrap();
-                conn.flush().await.unwrap();
+                if conn.write_all(&chunk).await.is_err() {
+                    return;
+                }
                 tokio::time::sleep(Duration::from_millis(2)).await;
             }
-            conn.write_all(b"0\r\n\r\n").await.unwrap();
-            conn.shutdown().await.unwrap();
+            let _ = conn.write_all(b"0\r\n\r\n").await;
         }
-    });
-    url
+    })
+    .await
 }
 
 /// The digest is of the bytes, not of how they arrived: an answer read in many pieces is
@@ -253,7 +237,7 @@ async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
         (body(C), 7),
     ])
     .await;
-    let client = MdmaClient::builder(url.parse().unwrap()).build().unwrap();
+    let client = MdmaClient::builder(url).build().unwrap();
     let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
     let poll = || client.should_join(&peer, None, NodeReport::default());
     let first = poll().await.unwrap();

@@ -14,7 +14,7 @@ use fleet_sidecar::Config;
 use fleet_sidecar::{MdmaClient, MdmaClientError, MAX_POLL_BODY};
 use fleet_sidecar::{MerodClient, MerodError, Node};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_util::sync::CancellationToken;
@@ -89,34 +89,6 @@ async fn poll_fails_without_a_leave(
     );
     assert!(merod.with(|w| w.leaves.is_empty()), "never a leave");
 }
-
-/// A loopback HTTP server that reads the request, then writes `head` and hands the socket
-/// to `then`.
-async fn raw_server<F, Fut>(head: &'static str, then: F) -> url::Url
-where
-    F: Fn(tokio::net::TcpStream) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send,
-{
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = listener.local_addr().unwrap().port();
-    let then = Arc::new(then);
-    tokio::spawn(async move {
-        while let Ok((mut tcp, _)) = listener.accept().await {
-            let then = Arc::clone(&then);
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 64 * 1024];
-                let _ = tcp.read(&mut buf).await;
-                if tcp.write_all(head.as_bytes()).await.is_ok() {
-                    then(tcp).await;
-                }
-            });
-        }
-    });
-    format!("http://127.0.0.1:{port}/").parse().unwrap()
-}
-
-const CHUNKED: &str =
-    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_mdma_sending_one_byte_a_second_is_cut_at_the_deadline() {
