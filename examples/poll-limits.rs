@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use fleet_sidecar::emulator::mdma::fleet_answer_for;
-use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId, Polled};
+use fleet_sidecar::{ControlPlane, Holding, MdmaClient, NodeReport, PeerId, Polled};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
@@ -181,7 +181,7 @@ fn main() -> Result<(), Error> {
             .build()?;
         let held = rt.block_on(async {
             match client
-                .should_join_if_changed(&peer, None, NodeReport::default(), None)
+                .should_join_if_changed(&peer, None, NodeReport::default(), Holding::default())
                 .await?
             {
                 Polled::Changed { digest, .. } => digest.ok_or_else(|| Error::from("no digest")),
@@ -191,7 +191,15 @@ fn main() -> Result<(), Error> {
         figure(name, rounds, || {
             rt.block_on(async {
                 match client
-                    .should_join_if_changed(&peer, None, NodeReport::default(), Some(&held))
+                    .should_join_if_changed(
+                        &peer,
+                        None,
+                        NodeReport::default(),
+                        Holding {
+                            answer: Some(&held),
+                            joined: None,
+                        },
+                    )
                     .await?
                 {
                     Polled::Unchanged => Ok(()),

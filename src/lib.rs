@@ -24,7 +24,7 @@
 //! |---|---|
 //! | the sidecar's config | [`ToolConfig`] (`[merod]`, `state_file`, `[tdx]`, `mdma_url`; nothing required), [`ToolConfig::mdma_credentials`] (token and CA file, the daemon's checks), [`resolve_admin_url`], [`read_peer_id`]; [`Config`] is the daemon's (every check) |
 //! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`] every page, [`MerodClient::identity`], [`MerodClient::node_key`] ([`NodeKey`]: 64 hex or rc.25's base58), [`MerodClient::tee_role`], and through the [`Node`] trait `probe`, `fleet_join` with `admitterAddrs`, `leave_namespace`, `holds_namespace` on merod's own 404s), [`MerodClientBuilder`], [`Admission`] with [`Refusal`]s, [`TeeRole`], [`MerodError`] |
-//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` (with a [`NodeReport`]: `held_namespaces`; `should_join_if_changed` with the [`AnswerDigest`] of the answer held says [`Polled::Unchanged`] for the same bytes), `confirm` (with the role) and `join_status` ([`JoinStatus`]) |
+//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` (with a [`NodeReport`]: `held_namespaces`; `should_join_if_changed`, told what the caller holds ([`Holding`]: the [`AnswerDigest`] of its answer, the namespaces joined), says [`Polled::Unchanged`] for the same bytes and leaves the joined namespaces' `admitter_addrs` out of a changed answer), `confirm` (with the role) and `join_status` ([`JoinStatus`]) |
 //! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`read_mrtd_bounded_async`] from async code; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
 //! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`RegisterRequest`], [`Registered`], [`RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
@@ -252,9 +252,9 @@ pub use identity::{
 pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
 pub use mdma::{
     AnswerDigest, CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken,
-    GroupInventory, InventoryReport, JoinState, JoinStatus, LogsToken, MalformedAnswer, MdmaAnswer,
-    MdmaClient, MdmaClientBuilder, MdmaClientError, NamespaceInventory, NodeReport, PollError,
-    Polled, RecoveryEnvelope, RecoveryKey, RegisterError, RegisterRequest, Registered,
+    GroupInventory, Holding, InventoryReport, JoinState, JoinStatus, LogsToken, MalformedAnswer,
+    MdmaAnswer, MdmaClient, MdmaClientBuilder, MdmaClientError, NamespaceInventory, NodeReport,
+    PollError, Polled, RecoveryEnvelope, RecoveryKey, RegisterError, RegisterRequest, Registered,
     RequestError, RequestMethod, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY,
     MDMA_TIMEOUT, REGISTER_TIMEOUT,
 };

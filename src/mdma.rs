@@ -685,6 +685,29 @@ pub struct ShouldJoin {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct AnswerDigest([u8; 32]);
 
+#[cfg(test)]
+impl AnswerDigest {
+    /// A digest of these bytes' value, for the daemon's own tests.
+    pub(crate) const fn of_test(bytes: [u8; 32]) -> Self {
+        Self(bytes)
+    }
+}
+
+/// What the caller of [`ControlPlane::should_join_if_changed`] holds already, so the poll
+/// hands out only what it lacks. `Holding::default()` holds nothing: every answer is
+/// whole.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Holding<'a> {
+    /// The digest of the answer the caller holds (an earlier call's): an answer
+    /// byte-for-byte that one is [`Polled::Unchanged`].
+    pub answer: Option<&'a AnswerDigest>,
+    /// The namespaces the caller has joined: a [`Polled::Changed`] answer keeps no
+    /// `admitter_addrs` for them (they are validated all the same; only a join uses
+    /// them). The caller's answer then lacks them for as long as it holds it: to join one
+    /// of these again, it polls holding no `answer`, so the answer is read again whole.
+    pub joined: Option<&'a BTreeSet<GroupId>>,
+}
+
 /// What [`ControlPlane::should_join_if_changed`] polled.
 #[derive(Debug)]
 pub enum Polled {
@@ -789,14 +812,17 @@ pub trait ControlPlane: Send + Sync + 'static {
         report: NodeReport<'_>,
     ) -> Result<ShouldJoin, PollError>;
 
-    /// [`ControlPlane::should_join`], told which answer the caller holds: `held`, the
-    /// digest of an answer an earlier call gave. An answer byte-for-byte that one is
-    /// [`Polled::Unchanged`], neither parsed nor copied (MDMA repeats an unchanged answer
-    /// every poll, and at 10,000 assignments handing it out again costs more than reading
-    /// it). The poll is the heartbeat all the same.
+    /// [`ControlPlane::should_join`], told what the caller holds ([`Holding`]): the digest
+    /// of an answer an earlier call gave, and the namespaces it has joined. An answer
+    /// byte-for-byte the one held is [`Polled::Unchanged`], neither parsed nor copied
+    /// (MDMA repeats an unchanged answer every poll, and at 10,000 assignments handing it
+    /// out again costs more than reading it). A changed one leaves out the
+    /// `admitter_addrs` of the joined namespaces (at 10,000 × 8 addresses they are about
+    /// 12 MB the caller would keep for nothing). The poll is the heartbeat all the same.
     ///
-    /// The default never says `Unchanged` and gives no digest: every answer is
-    /// [`Polled::Changed`]. [`MdmaClient`] gives the BLAKE3 digest of the bytes.
+    /// The default never says `Unchanged`, gives no digest and leaves every address in:
+    /// every answer is [`Polled::Changed`] and whole. [`MdmaClient`] gives the BLAKE3
+    /// digest of the bytes.
     ///
     /// Errors: as [`ControlPlane::should_join`].
     async fn should_join_if_changed(
@@ -804,7 +830,7 @@ pub trait ControlPlane: Send + Sync + 'static {
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
         report: NodeReport<'_>,
-        held: Option<&AnswerDigest>,
+        held: Holding<'_>,
     ) -> Result<Polled, PollError> {
         let _ = held;
         let answer = self.should_join(peer_id, mrtd, report).await?;
@@ -1616,16 +1642,24 @@ impl MdmaClient {
         if let Some(answer) = self.last_answer.reuse(&digest) {
             return Ok(answer);
         }
+        let answer = self.parse(chunks, None)?;
+        self.last_answer.keep(digest, &answer);
+        Ok(answer)
+    }
+
+    /// The answer in `chunks`, without the addresses of the namespaces in `joined`.
+    fn parse(
+        &self,
+        chunks: Chunks,
+        joined: Option<&BTreeSet<GroupId>>,
+    ) -> Result<ShouldJoin, PollError> {
         // The chunks are copied into one buffer only now, for an answer that changed, and
         // freed chunk by chunk as they are copied.
         let bytes = chunks.into_contiguous();
-        let answer = parse_should_join(&bytes).map_err(|source| PollError::Malformed {
+        parse_answer(&bytes, joined).map_err(|source| PollError::Malformed {
             url: self.should_join_url.clone(),
             source,
-        })?;
-        drop(bytes);
-        self.last_answer.keep(digest, &answer);
-        Ok(answer)
+        })
     }
 }
 
@@ -1646,15 +1680,17 @@ impl ControlPlane for MdmaClient {
         peer_id: &PeerId,
         mrtd: Option<&Mrtd>,
         report: NodeReport<'_>,
-        held: Option<&AnswerDigest>,
+        held: Holding<'_>,
     ) -> Result<Polled, PollError> {
         let (chunks, digest) = self.fetch_should_join(peer_id, mrtd, report).await?;
         // A digest is only ever made for bytes that passed the whole validation.
-        if held == Some(&digest) {
+        if held.answer == Some(&digest) {
             self.last_answer.count_reuse();
             return Ok(Polled::Unchanged);
         }
-        let answer = self.answer_from(chunks, digest)?;
+        // The caller keeps this answer itself (and it may lack addresses): it is not kept
+        // here for `should_join` as well.
+        let answer = self.parse(chunks, held.joined)?;
         Ok(Polled::Changed {
             answer,
             digest: Some(digest),
@@ -1704,10 +1740,16 @@ struct PollEntry {
 
 /// The addresses of `admitter_addrs` kept: those starting with `/` and holding no line
 /// break, in order.
-pub(crate) fn keep_admitter_addrs(addrs: Vec<String>) -> Arc<[String]> {
+pub(crate) fn keep_admitter_addrs<A: AsRef<str> + Into<String>>(
+    addrs: impl IntoIterator<Item = A>,
+) -> Arc<[String]> {
     addrs
         .into_iter()
-        .filter(|a| a.starts_with('/') && !a.contains(['\n', '\r']))
+        .filter(|a| {
+            let a = a.as_ref();
+            a.starts_with('/') && !a.contains(['\n', '\r'])
+        })
+        .map(Into::into)
         .collect()
 }
 
@@ -1725,7 +1767,16 @@ pub(crate) fn keep_admitter_addrs(addrs: Vec<String>) -> Arc<[String]> {
 /// `mdma/answer.rs`); a body it refuses is read again the strict two-step way only to name
 /// the fault as before.
 pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
-    match answer::read(body) {
+    parse_answer(body, None)
+}
+
+/// [`parse_should_join`], keeping no `admitter_addrs` for the assignments in `joined`
+/// (they are validated all the same).
+fn parse_answer(
+    body: &[u8],
+    joined: Option<&BTreeSet<GroupId>>,
+) -> Result<ShouldJoin, MalformedAnswer> {
+    match answer::read(body, joined) {
         Ok(read) => Ok(ShouldJoin {
             assignments: read.assignments,
             retain: read.retain,

@@ -28,6 +28,10 @@ pub(super) struct Planner {
     /// The digest of the answer `desired` came from, when MDMA's client gave one: the
     /// next poll is told it, and an answer byte-for-byte that one is not taken in again.
     desired_digest: Option<AnswerDigest>,
+    /// The [`super::record::Record::membership`] when `desired` was read (it keeps no
+    /// `admitter_addrs` for the namespaces confirmed then), or when it was last found to
+    /// lack none a join needs.
+    desired_membership: Option<u64>,
     /// Every successful poll's answer, for the joins waiting for a slot.
     latest_poll: watch::Sender<Arc<Desired>>,
     /// The mass-withdrawal guard and the leave rate limit.
@@ -56,6 +60,7 @@ impl Planner {
             dry_run,
             desired: Arc::default(),
             desired_digest: None,
+            desired_membership: None,
             latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
@@ -73,16 +78,53 @@ impl Planner {
 
     /// A successful poll's answer becomes the latest: planned from, and seen by the joins
     /// waiting for a slot and by the confirm gate.
-    /// `digest`: the answer's ([`Planner::desired_digest`]).
-    pub(super) fn polled(&mut self, desired: Desired, digest: Option<AnswerDigest>) {
+    /// `digest`: the answer's ([`Planner::desired_digest`]); `membership`: the state's
+    /// [`super::record::Record::membership`] whose confirmed namespaces the answer keeps no
+    /// addresses for.
+    pub(super) fn polled(
+        &mut self,
+        desired: Desired,
+        digest: Option<AnswerDigest>,
+        membership: u64,
+    ) {
         self.desired = Arc::new(desired);
         self.desired_digest = digest;
+        self.desired_membership = Some(membership);
         self.latest_poll.send_replace(Arc::clone(&self.desired));
     }
 
-    /// The digest of the answer [`Planner::desired`] came from, if known.
-    pub(super) fn desired_digest(&self) -> Option<&AnswerDigest> {
-        self.desired_digest.as_ref()
+    /// The digest of the answer [`Planner::desired`] came from, to poll with: `None` (read
+    /// the next answer whole) when a namespace the answer kept no addresses for may need a
+    /// join now. The answer leaves out the addresses of the namespaces confirmed when it
+    /// was read; once the state's sets moved (`membership`, `state`), an assigned namespace
+    /// no longer confirmed and without addresses may be one of them. While every such one
+    /// is in `in_flight` (its join or check runs) it is not planned, so the answer is kept
+    /// and looked at again next cycle; with none at all, it is kept until the sets move.
+    pub(super) fn answer_to_hold(
+        &mut self,
+        membership: u64,
+        state: &State,
+        in_flight: impl FnOnce() -> BTreeSet<GroupId>,
+    ) -> Option<&AnswerDigest> {
+        if self.desired_membership == Some(membership) {
+            return self.desired_digest.as_ref();
+        }
+        let desired = &self.desired;
+        let lacking: Vec<GroupId> = desired
+            .assigned
+            .difference(&state.confirmed)
+            .filter(|id| !desired.retain.contains(id) && !desired.admitter_addrs.contains_key(id))
+            .copied()
+            .collect();
+        if lacking.is_empty() {
+            self.desired_membership = Some(membership);
+            return self.desired_digest.as_ref();
+        }
+        let in_flight = in_flight();
+        if lacking.iter().all(|id| in_flight.contains(id)) {
+            return self.desired_digest.as_ref();
+        }
+        None
     }
 
     /// Every successful poll's answer from now on, for a task.
@@ -143,5 +185,95 @@ impl Planner {
         }
         self.orphans = found;
         BTreeSet::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn gid(n: u8) -> GroupId {
+        GroupId::from_bytes([n; 32])
+    }
+
+    /// A planner holding an answer (digest 7) that assigns 1, 2 and 3 and retains 4, read
+    /// at membership 5; `addrs` are the assignments it kept addresses for.
+    fn planner(addrs: &[u8]) -> Planner {
+        let mut p = Planner::new(LeavePolicy::REFERENCE, false, false);
+        let desired = Desired {
+            assigned: [gid(1), gid(2), gid(3), gid(4)].into(),
+            retain: [gid(4)].into(),
+            admitter_addrs: addrs
+                .iter()
+                .map(|n| (gid(*n), Arc::from(["/ip4/10.0.0.1/tcp/1".to_owned()])))
+                .collect(),
+        };
+        p.polled(desired, Some(HELD), 5);
+        p
+    }
+
+    fn confirmed(ids: &[u8]) -> State {
+        State {
+            confirmed: ids.iter().map(|n| gid(*n)).collect(),
+            ..State::default()
+        }
+    }
+
+    fn none_in_flight() -> BTreeSet<GroupId> {
+        BTreeSet::new()
+    }
+
+    const HELD: AnswerDigest = AnswerDigest::of_test([7; 32]);
+
+    #[test]
+    fn the_answer_is_held_while_the_sets_it_was_read_against_are_the_same() {
+        let mut p = planner(&[]);
+        // Nothing is walked, whatever the state says: the sets are those seen at the read.
+        let held = p.answer_to_hold(5, &confirmed(&[]), || panic!("not asked"));
+        assert_eq!(held, Some(&HELD));
+    }
+
+    #[test]
+    fn a_namespace_no_longer_confirmed_and_without_addresses_has_the_answer_read_again_whole() {
+        // 1 lost (was confirmed at the read, so its addresses were left out); 2, 3 confirmed.
+        let mut p = planner(&[]);
+        assert_eq!(
+            p.answer_to_hold(6, &confirmed(&[2, 3]), none_in_flight),
+            None
+        );
+        // While its join or check runs it is not planned: the answer is kept, and looked at
+        // again next cycle.
+        let running = || BTreeSet::from([gid(1)]);
+        assert_eq!(
+            p.answer_to_hold(6, &confirmed(&[2, 3]), running),
+            Some(&HELD)
+        );
+        assert_eq!(
+            p.answer_to_hold(6, &confirmed(&[2, 3]), none_in_flight),
+            None
+        );
+        // Read again at membership 6: held from then on.
+        p.polled(p.desired.as_ref().clone(), Some(HELD), 6);
+        assert_eq!(
+            p.answer_to_hold(6, &confirmed(&[2, 3]), || panic!("not asked")),
+            Some(&HELD)
+        );
+    }
+
+    #[test]
+    fn the_answer_is_kept_when_every_namespace_to_join_has_its_addresses() {
+        // 1 unconfirmed but with addresses; 4 retained (never joined): nothing lacks.
+        let mut p = planner(&[1]);
+        assert_eq!(
+            p.answer_to_hold(6, &confirmed(&[2, 3]), || panic!("not asked")),
+            Some(&HELD)
+        );
+        // Found complete at 6: not walked again until the sets move.
+        assert_eq!(
+            p.answer_to_hold(6, &confirmed(&[]), || panic!("not asked")),
+            Some(&HELD)
+        );
+        // They moved, and now 2 lacks its addresses.
+        assert_eq!(p.answer_to_hold(7, &confirmed(&[3]), none_in_flight), None);
     }
 }

@@ -13,7 +13,7 @@ use tracing::{debug, debug_span, error, info, warn, Instrument};
 
 use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
-use crate::mdma::{NodeReport, PollError, Polled};
+use crate::mdma::{Holding, NodeReport, PollError, Polled};
 use crate::merod::TeeRole;
 use crate::reconcile::{self, Desired, LeaveWait, MassDropEvent, Outcome, PlanInput};
 use crate::state::{State, StateStore};
@@ -352,13 +352,26 @@ impl Sidecar {
             tls_cert_not_after: files.tls_cert_not_after.as_deref(),
             logs_token_fp: files.logs_token_fp.as_deref(),
         };
+        // The answer keeps no addresses for the namespaces confirmed now: only a join uses
+        // them (at 10,000 × 8 they are about 12 MB).
+        let membership = self.record.membership();
+        let (work, record) = (&self.work, &self.record);
+        let answer = self.planner.answer_to_hold(membership, record.state(), || {
+            let mut in_flight = work.in_flight();
+            in_flight.extend(record.awaiting());
+            in_flight
+        });
+        let held = Holding {
+            answer,
+            joined: Some(&record.state().confirmed),
+        };
         let polled = match timeout(
             MDMA_DEADLINE,
             self.deps.mdma.should_join_if_changed(
                 &self.identity.peer_id,
                 self.identity.mrtd.as_ref(),
                 report,
-                self.planner.desired_digest(),
+                held,
             ),
         )
         .instrument(debug_span!("poll"))
@@ -412,7 +425,8 @@ impl Sidecar {
                     }
                     // Stored before the plan, so a status published while it is recorded
                     // is the status of this poll.
-                    self.planner.polled(Desired::from(answer), digest);
+                    self.planner
+                        .polled(Desired::from(answer), digest, membership);
                 }
                 if !self.view.up.is_up() {
                     // The poll was the heartbeat; joins and leaves wait for merod.

@@ -3,16 +3,20 @@
 //! `group_id` is decoded from the body into a [`GroupId`] (no `String` per id), and the
 //! fields the sidecar ignores are walked for repeated keys without being built.
 //!
+//! An assignment's `admitter_addrs` are only needed to join it: for the namespaces the caller
+//! says it has joined they are checked and dropped, borrowed from the body, never copied.
+//!
 //! It accepts exactly what the strict two-step reading accepts (no repeated key at any
 //! depth, then the typed shape), except that it also insists on JSON objects where the
 //! contract (docs/mdma.md) names objects: serde's derived readers would take an array in
 //! field order for the answer or an entry; this reader refuses it.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::sync::Arc;
 
-use serde::de::{self, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de::{self, Deserialize, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
 use crate::ids::GroupId;
 use crate::strict_json::{Key, NoDuplicates, SeenKeys};
@@ -30,16 +34,20 @@ pub(super) struct Read {
 }
 
 /// Reads one `should-join` document from `body` into `(assignments, retain,
-/// admitter_addrs)`.
+/// admitter_addrs)`; the addresses of the assignments in `joined` are checked and not kept.
 ///
 /// Errors: serde_json's error for the first fault (syntax, a repeated key, the wrong
 /// shape, trailing data); the caller tells these kinds apart.
-pub(super) fn read(body: &[u8]) -> Result<Read, serde_json::Error> {
+pub(super) fn read(
+    body: &[u8],
+    joined: Option<&BTreeSet<GroupId>>,
+) -> Result<Read, serde_json::Error> {
     let mut de = serde_json::Deserializer::from_slice(body);
     // Room for as many entries as the body can hold (the shortest one,
     // `{"group_id":"<64 hex>"},`, is 80 bytes): the list is not regrown and copied.
     let sets = de.deserialize_map(Answer {
         entries: body.len() / 80,
+        joined,
     })?;
     de.end()?;
     Ok(sets)
@@ -47,12 +55,14 @@ pub(super) fn read(body: &[u8]) -> Result<Read, serde_json::Error> {
 
 /// The top-level object: `assignments` (required), `retain`, `tls_certificate`, `logs_token`
 /// (optional), anything else.
-struct Answer {
+struct Answer<'j> {
     /// The most `assignments` entries the body can hold.
     entries: usize,
+    /// The assignments whose addresses are not kept.
+    joined: Option<&'j BTreeSet<GroupId>>,
 }
 
-impl<'de> Visitor<'de> for Answer {
+impl<'de> Visitor<'de> for Answer<'_> {
     type Value = Read;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an object with an `assignments` array")
@@ -74,7 +84,8 @@ impl<'de> Visitor<'de> for Answer {
             seen.insert(key)?;
             match field {
                 Field::Assignments => {
-                    assignments = Some(map.next_value_seed(Ids(Entries, self.entries))?)
+                    assignments =
+                        Some(map.next_value_seed(Ids(Entries(self.joined), self.entries))?)
                 }
                 Field::Retain => retain = Some(map.next_value_seed(Ids(Bare, 0))?),
                 Field::TlsCertificate => tls_certificate = map.next_value_seed(Text)?,
@@ -181,11 +192,11 @@ impl Element for Bare {
 }
 
 /// `assignments`: an array of objects, each with a 64-hex `group_id` and maybe
-/// `admitter_addrs`.
+/// `admitter_addrs` (not kept for the namespaces it holds).
 #[derive(Clone, Copy)]
-struct Entries;
+struct Entries<'j>(Option<&'j BTreeSet<GroupId>>);
 
-impl Element for Entries {
+impl Element for Entries<'_> {
     fn read<'de, A: SeqAccess<'de>>(
         self,
         seq: &mut A,
@@ -198,7 +209,10 @@ impl Element for Entries {
         };
         out.push(id);
         // A repeated entry's addresses are its last ones (as the two-step reading does).
-        let kept = super::keep_admitter_addrs(listed.unwrap_or_default());
+        let kept = match self.0 {
+            Some(joined) if joined.contains(&id) => Arc::default(),
+            _ => super::keep_admitter_addrs(listed.unwrap_or_default()),
+        };
         if kept.is_empty() {
             if !addrs.is_empty() {
                 addrs.remove(&id);
@@ -241,22 +255,23 @@ struct Entry<'k, 'de> {
     keys: &'k mut SeenKeys<'de>,
 }
 
-/// An entry as read: its id and its `admitter_addrs`, if given.
-type EntryRead = (GroupId, Option<Vec<String>>);
+/// An entry as read: its id and its `admitter_addrs`, if given (borrowed from the body
+/// unless escaped).
+type EntryRead<'de> = (GroupId, Option<Vec<Addr<'de>>>);
 
 impl<'de> DeserializeSeed<'de> for Entry<'_, 'de> {
-    type Value = EntryRead;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<EntryRead, D::Error> {
+    type Value = EntryRead<'de>;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<EntryRead<'de>, D::Error> {
         d.deserialize_map(self)
     }
 }
 
 impl<'de> Visitor<'de> for Entry<'_, 'de> {
-    type Value = EntryRead;
+    type Value = EntryRead<'de>;
     fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("an assignment object with a `group_id`")
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EntryRead, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<EntryRead<'de>, A::Error> {
         self.keys.clear();
         let mut group_id = None;
         let mut addrs = None;
@@ -269,11 +284,47 @@ impl<'de> Visitor<'de> for Entry<'_, 'de> {
             self.keys.insert(key)?;
             match field {
                 1 => group_id = Some(map.next_value::<GroupId>()?),
-                2 => addrs = map.next_value::<Option<Vec<String>>>()?,
+                2 => addrs = map.next_value::<Option<Vec<Addr<'de>>>>()?,
                 _ => map.next_value_seed(NoDuplicates)?,
             }
         }
         let id = group_id.ok_or_else(|| de::Error::missing_field("group_id"))?;
         Ok((id, addrs))
+    }
+}
+
+/// One string of `admitter_addrs`, borrowed from the body when it holds no escape.
+pub(super) struct Addr<'de>(Cow<'de, str>);
+
+impl AsRef<str> for Addr<'_> {
+    fn as_ref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl From<Addr<'_>> for String {
+    fn from(a: Addr<'_>) -> String {
+        a.0.into_owned()
+    }
+}
+
+impl<'de> Deserialize<'de> for Addr<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(AddrVisitor)
+    }
+}
+
+struct AddrVisitor;
+
+impl<'de> Visitor<'de> for AddrVisitor {
+    type Value = Addr<'de>;
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("a string")
+    }
+    fn visit_borrowed_str<E>(self, v: &'de str) -> Result<Addr<'de>, E> {
+        Ok(Addr(Cow::Borrowed(v)))
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Addr<'de>, E> {
+        Ok(Addr(Cow::Owned(v.to_owned())))
     }
 }

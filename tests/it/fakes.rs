@@ -15,7 +15,7 @@ use fleet_sidecar::{
 };
 use fleet_sidecar::{Admission, MerodError, MerodOp, Node, NodeAccount, TeeRole};
 use fleet_sidecar::{GroupId, PeerId};
-use fleet_sidecar::{JoinStatus, NodeReport};
+use fleet_sidecar::{Holding, JoinStatus, NodeReport, Polled};
 use tokio::time::Instant;
 
 use crate::common::{id, merod_err, spawn_loop, Running};
@@ -106,6 +106,9 @@ pub struct World {
     pub polls: Vec<(Instant, Option<String>)>,
     /// The `held_namespaces` each poll carried (`None`: left out).
     pub held_reported: Vec<Option<Vec<GroupId>>>,
+    /// The namespaces each poll said joined ([`fleet_sidecar::Holding::joined`]): the
+    /// answer keeps no addresses for them.
+    pub joined_said: Vec<Option<BTreeSet<GroupId>>>,
     /// The `executor_account` each poll carried (`None`: left out).
     pub accounts_reported: Vec<Option<String>>,
     /// The `relay_url` each poll carried (`None`: left out).
@@ -174,6 +177,21 @@ impl Fake {
 
 #[async_trait]
 impl ControlPlane for Fake {
+    async fn should_join_if_changed(
+        &self,
+        peer_id: &PeerId,
+        mrtd: Option<&Mrtd>,
+        report: NodeReport<'_>,
+        held: Holding<'_>,
+    ) -> Result<Polled, PollError> {
+        self.with(|w| w.joined_said.push(held.joined.cloned()));
+        let answer = self.should_join(peer_id, mrtd, report).await?;
+        Ok(Polled::Changed {
+            answer,
+            digest: None,
+        })
+    }
+
     async fn should_join(
         &self,
         _: &PeerId,

@@ -241,3 +241,22 @@ async fn with_leave_orphans_an_orphan_that_appears_after_start_is_left_only_afte
     });
     assert!(!node.state().admitted.contains(&c));
 }
+
+#[tokio::test(start_paused = true)]
+async fn each_poll_says_which_namespaces_are_joined_so_their_addresses_are_not_kept() {
+    let node = NodeDir::new();
+    let (a, b, c) = (id(1), id(2), id(3));
+    node.seed(&[a, b].into(), &[a, b].into());
+    let fake = Fake::default();
+    fake.with(|w| {
+        w.assignments = [a, b, c].into();
+        w.held.extend([a, b]);
+    });
+    let running = fake.run(node.config(""));
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    running.stop().await;
+    let said = fake.with(|w| w.joined_said.clone());
+    // The confirmed ones, as they are at each poll: C once its join is confirmed.
+    assert_eq!(said.first(), Some(&Some([a, b].into())), "{said:?}");
+    assert_eq!(said.last(), Some(&Some([a, b, c].into())), "{said:?}");
+}

@@ -255,6 +255,14 @@ async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
     assert_eq!(client.answers_reused(), 2);
 }
 
+/// What the caller holds: the answer `held`, no namespace said joined.
+fn holding(held: Option<&fleet_sidecar::AnswerDigest>) -> fleet_sidecar::Holding<'_> {
+    fleet_sidecar::Holding {
+        answer: held,
+        joined: None,
+    }
+}
+
 /// Told which answer it holds, the caller hears `Unchanged` for the same bytes (nothing
 /// parsed or copied), and gets any other answer whole, with a digest of its own; a
 /// refused answer gives no digest and changes nothing the caller holds.
@@ -269,7 +277,7 @@ async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
     let body = |a: &str| format!(r#"{{"assignments":[{{"group_id":"{a}"}}]}}"#);
     let poll = |body: String, held| {
         mdma.set_reply(PollReply::RawBody(body));
-        client.should_join_if_changed(&peer, None, NodeReport::default(), held)
+        client.should_join_if_changed(&peer, None, NodeReport::default(), holding(held))
     };
     let Polled::Changed { answer, digest } = poll(body(A), None).await.unwrap() else {
         panic!("nothing held: the answer comes whole");
@@ -283,7 +291,7 @@ async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
         ));
         assert_eq!(client.answers_reused(), n);
     }
-    // Held nothing: the same bytes come whole again (the kept answer, not parsed).
+    // Held nothing: the same bytes come whole again.
     let Polled::Changed {
         answer: again,
         digest: same,
@@ -303,4 +311,64 @@ async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
     };
     assert_eq!(answer.assignments, set(&[C]));
     assert_ne!(digest, Some(held));
+}
+
+/// A changed answer keeps no `admitter_addrs` for the namespaces the caller says it joined
+/// (only a join uses them; at 10,000 × 8 they are about 12 MB), keeps the others', and
+/// still validates every entry's: a malformed list in a joined one refuses the answer.
+#[tokio::test]
+async fn the_addresses_of_joined_namespaces_are_checked_but_not_kept() {
+    use fleet_sidecar::emulator::mdma::MdmaEmulator;
+    use fleet_sidecar::{ControlPlane, Holding, MdmaClient, NodeReport, PeerId, PollError, Polled};
+
+    let mdma = MdmaEmulator::start(None).await.unwrap();
+    let client = MdmaClient::builder(mdma.url()).build().unwrap();
+    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let joined = set(&[A]);
+    let poll = |body: String, held| {
+        mdma.set_reply(PollReply::RawBody(body));
+        client.should_join_if_changed(&peer, None, NodeReport::default(), held)
+    };
+    let joining = |joined| Holding {
+        answer: None,
+        joined,
+    };
+    let entry =
+        |id: &str, addrs: &str| format!(r#"{{"group_id":"{id}","admitter_addrs":{addrs}}}"#);
+    let body = |a: &str, b: &str| format!(r#"{{"assignments":[{},{}]}}"#, entry(A, a), entry(B, b));
+    // An escaped address is read as well as one borrowed from the body.
+    let both = body(
+        r#"["/ip4/10.0.0.1/tcp/1"]"#,
+        r#"["/ip4/10.0.0.2/tcp/\u0032","/dns4/x/tcp/3"]"#,
+    );
+
+    let Polled::Changed { answer, .. } = poll(both.clone(), joining(Some(&joined))).await.unwrap()
+    else {
+        panic!("nothing held: the answer comes");
+    };
+    assert_eq!(answer.assignments, set(&[A, B]));
+    assert!(!answer.admitter_addrs.contains_key(&gid(A)), "{answer:?}");
+    assert_eq!(
+        answer.admitter_addrs.get(&gid(B)).map(|a| a.to_vec()),
+        Some(vec![
+            "/ip4/10.0.0.2/tcp/2".to_owned(),
+            "/dns4/x/tcp/3".to_owned()
+        ])
+    );
+    // Holding no joined set, every assignment keeps its addresses.
+    let Polled::Changed { answer, .. } = poll(both, joining(None)).await.unwrap() else {
+        panic!("nothing held: the answer comes");
+    };
+    assert_eq!(
+        answer.admitter_addrs.get(&gid(A)).map(|a| a.to_vec()),
+        Some(vec!["/ip4/10.0.0.1/tcp/1".to_owned()])
+    );
+    // A joined namespace's list is validated all the same.
+    for bad in [r#"[1]"#, r#""/ip4/10.0.0.1/tcp/1""#, r#"{"a":"/x"}"#] {
+        let refused = poll(body(bad, "[]"), joining(Some(&joined))).await;
+        assert!(
+            matches!(refused, Err(PollError::Malformed { .. })),
+            "{bad}: {refused:?}"
+        );
+    }
 }
