@@ -1067,6 +1067,22 @@ struct Answered {
     unreadable: Option<String>,
 }
 
+impl Answered {
+    /// An answer of `status` with `bytes`: its body as JSON (a key repeated in an object
+    /// refuses it), or `null` and why it is not.
+    fn read(status: u16, bytes: &[u8]) -> Self {
+        let (body, unreadable) = match serde_json::from_slice::<StrictValue>(bytes) {
+            Ok(v) => (v.0, None),
+            Err(e) => (Value::Null, Some(e.to_string())),
+        };
+        Self {
+            status,
+            body,
+            unreadable,
+        }
+    }
+}
+
 impl MerodClient {
     /// Sends `req` and reads the answer whole; a refused connection also forgets a
     /// refusal of `admitterAddrs` (merod is down: the one that comes back may be newer).
@@ -1076,6 +1092,34 @@ impl MerodClient {
         url: &Url,
         req: reqwest::RequestBuilder,
     ) -> Result<Answered, MerodError> {
+        let (status, bytes) = self.fetch(op, url, req).await?;
+        Ok(Answered::read(status, &bytes))
+    }
+
+    /// [`MerodClient::send`], a 2xx body handed over as it came (for an answer too large
+    /// to be worth a `serde_json::Value`: read it with a typed reader); any other answer is
+    /// read as [`MerodClient::send`] reads it.
+    async fn send_raw(
+        &self,
+        op: MerodOp,
+        url: &Url,
+        req: reqwest::RequestBuilder,
+    ) -> Result<Result<bytes::Bytes, Answered>, MerodError> {
+        let (status, bytes) = self.fetch(op, url, req).await?;
+        Ok(if (200..300).contains(&status) {
+            Ok(bytes)
+        } else {
+            Err(Answered::read(status, &bytes))
+        })
+    }
+
+    /// Sends `req`: the status and the whole body.
+    async fn fetch(
+        &self,
+        op: MerodOp,
+        url: &Url,
+        req: reqwest::RequestBuilder,
+    ) -> Result<(u16, bytes::Bytes), MerodError> {
         let transport = |e: reqwest::Error| {
             if e.is_connect() {
                 self.seen_down();
@@ -1089,15 +1133,7 @@ impl MerodClient {
         let resp = req.send().await.map_err(transport)?;
         let status = resp.status().as_u16();
         let bytes = resp.bytes().await.map_err(transport)?;
-        let (body, unreadable) = match serde_json::from_slice::<StrictValue>(&bytes) {
-            Ok(v) => (v.0, None),
-            Err(e) => (Value::Null, Some(e.to_string())),
-        };
-        Ok(Answered {
-            status,
-            body,
-            unreadable,
-        })
+        Ok((status, bytes))
     }
 
     /// A non-2xx answer as an error (see [`refusal`]).

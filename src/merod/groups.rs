@@ -134,8 +134,19 @@ impl MerodClient {
     /// Errors: [`MerodError::Refused`] or [`MerodError::Status`] for a non-2xx,
     /// [`MerodError::Answer`] without a `namespaces` array; transport and timeout.
     pub async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
-        self.get_parsed(MerodOp::Usage, "admin-api/usage", |body| {
-            parse_usage(body).map_err(str::to_owned)
+        let (op, path) = (MerodOp::Usage, "admin-api/usage");
+        let url = self.url(path);
+        self.bounded(op, path, self.deadlines.check, async {
+            let req = self.connection.client.get(url.clone());
+            let bytes = match self.send_raw(op, &url, req).await? {
+                Ok(bytes) => bytes,
+                Err(answer) => return Err(Self::refused(op, &url, &answer)),
+            };
+            usage::parse(&bytes).map_err(|reason| MerodError::Answer {
+                op,
+                url: url.to_string(),
+                reason,
+            })
         })
         .await
     }
@@ -292,47 +303,162 @@ fn parse_contexts(body: &Value) -> Result<Vec<String>, String> {
         .collect()
 }
 
-fn parse_usage(body: &Value) -> Result<BTreeMap<GroupId, StorageBytes>, &'static str> {
-    let rows = inner(body)
-        .get("namespaces")
-        .and_then(Value::as_array)
-        .ok_or("no namespaces array")?;
-    let mut out = BTreeMap::new();
-    for row in rows {
-        let id = row
-            .get("namespaceId")
-            .and_then(Value::as_str)
-            .and_then(|s| s.parse::<GroupId>().ok());
-        let bytes = row.get("bytes");
-        let count = |name: &str| bytes.and_then(|b| b.get(name)).and_then(Value::as_u64);
-        if let (
-            Some(id),
-            Some(state),
-            Some(private_state),
-            Some(delta),
-            Some(governance),
-            Some(total),
-        ) = (
-            id,
-            count("state"),
-            count("privateState"),
-            count("delta"),
-            count("governance"),
-            count("total"),
-        ) {
-            out.insert(
-                id,
-                StorageBytes {
-                    state,
-                    private_state,
-                    delta,
-                    governance,
-                    total,
-                },
-            );
+/// `GET /admin-api/usage` read row by row: at 10,000 namespaces a `serde_json::Value` of it
+/// is about 16 MB of small blocks, which the heap then keeps resident; here only one row is
+/// built at a time.
+mod usage {
+    use std::collections::BTreeMap;
+    use std::fmt;
+
+    use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
+    use serde::Deserialize;
+    use serde_json::Value;
+
+    use super::StorageBytes;
+    use crate::ids::GroupId;
+
+    /// The storage of each namespace in `body` (`{"data": {"namespaces": [...]}}`, or the
+    /// rows at the top level when `data` is not an object); rows missing an id or a count
+    /// are left out.
+    ///
+    /// Errors: why it is not such an answer (not JSON, a repeated key, no `namespaces`
+    /// array).
+    pub(super) fn parse(body: &[u8]) -> Result<BTreeMap<GroupId, StorageBytes>, String> {
+        crate::strict_json::reject_duplicate_keys(body).map_err(|e| e.to_string())?;
+        let doc: Doc = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        let rows = match doc.data {
+            Some(Object(Some(Inner { namespaces }))) => namespaces,
+            _ => doc.namespaces,
+        };
+        match rows {
+            Some(Rows(Some(rows))) => Ok(rows),
+            _ => Err("no namespaces array".to_owned()),
         }
     }
-    Ok(out)
+
+    #[derive(Deserialize)]
+    struct Doc {
+        #[serde(default)]
+        data: Option<Object<Inner>>,
+        #[serde(default)]
+        namespaces: Option<Rows>,
+    }
+
+    #[derive(Deserialize)]
+    struct Inner {
+        #[serde(default)]
+        namespaces: Option<Rows>,
+    }
+
+    /// A value that is `T` when it is an object (`None` for any other value, read and
+    /// dropped).
+    struct Object<T>(Option<T>);
+
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(ObjectVisitor(std::marker::PhantomData))
+        }
+    }
+
+    struct ObjectVisitor<T>(std::marker::PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjectVisitor<T> {
+        type Value = Object<T>;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Object<T>, A::Error> {
+            T::deserialize(de::value::MapAccessDeserializer::new(map)).map(|t| Object(Some(t)))
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Object<T>, A::Error> {
+            IgnoredAny.visit_seq(seq).map(|_| Object(None))
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Object<T>, E> {
+            Ok(Object(None))
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Object<T>, E> {
+            Ok(Object(None))
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Object<T>, E> {
+            Ok(Object(None))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Object<T>, E> {
+            Ok(Object(None))
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Object<T>, E> {
+            Ok(Object(None))
+        }
+        fn visit_unit<E>(self) -> Result<Object<T>, E> {
+            Ok(Object(None))
+        }
+    }
+
+    /// `namespaces`: the rows read one at a time into the map when it is an array (`None`
+    /// for any other value).
+    struct Rows(Option<BTreeMap<GroupId, StorageBytes>>);
+
+    impl<'de> Deserialize<'de> for Rows {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(RowsVisitor)
+        }
+    }
+
+    struct RowsVisitor;
+
+    impl<'de> Visitor<'de> for RowsVisitor {
+        type Value = Rows;
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("any JSON value")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Rows, A::Error> {
+            let mut out = BTreeMap::new();
+            // Each row is small: built, read and dropped before the next.
+            while let Some(row) = seq.next_element::<Value>()? {
+                if let Some((id, bytes)) = row_of(&row) {
+                    out.insert(id, bytes);
+                }
+            }
+            Ok(Rows(Some(out)))
+        }
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Rows, A::Error> {
+            IgnoredAny.visit_map(map).map(|_| Rows(None))
+        }
+        fn visit_bool<E>(self, _: bool) -> Result<Rows, E> {
+            Ok(Rows(None))
+        }
+        fn visit_i64<E>(self, _: i64) -> Result<Rows, E> {
+            Ok(Rows(None))
+        }
+        fn visit_u64<E>(self, _: u64) -> Result<Rows, E> {
+            Ok(Rows(None))
+        }
+        fn visit_f64<E>(self, _: f64) -> Result<Rows, E> {
+            Ok(Rows(None))
+        }
+        fn visit_str<E>(self, _: &str) -> Result<Rows, E> {
+            Ok(Rows(None))
+        }
+        fn visit_unit<E>(self) -> Result<Rows, E> {
+            Ok(Rows(None))
+        }
+    }
+
+    /// One row: its namespace and its five counts, or `None` when one is missing.
+    fn row_of(row: &Value) -> Option<(GroupId, StorageBytes)> {
+        let id = row.get("namespaceId")?.as_str()?.parse::<GroupId>().ok()?;
+        let bytes = row.get("bytes")?;
+        let count = |name: &str| bytes.get(name).and_then(Value::as_u64);
+        Some((
+            id,
+            StorageBytes {
+                state: count("state")?,
+                private_state: count("privateState")?,
+                delta: count("delta")?,
+                governance: count("governance")?,
+                total: count("total")?,
+            },
+        ))
+    }
 }
 
 #[cfg(test)]
@@ -377,7 +503,7 @@ mod tests {
             {"namespaceId": "ab".repeat(32), "bytes": {"state": 1}},
             {"namespaceId": "nope", "bytes": bytes},
         ]});
-        let usage = parse_usage(&body).unwrap();
+        let usage = usage::parse(body.to_string().as_bytes()).unwrap();
         assert_eq!(usage.len(), 1);
         let got = usage[&G.parse::<GroupId>().unwrap()];
         assert_eq!(
@@ -394,6 +520,20 @@ mod tests {
             serde_json::to_value(got).unwrap(),
             json!({"state": 1, "private_state": 2, "delta": 3, "governance": 4, "total": 10})
         );
-        assert!(parse_usage(&json!({"data": []})).is_err());
+        // Wrapped in `data`, or at the top level when `data` is not an object.
+        let wrapped = json!({"data": body.clone()}).to_string();
+        assert_eq!(usage::parse(wrapped.as_bytes()).unwrap(), usage);
+        let beside = json!({"data": [1], "namespaces": body["namespaces"]}).to_string();
+        assert_eq!(usage::parse(beside.as_bytes()).unwrap(), usage);
+        for bad in [
+            json!({"data": []}).to_string(),
+            json!({"data": {"rows": []}, "namespaces": body["namespaces"]}).to_string(),
+            json!({"namespaces": {"a": 1}}).to_string(),
+            json!([1]).to_string(),
+            r#"{"namespaces": [], "namespaces": []}"#.to_owned(),
+            "not json".to_owned(),
+        ] {
+            assert!(usage::parse(bad.as_bytes()).is_err(), "{bad}");
+        }
     }
 }
