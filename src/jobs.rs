@@ -70,6 +70,12 @@ pub(crate) trait Job: Send + 'static {
     /// Said once when a run works again after a failure.
     const RECOVERED: &'static str;
 
+    /// Whether a run walks every namespace the node holds: it then allocates and frees
+    /// megabytes of small blocks among the loop's long-lived ones, and the heap's free
+    /// pages are handed back to the system after it (see [`give_back_free_heap`]). The
+    /// default: no.
+    const WALKS_EVERY_NAMESPACE: bool = false;
+
     /// When it runs (read once, at [`spawn`]).
     fn schedule(&self) -> Schedule;
 
@@ -242,6 +248,20 @@ pub(crate) fn spawn<J: Job>(
     JobHandle { latest, soon }
 }
 
+/// Hands the heap's free pages back to the system (glibc's `malloc_trim`). glibc gives back
+/// only the free space at the top of its heap; the holes a walk of 10,000 namespaces leaves
+/// between longer-lived blocks stay resident otherwise (at 10,000 namespaces with the
+/// inventory on, about 11 MB of the daemon's RSS). It takes well under a millisecond for
+/// a heap of tens of MB. A no-op outside glibc.
+fn give_back_free_heap() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim only releases memory the allocator holds free; it takes the
+    // allocator's own locks and may be called from any thread at any time.
+    unsafe {
+        nix::libc::malloc_trim(0);
+    }
+}
+
 /// The harness's loop around one job (see the module docs).
 async fn drive<J: Job>(
     mut job: J,
@@ -276,6 +296,9 @@ async fn drive<J: Job>(
             () = shutdown.cancelled() => return,
             ran = timeout(schedule.deadline, job.run()) => ran,
         };
+        if J::WALKS_EVERY_NAMESPACE {
+            give_back_free_heap();
+        }
         // What a failed run's answer asked for: no run, asked for or not, before it ends.
         let mut asked_for = Duration::ZERO;
         let outcome = match ran {

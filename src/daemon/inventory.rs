@@ -50,30 +50,137 @@ const MAX_RECORD: u64 = 64 * 1024 * 1024;
 const SCAN_DEADLINE: Duration = Duration::from_secs(600);
 
 /// What was last reported, kept as `fleet-inventory.json`: when a full report last landed
-/// (Unix seconds, 0 for never) and each namespace as posted, `bytes` included.
+/// (Unix seconds, 0 for never) and the [`ReportDigest`] of each namespace as posted.
+///
+/// Only fingerprints are kept: the record decides whether a scan says anything new, and a
+/// report is always made from the scan. At 10,000 namespaces the reports themselves were
+/// megabytes of small blocks kept for good among what each scan frees, which held about
+/// 10 MB of the daemon's heap resident.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct InventoryRecord {
     /// When the last full report landed, Unix seconds (0: never).
     pub(crate) last_full: u64,
-    /// Each namespace as last posted.
-    pub(crate) namespaces: BTreeMap<GroupId, NamespaceInventory>,
+    /// Each namespace as last posted, sorted by id, each once (in the file: an object of
+    /// ids to hex fingerprints).
+    #[serde(serialize_with = "write_posted", deserialize_with = "read_posted")]
+    pub(crate) namespaces: Vec<(GroupId, ReportDigest)>,
+}
+
+/// What a namespace's report says but for `bytes` (storage moves all the time: a change of
+/// bytes alone is not worth a report), as a BLAKE3 digest of its fields (32 bytes). Two
+/// reports with the same fingerprint say the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct ReportDigest([u8; 32]);
+
+impl ReportDigest {
+    /// The fingerprint of `ns`: each field but `bytes`, in order, each list with its length
+    /// and each string with its length, so no two reports run together.
+    pub(crate) fn of(ns: &NamespaceInventory) -> Self {
+        let mut h = blake3::Hasher::new();
+        // The encoding's version: a change of it is one full report, nothing worse.
+        h.update(b"inventory-v1");
+        h.update(ns.namespace_id.as_bytes());
+        h.update(&(ns.groups.len() as u64).to_le_bytes());
+        for g in &ns.groups {
+            h.update(g.group_id.as_bytes());
+            h.update(&[u8::from(g.authorship_ready)]);
+            h.update(&(g.context_ids.len() as u64).to_le_bytes());
+            for c in &g.context_ids {
+                h.update(&(c.len() as u64).to_le_bytes());
+                h.update(c.as_bytes());
+            }
+        }
+        let number = |h: &mut blake3::Hasher, n: Option<u64>| {
+            match n {
+                None => h.update(&[0]),
+                Some(n) => h.update(&[1]).update(&n.to_le_bytes()),
+            };
+        };
+        number(&mut h, ns.member_count);
+        number(&mut h, ns.context_count);
+        h.update(match ns.tee_role {
+            None => b"-",
+            Some(None) => b"0",
+            Some(Some(TeeRole::RelayTee)) => b"R",
+            Some(Some(TeeRole::ReadOnlyTee)) => b"O",
+        });
+        Self(h.finalize().into())
+    }
+}
+
+/// [`InventoryRecord::namespaces`] in the file: `{"<id>": "<64 hex>", ...}`.
+fn write_posted<S: serde::Serializer>(
+    posted: &[(GroupId, ReportDigest)],
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    s.collect_map(posted.iter().map(|(id, fp)| (id, hex::encode(fp.0))))
+}
+
+/// [`InventoryRecord::namespaces`] from the file (see [`write_posted`]).
+fn read_posted<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Vec<(GroupId, ReportDigest)>, D::Error> {
+    use serde::de::Error as _;
+    BTreeMap::<GroupId, String>::deserialize(d)?
+        .into_iter()
+        .map(|(id, text)| {
+            let mut fp = [0u8; 32];
+            hex::decode_to_slice(&text, &mut fp)
+                .map_err(|e| D::Error::custom(format!("fingerprint of {id}: {e}")))?;
+            Ok((id, ReportDigest(fp)))
+        })
+        .collect()
 }
 
 impl InventoryRecord {
+    /// The fingerprint of `id` as last posted.
+    pub(crate) fn get(&self, id: &GroupId) -> Option<&ReportDigest> {
+        self.namespaces
+            .binary_search_by_key(id, |(k, _)| *k)
+            .ok()
+            .map(|i| &self.namespaces[i].1)
+    }
+
     /// Forgets the namespaces no longer `confirmed` (MDMA withdrew them, or the node left).
     pub(crate) fn prune(&mut self, confirmed: &BTreeSet<GroupId>) -> bool {
         let before = self.namespaces.len();
-        self.namespaces.retain(|id, _| confirmed.contains(id));
+        self.namespaces.retain(|(id, _)| confirmed.contains(id));
         self.namespaces.len() != before
     }
 
-    /// Keeps what a post that landed carried; a full one also stamps `last_full`.
-    pub(crate) fn posted(&mut self, post: &Post, now_unix: u64) {
-        for ns in &post.namespaces {
-            self.namespaces.insert(ns.namespace_id, ns.clone());
+    /// Keeps what a post that landed carried (`namespaces`); a `full` one also stamps
+    /// `last_full`. The list is made again in one block (merged in one pass: at 10,000
+    /// namespaces an insert each would move it 10,000 times).
+    pub(crate) fn posted(&mut self, namespaces: &[NamespaceInventory], full: bool, now_unix: u64) {
+        let mut new: Vec<(GroupId, ReportDigest)> = namespaces
+            .iter()
+            .map(|ns| (ns.namespace_id, ReportDigest::of(ns)))
+            .collect();
+        // Stable: of one id posted twice, the later is kept.
+        new.sort_by_key(|(id, _)| *id);
+        new.reverse();
+        new.dedup_by_key(|(id, _)| *id);
+        new.reverse();
+        let old = std::mem::take(&mut self.namespaces);
+        let mut merged = Vec::with_capacity(old.len() + new.len());
+        let (mut old, mut new) = (old.into_iter().peekable(), new.into_iter().peekable());
+        loop {
+            let next = match (old.peek(), new.peek()) {
+                (Some(o), Some(n)) if o.0 < n.0 => old.next(),
+                (Some(o), Some(n)) if o.0 == n.0 => {
+                    old.next();
+                    new.next()
+                }
+                (_, Some(_)) => new.next(),
+                (Some(_), None) => old.next(),
+                (None, None) => break,
+            };
+            merged.extend(next);
         }
-        if post.full {
+        merged.shrink_to_fit();
+        self.namespaces = merged;
+        if full {
             self.last_full = now_unix;
         }
     }
@@ -108,12 +215,9 @@ pub(crate) fn want_full(set_changed: bool, last_full: u64, now_unix: u64) -> boo
 /// `want_full`) when a full report is due or something other than `bytes` changed, then the
 /// partial ones (`full: false`) when something changed. Empty when nothing is to be said.
 pub(crate) fn plan(scanned: &[Scanned], record: &InventoryRecord, want_full: bool) -> Vec<Post> {
-    let changed = scanned.iter().any(|s| {
-        record
-            .namespaces
-            .get(&s.inventory.namespace_id)
-            .is_none_or(|kept| !kept.same_but_bytes(&s.inventory))
-    });
+    let changed = scanned
+        .iter()
+        .any(|s| record.get(&s.inventory.namespace_id) != Some(&ReportDigest::of(&s.inventory)));
     let batch = |complete: bool| -> Vec<NamespaceInventory> {
         scanned
             .iter()
@@ -397,6 +501,7 @@ impl Job for ScanJob {
     type Output = usize;
     type Error = ScanError;
     const NAME: &'static str = "inventory";
+    const WALKS_EVERY_NAMESPACE: bool = true;
     const FAILING: &'static str = "the context inventory cannot be reported";
     const EFFECT: &'static str = "MDMA keeps its older copy; the next scan reports again";
     const RECOVERED: &'static str = "the context inventory is reported again";
@@ -443,37 +548,42 @@ impl Job for ScanJob {
                 }
             }
         }
+        drop(usage);
         let mut changed = self.record.prune(&confirmed);
-        for post in plan(&scanned, &self.record, full) {
+        let reported = scanned.len();
+        // At 10,000 namespaces each copy of the inventory is megabytes: the scan is dropped
+        // once planned, and what a post carries moves into the report, then into the
+        // record.
+        let posts = plan(&scanned, &self.record, full);
+        drop(scanned);
+        for Post { full, namespaces } in posts {
             let report = InventoryReport {
                 peer_id: self.peer_id.clone(),
-                namespaces: post.namespaces.clone(),
-                full: post.full,
+                namespaces,
+                full,
             };
             if let Err(source) = self.deps.mdma.report(&report).await {
                 if changed {
                     self.keep().await;
                 }
-                return Err(ScanError::Post {
-                    full: post.full,
-                    source,
-                });
+                return Err(ScanError::Post { full, source });
             }
-            self.record.posted(&post, now);
-            if post.full {
+            let count = report.namespaces.len();
+            self.record.posted(&report.namespaces, full, now);
+            drop(report);
+            if full {
                 self.pending_full = false;
             }
             changed = true;
             info!(
-                full = post.full,
-                "reported the context inventory for {} namespace(s)",
-                post.namespaces.len()
+                full,
+                "reported the context inventory for {count} namespace(s)"
             );
         }
         if changed {
             self.keep().await;
         }
-        Ok(scanned.len())
+        Ok(reported)
     }
 
     fn idle(&self) -> bool {
@@ -906,7 +1016,7 @@ mod tests {
         let posts = plan(&scan, &record, true);
         assert_eq!(posts.len(), 1);
         assert!(posts[0].full);
-        record.posted(&posts[0], 1_000_000);
+        record.posted(&posts[0].namespaces, posts[0].full, 1_000_000);
         assert_eq!(record.last_full, 1_000_000);
         let want = want_full(false, record.last_full, 1_000_060);
         assert!(!want);
@@ -932,13 +1042,123 @@ mod tests {
         assert!(!posts[1].full && posts[1].namespaces[0].namespace_id == gid(2));
         let mut record = record;
         for p in &posts {
-            record.posted(p, 10);
+            record.posted(&p.namespaces, p.full, 10);
         }
         // Unchanged: a due full report carries the whole ones only.
         let posts = plan(&scan, &record, true);
         assert_eq!(posts.len(), 1);
         assert!(posts[0].full);
         assert_eq!(posts[0].namespaces.len(), 1);
+    }
+
+    #[test]
+    fn a_fingerprint_moves_with_every_field_but_bytes() {
+        let base = scanned(1, true, 5).inventory;
+        let fp = ReportDigest::of(&base);
+        let same = NamespaceInventory {
+            bytes: None,
+            ..base.clone()
+        };
+        assert_eq!(ReportDigest::of(&same), fp, "bytes alone say nothing new");
+        let group = |ids: &[&str], ready: bool| GroupInventory {
+            group_id: gid(1),
+            context_ids: ids.iter().map(|c| (*c).to_owned()).collect(),
+            authorship_ready: ready,
+        };
+        let changes: Vec<NamespaceInventory> = vec![
+            NamespaceInventory {
+                namespace_id: gid(2),
+                ..base.clone()
+            },
+            NamespaceInventory {
+                member_count: Some(3),
+                ..base.clone()
+            },
+            NamespaceInventory {
+                member_count: None,
+                ..base.clone()
+            },
+            NamespaceInventory {
+                context_count: None,
+                ..base.clone()
+            },
+            NamespaceInventory {
+                tee_role: None,
+                ..base.clone()
+            },
+            NamespaceInventory {
+                tee_role: Some(Some(TeeRole::RelayTee)),
+                ..base.clone()
+            },
+            NamespaceInventory {
+                groups: vec![group(&["c"], true)],
+                ..base.clone()
+            },
+            NamespaceInventory {
+                groups: vec![group(&["c", "d"], false)],
+                ..base.clone()
+            },
+            NamespaceInventory {
+                groups: vec![],
+                ..base.clone()
+            },
+        ];
+        let mut seen = vec![fp];
+        for changed in &changes {
+            let other = ReportDigest::of(changed);
+            assert!(!seen.contains(&other), "{changed:?}");
+            seen.push(other);
+        }
+        // Strings do not run together.
+        let ab_c = NamespaceInventory {
+            groups: vec![group(&["ab", "c"], false)],
+            ..base.clone()
+        };
+        let a_bc = NamespaceInventory {
+            groups: vec![group(&["a", "bc"], false)],
+            ..base
+        };
+        assert_ne!(ReportDigest::of(&ab_c), ReportDigest::of(&a_bc));
+    }
+
+    #[test]
+    fn the_record_keeps_the_latest_fingerprint_of_each_namespace_sorted_and_reads_back() {
+        let mut record = InventoryRecord::default();
+        let ns = |n: u8, members: u64| NamespaceInventory {
+            member_count: Some(members),
+            ..scanned(n, true, 0).inventory
+        };
+        record.posted(&[ns(3, 1), ns(1, 1)], true, 10);
+        // 3 again (and twice in one post: the later counts), 2 new, 1 untouched.
+        record.posted(&[ns(3, 2), ns(2, 1), ns(3, 3)], false, 20);
+        assert_eq!(
+            record.last_full, 10,
+            "a partial post does not stamp last_full"
+        );
+        let ids: Vec<GroupId> = record.namespaces.iter().map(|(id, _)| *id).collect();
+        assert_eq!(ids, [gid(1), gid(2), gid(3)]);
+        assert_eq!(record.get(&gid(3)), Some(&ReportDigest::of(&ns(3, 3))));
+        assert_eq!(record.get(&gid(1)), Some(&ReportDigest::of(&ns(1, 1))));
+        assert_eq!(record.get(&gid(4)), None);
+
+        let file = serde_json::to_value(&record).unwrap();
+        assert_eq!(
+            file["namespaces"][gid(2).to_string()],
+            serde_json::json!(hex::encode(ReportDigest::of(&ns(2, 1)).0))
+        );
+        let back: InventoryRecord = serde_json::from_value(file).unwrap();
+        assert_eq!(back, record);
+
+        // A record of the earlier form (each namespace's whole report) is not read: the
+        // next scan reports in full.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(RECORD_FILE);
+        let earlier = serde_json::json!({
+            "last_full": 10,
+            "namespaces": { gid(1).to_string(): serde_json::to_value(ns(1, 1)).unwrap() }
+        });
+        std::fs::write(&path, earlier.to_string()).unwrap();
+        assert_eq!(load_record(&path), InventoryRecord::default());
     }
 
     #[test]
@@ -957,10 +1177,14 @@ mod tests {
                 })
                 .collect::<Vec<_>>()
         );
-        record.posted(&posts[0], 10);
+        record.posted(&posts[0].namespaces, posts[0].full, 10);
         assert!(record.prune(&BTreeSet::from([gid(2)])));
         assert_eq!(
-            record.namespaces.keys().copied().collect::<Vec<_>>(),
+            record
+                .namespaces
+                .iter()
+                .map(|(id, _)| *id)
+                .collect::<Vec<_>>(),
             [gid(2)]
         );
         assert!(!record.prune(&BTreeSet::from([gid(2)])));

@@ -652,6 +652,7 @@ impl Job for PassJob {
     type Output = PassDone;
     type Error = PassError;
     const NAME: &'static str = "recovery";
+    const WALKS_EVERY_NAMESPACE: bool = true;
     const FAILING: &'static str = "the recovery envelopes are not all written";
     const EFFECT: &'static str = "MDMA keeps the envelopes it has; the next pass tries again";
     const RECOVERED: &'static str = "the recovery envelopes are written again";

@@ -48,13 +48,21 @@ impl NamespaceInventory {
     /// Whether `self` and `other` say the same but for `bytes` (storage moves all the time:
     /// a change of bytes alone is not worth a report).
     pub fn same_but_bytes(&self, other: &Self) -> bool {
-        Self {
-            bytes: None,
-            ..self.clone()
-        } == Self {
-            bytes: None,
-            ..other.clone()
-        }
+        // Field by field, not through copies with `bytes` cleared: a scan compares every
+        // namespace the node holds with what was posted.
+        let Self {
+            namespace_id,
+            groups,
+            member_count,
+            tee_role,
+            context_count,
+            bytes: _,
+        } = self;
+        *namespace_id == other.namespace_id
+            && *groups == other.groups
+            && *member_count == other.member_count
+            && *tee_role == other.tee_role
+            && *context_count == other.context_count
     }
 }
 
