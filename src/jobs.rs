@@ -250,9 +250,9 @@ pub(crate) fn spawn<J: Job>(
 
 /// Hands the heap's free pages back to the system (glibc's `malloc_trim`). glibc gives back
 /// only the free space at the top of its heap; the holes a walk of 10,000 namespaces leaves
-/// between longer-lived blocks stay resident otherwise (at 10,000 namespaces with the
-/// inventory on, about 11 MB of the daemon's RSS). It takes well under a millisecond for
-/// a heap of tens of MB. A no-op outside glibc.
+/// between longer-lived blocks stay resident otherwise (at 10,000 × 8 with every job on,
+/// the RSS after a scan is 17.2 MiB with it and 19.8 MiB without). It runs once per walk,
+/// so at most once a minute per job. A no-op outside glibc.
 fn give_back_free_heap() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim only releases memory the allocator holds free; it takes the
