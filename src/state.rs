@@ -125,10 +125,19 @@ impl State {
     /// Whether `self` and `other` differ at most in what time alone changes: the observed
     /// clock and the poll counts of the same absences.
     pub fn same_but_time(&self, other: &State) -> bool {
+        self.same_sets(other) && self.same_timed_but_time(other)
+    }
+
+    /// Whether `admitted`, `confirmed` and `joining` agree (a walk of every id).
+    fn same_sets(&self, other: &State) -> bool {
         self.admitted == other.admitted
             && self.confirmed == other.confirmed
             && self.joining == other.joining
-            && self.recent_leaves_ms == other.recent_leaves_ms
+    }
+
+    /// [`State::same_but_time`] but for the sets: the leave stamps and the absences.
+    fn same_timed_but_time(&self, other: &State) -> bool {
+        self.recent_leaves_ms == other.recent_leaves_ms
             && self.absent.len() == other.absent.len()
             && self
                 .absent
@@ -818,6 +827,10 @@ pub struct StateStore {
     /// The state the file holds in the current version's form, once known: an unchanged
     /// state is recognised by comparing sets, without rendering the document again.
     last_written: Option<State>,
+    /// The caller's version of the sets (`admitted`, `confirmed`, `joining`) of
+    /// `last_written`, when it gave one ([`StateStore::mark_written`]): the same version
+    /// again means the same sets, so [`StateStore::is_recorded_at`] need not walk them.
+    written_sets: Option<u64>,
     /// When this store last wrote the file (monotonic; `None` before its first write).
     written_at: Option<tokio::time::Instant>,
 }
@@ -828,6 +841,7 @@ impl StateStore {
         Self {
             path: path.into(),
             last_written: None,
+            written_sets: None,
             written_at: None,
         }
     }
@@ -868,6 +882,7 @@ impl StateStore {
         }
         // A file in an older form (or not normalized) is rewritten at the first save.
         self.last_written = renders_as(&report.state, &bytes).then(|| report.state.clone());
+        self.written_sets = None;
         Ok(Some(report.state))
     }
 
@@ -915,6 +930,16 @@ impl StateStore {
     /// unchanged document (used to retry after a failed write).
     pub fn forget_written(&mut self) {
         self.last_written = None;
+        self.written_sets = None;
+    }
+
+    /// Tells the store that `state`'s sets are version `sets` of the caller's count (one
+    /// that moves with every change of `admitted`, `confirmed` or `joining`), if the file
+    /// holds `state` exactly ([`StateStore::is_saved`]): e.g. the state just loaded.
+    pub(crate) fn adopt_sets_version(&mut self, state: &State, sets: u64) {
+        if self.is_saved(state) {
+            self.written_sets = Some(sets);
+        }
     }
 
     /// Whether the file holds `state` as far as this store knows (it loaded or last wrote
@@ -931,14 +956,27 @@ impl StateStore {
     /// leave or a running grace costs one write a minute, not one a poll, and what the file
     /// holds only lags (absences shorter, leaves younger). Any other change: no.
     pub fn is_recorded(&self, state: &State, now: tokio::time::Instant) -> bool {
+        self.is_recorded_at(state, None, now)
+    }
+
+    /// [`StateStore::is_recorded`], told the version of `state`'s sets (`sets`, the count
+    /// given to [`StateStore::mark_written`]): when it is the version last written, the
+    /// sets are not walked. At 10,000 namespaces that walk, every poll, cost an idle cycle
+    /// more than anything else.
+    pub(crate) fn is_recorded_at(
+        &self,
+        state: &State,
+        sets: Option<u64>,
+        now: tokio::time::Instant,
+    ) -> bool {
         let Some(last) = &self.last_written else {
             return false;
         };
-        if !last.same_but_time(state) {
+        let sets_as_written = sets.is_some() && sets == self.written_sets;
+        if !(sets_as_written || last.same_sets(state)) || !last.same_timed_but_time(state) {
             return false;
         }
-        // The sets, compared once (a walk of every id, every poll): they agree. With the
-        // same clock and counts too, it is exactly as saved.
+        // The sets agree. With the same clock and counts too, it is exactly as saved.
         let exactly = last.observed_ms == state.observed_ms && last.absent == state.absent;
         exactly
             || (!state.time_matters()
@@ -958,7 +996,7 @@ impl StateStore {
             return Ok(false);
         }
         write_atomically(&self.path, &render_state(state))?;
-        self.mark_written(state.clone(), tokio::time::Instant::now());
+        self.mark_written(state.clone(), None, tokio::time::Instant::now());
         Ok(true)
     }
 
@@ -972,10 +1010,17 @@ impl StateStore {
     }
 
     /// Tells the store that its file holds `state` since `at` (monotonic), written by a
-    /// [`PendingWrite`] that succeeded.
-    pub(crate) fn mark_written(&mut self, state: State, at: tokio::time::Instant) {
+    /// [`PendingWrite`] that succeeded; `sets`: the caller's version of its sets (see
+    /// [`StateStore::adopt_sets_version`]), if it counts them.
+    pub(crate) fn mark_written(
+        &mut self,
+        state: State,
+        sets: Option<u64>,
+        at: tokio::time::Instant,
+    ) {
         self.written_at = Some(at);
         self.last_written = Some(state);
+        self.written_sets = sets;
     }
 }
 
@@ -1583,6 +1628,43 @@ mod tests {
                 r#"v4 "v4""#
             ]
         );
+    }
+
+    #[test]
+    fn the_sets_are_walked_only_when_their_version_is_not_the_one_written() {
+        let now = tokio::time::Instant::now();
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = StateStore::new(dir.path().join("fleet-confirmed.json"));
+        let written = State {
+            admitted: [id(1)].into(),
+            ..State::default()
+        };
+        store.mark_written(written.clone(), Some(7), now);
+        let moved = State {
+            admitted: [id(1), id(2)].into(),
+            ..State::default()
+        };
+        // The caller's version vouches for the sets: they are not compared.
+        assert!(store.is_recorded_at(&moved, Some(7), now));
+        // Another version, or none, and the walk sees the change.
+        assert!(!store.is_recorded_at(&moved, Some(8), now));
+        assert!(!store.is_recorded_at(&moved, None, now));
+        assert!(store.is_recorded_at(&written, Some(8), now));
+        // What the version does not cover is still compared.
+        let stamped = State {
+            recent_leaves_ms: vec![1],
+            ..written.clone()
+        };
+        assert!(!store.is_recorded_at(&stamped, Some(7), now));
+        // Forgotten, loaded or saved without a version: no version vouches any more.
+        store.forget_written();
+        store.mark_written(written.clone(), None, now);
+        assert!(!store.is_recorded_at(&moved, Some(7), now));
+        // Adopted only for the state the file holds.
+        store.adopt_sets_version(&moved, 9);
+        assert!(!store.is_recorded_at(&moved, Some(9), now));
+        store.adopt_sets_version(&written, 9);
+        assert!(store.is_recorded_at(&moved, Some(9), now));
     }
 
     #[test]

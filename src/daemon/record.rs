@@ -83,6 +83,8 @@ pub(super) enum AfterWrite {
 struct Writing {
     /// The sequence number of the latest change it writes.
     seq: u64,
+    /// The [`Record::membership`] of the state it writes.
+    membership: u64,
     /// When it started.
     started: Instant,
     /// When it started (Unix s), once it ran past [`WRITE_STALLED_AFTER`] and was told.
@@ -95,6 +97,8 @@ struct Writing {
 pub(super) struct Written {
     /// The sequence number of the latest change it wrote.
     seq: u64,
+    /// The [`Record::membership`] of the state it wrote.
+    membership: u64,
     /// How it went (`Err`: its thread panicked).
     outcome: Result<WriteOutcome, JoinError>,
 }
@@ -115,10 +119,12 @@ impl Record {
     /// The state loaded from `store`, written to it from now on (never in a dry run).
     pub(super) fn new(
         state: State,
-        store: StateStore,
+        mut store: StateStore,
         dry_run: bool,
         telemetry: Arc<Telemetry>,
     ) -> Self {
+        // Loaded as the file holds it: its sets are version 0, not walked until they move.
+        store.adopt_sets_version(&state, 0);
         Self {
             state,
             store,
@@ -306,7 +312,8 @@ impl Record {
         let recorded = if time_too {
             self.store.is_saved(&self.state)
         } else {
-            self.store.is_recorded(&self.state, Instant::now())
+            self.store
+                .is_recorded_at(&self.state, Some(self.membership), Instant::now())
         };
         if recorded {
             return false;
@@ -319,6 +326,7 @@ impl Record {
             .any(|(_, after)| matches!(after, AfterWrite::Leave(_)));
         self.writing = Some(Writing {
             seq: self.changed,
+            membership: self.membership,
             started: Instant::now(),
             stalled_since: None,
             handle: tokio::task::spawn_blocking(move || job.run(probe)),
@@ -333,7 +341,7 @@ impl Record {
             return std::future::pending().await;
         };
         let outcome = (&mut writing.handle).await;
-        let seq = writing.seq;
+        let (seq, membership) = (writing.seq, writing.membership);
         if writing.stalled_since.is_some() {
             info!(
                 path = %self.store.path().display(),
@@ -345,7 +353,11 @@ impl Record {
                 .update(|st| st.state_write_stalled_since = None);
         }
         self.writing = None;
-        Written { seq, outcome }
+        Written {
+            seq,
+            membership,
+            outcome,
+        }
     }
 
     /// When the write running counts as stalled ([`WRITE_STALLED_AFTER`] after it
@@ -396,7 +408,8 @@ impl Record {
         match outcome.written {
             Ok(()) => {
                 Telemetry::count(&self.telemetry.state_writes, "ok");
-                self.store.mark_written(outcome.state, Instant::now());
+                self.store
+                    .mark_written(outcome.state, Some(written.membership), Instant::now());
                 if self.failure.take().is_some() {
                     info!(path = %self.store.path().display(), "state file written again");
                     self.telemetry.update(|st| st.state_write_error = None);
