@@ -17,8 +17,10 @@
 //! counts depend neither on the set-up nor on the machine's load.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use fleet_sidecar::daemon::Sidecar;
+use fleet_sidecar::daemon::{Sidecar, Telemetry};
 use fleet_sidecar::emulator::mdma::{fleet_answer_for, PollReply};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::{GroupId, State, StateStore};
@@ -50,6 +52,37 @@ fn measured(
             std::hint::black_box(sidecar.cycle().await);
         }
     });
+}
+
+/// Waits (at most 3 minutes) until merod's namespaces have been read whole and no read
+/// has touched their list for [`QUIET`]. At start-up the refresh reads at once and again
+/// when the readiness watch first sees merod answer, at least 5 s (`HELD_MIN_GAP`) after the
+/// first read started; under valgrind, which runs one thread at a time, a read of 10,000
+/// takes seconds, so a fixed sleep let part of the second land in the counted cycles, by a
+/// share that moved from run to run.
+async fn settle_held_reads(sb: &Sandbox, telemetry: &Telemetry, n: usize) -> Result<(), Error> {
+    const QUIET: Duration = Duration::from_secs(8);
+    let give_up = Instant::now() + Duration::from_secs(180);
+    loop {
+        let read_whole = telemetry
+            .snapshot()
+            .held_namespaces
+            .is_some_and(|held| held.count == n);
+        let last_list = sb
+            .merod
+            .calls()
+            .iter()
+            .filter(|c| c.path == "/admin-api/namespaces")
+            .map(|c| c.at)
+            .max();
+        if read_whole && last_list.is_some_and(|at| at.elapsed() >= QUIET) {
+            return Ok(());
+        }
+        if Instant::now() > give_up {
+            return Err("merod's namespaces were not read and quiet within 3 minutes".into());
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 fn main() -> Result<(), Error> {
@@ -109,15 +142,17 @@ fn main() -> Result<(), Error> {
         // in others.
         let cfg = sb.config("[inventory]\nenabled = false\n\n[recovery]\nenabled = false\n")?;
         let deps = sb.deps(&cfg)?;
+        let telemetry = Arc::clone(&deps.telemetry);
         let mut sidecar = Sidecar::start(cfg, deps, CancellationToken::new(), None)
             .await?
             .ok_or("shut down at start")?;
-        // Warm up: the start-up runs of the jobs beside the loop have ended, the held
-        // refresh has published, connections are open.
+        // Warm up: connections are open, and the held refresh is done with its start-up
+        // reads, so the counted cycles plan against merod's holdings (orphans included)
+        // as a running daemon does, and no read lands in them (the next is a minute away).
         for _ in 0..3 {
             sidecar.cycle().await;
         }
-        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+        settle_held_reads(&sb, &telemetry, n).await?;
         sidecar.cycle().await;
         Ok::<_, Error>(sidecar)
     })?;

@@ -12,7 +12,7 @@ use tracing::warn;
 
 use crate::ids::GroupId;
 use crate::mdma::AnswerDigest;
-use crate::reconcile::{self, Desired, Guard, LeavePolicy, LeaveWait};
+use crate::reconcile::{self, Desired, Guard, LeavePolicy, LeaveWait, Plan, PlanInput, PlanSets};
 use crate::state::State;
 
 use super::held::Holdings;
@@ -32,6 +32,11 @@ pub(super) struct Planner {
     /// `admitter_addrs` for the namespaces confirmed then), or when it was last found to
     /// lack none a join needs.
     desired_membership: Option<u64>,
+    /// The [`PlanSets`] of `desired` against the state whose
+    /// [`super::record::Record::membership`] it holds: kept while neither moves, so an
+    /// idle cycle does not walk every id to learn that nothing is to be joined or left.
+    /// Dropped when `desired` is replaced.
+    sets: Option<(u64, PlanSets)>,
     /// Every successful poll's answer, for the joins waiting for a slot.
     latest_poll: watch::Sender<Arc<Desired>>,
     /// The mass-withdrawal guard and the leave rate limit.
@@ -61,6 +66,7 @@ impl Planner {
             desired: Arc::default(),
             desired_digest: None,
             desired_membership: None,
+            sets: None,
             latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
@@ -90,7 +96,36 @@ impl Planner {
         self.desired = Arc::new(desired);
         self.desired_digest = digest;
         self.desired_membership = Some(membership);
+        self.sets = None;
         self.latest_poll.send_replace(Arc::clone(&self.desired));
+    }
+
+    /// Plans this cycle ([`reconcile::plan_with`]) from the latest answer, the guard, and
+    /// `state`, whose [`super::record::Record::membership`] is `membership`: the
+    /// set-derived part is made again only when the answer or `membership` moved.
+    pub(super) fn plan(
+        &mut self,
+        state: &State,
+        membership: u64,
+        in_flight: &BTreeSet<GroupId>,
+        backoffs: (&BTreeSet<GroupId>, &BTreeSet<GroupId>),
+        now: Instant,
+    ) -> Plan {
+        let sets = kept_sets(&mut self.sets, &self.desired, membership, state);
+        let (join_backoff, leave_backoff) = backoffs;
+        reconcile::plan_with(
+            PlanInput {
+                policy: &self.policy,
+                desired: &self.desired,
+                state,
+                in_flight,
+                join_backoff,
+                leave_backoff,
+                guard: &self.guard,
+                now,
+            },
+            sets,
+        )
     }
 
     /// The digest of the answer [`Planner::desired`] came from, to poll with: `None` (read
@@ -188,6 +223,23 @@ impl Planner {
     }
 }
 
+/// The [`PlanSets`] of `desired` against `state` (whose membership version is
+/// `membership`): the ones in `slot` when made at that version (it is emptied when
+/// `desired` is replaced), else made now and kept there.
+fn kept_sets<'a>(
+    slot: &'a mut Option<(u64, PlanSets)>,
+    desired: &Desired,
+    membership: u64,
+    state: &State,
+) -> &'a PlanSets {
+    if slot.as_ref().is_some_and(|(at, _)| *at != membership) {
+        *slot = None;
+    }
+    &slot
+        .get_or_insert_with(|| (membership, PlanSets::new(desired, state)))
+        .1
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -224,6 +276,33 @@ mod tests {
     }
 
     const HELD: AnswerDigest = AnswerDigest::of_test([7; 32]);
+
+    #[test]
+    fn the_plan_sets_are_made_again_only_when_the_answer_or_the_membership_moved() {
+        let mut p = planner(&[1, 2, 3]);
+        let (none, now) = (none_in_flight(), Instant::now());
+        let plan = |p: &mut Planner, state: &State, membership: u64| {
+            p.plan(state, membership, &none, (&none, &none), now).joins
+        };
+        assert_eq!(plan(&mut p, &confirmed(&[1]), 5), [gid(2), gid(3)]);
+        let kept = p.sets.clone().expect("kept after a plan");
+        assert_eq!(kept, (5, PlanSets::new(&p.desired, &confirmed(&[1]))));
+        // The same version: kept, whatever the state says (nothing is walked).
+        assert_eq!(
+            *kept_sets(&mut p.sets, &p.desired, 5, &confirmed(&[1, 2, 3])),
+            kept.1
+        );
+        // The membership moved: made again from the state.
+        assert_eq!(plan(&mut p, &confirmed(&[1, 2]), 6), [gid(3)]);
+        assert_eq!(plan(&mut p, &confirmed(&[1, 2, 3]), 7), []);
+        // A new answer, at the same membership: made again from it.
+        let mut desired = p.desired.as_ref().clone();
+        desired.assigned.insert(gid(9));
+        desired.admitter_addrs.insert(gid(9), Arc::from([]));
+        p.polled(desired, Some(HELD), 7);
+        assert_eq!(p.sets, None);
+        assert_eq!(plan(&mut p, &confirmed(&[1, 2, 3]), 7), [gid(9)]);
+    }
 
     #[test]
     fn the_answer_is_held_while_the_sets_it_was_read_against_are_the_same() {

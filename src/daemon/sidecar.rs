@@ -15,7 +15,7 @@ use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
 use crate::mdma::{Holding, NodeReport, PollError, Polled};
 use crate::merod::TeeRole;
-use crate::reconcile::{self, Desired, LeaveWait, MassDropEvent, Outcome, PlanInput};
+use crate::reconcile::{Desired, LeaveWait, MassDropEvent, Outcome};
 use crate::state::{State, StateStore};
 use crate::telemetry::{unix_now, Phase, Projection, Telemetry};
 
@@ -459,17 +459,14 @@ impl Sidecar {
         // The joins and leaves waiting for a write count as in flight: not planned again.
         let mut in_flight = self.work.in_flight();
         in_flight.extend(self.record.awaiting());
-        let policy = &self.planner.policy;
-        let plan = reconcile::plan(PlanInput {
-            policy,
-            desired,
-            state: self.record.state(),
-            in_flight: &in_flight,
-            join_backoff: &join_backoff,
-            leave_backoff: &leave_backoff,
-            guard: &self.planner.guard,
+        let plan = self.planner.plan(
+            self.record.state(),
+            self.record.membership(),
+            &in_flight,
+            (&join_backoff, &leave_backoff),
             now,
-        });
+        );
+        let policy = &self.planner.policy;
         match plan.mass_drop_event {
             Some(MassDropEvent::HoldStarted { withdrawn, held }) => error!(
                 withdrawn,

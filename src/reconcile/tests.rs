@@ -1508,3 +1508,44 @@ proptest! {
         prop_assert_eq!(orphans(&list, &s, &d), want);
     }
 }
+
+/// The input of a poll at `now` with nothing backing off and the guard idle.
+fn input_at<'a>(
+    d: &'a Desired,
+    s: &'a State,
+    in_flight: &'a BTreeSet<GroupId>,
+    none: &'a BTreeSet<GroupId>,
+    guard: &'a Guard,
+) -> PlanInput<'a> {
+    PlanInput {
+        policy: &POLICY,
+        desired: d,
+        state: s,
+        in_flight,
+        join_backoff: none,
+        leave_backoff: none,
+        guard,
+        now: Instant::now(),
+    }
+}
+
+#[test]
+fn plan_with_the_sets_of_the_input_is_plan() {
+    let (d, s) = (desired(&[1, 2], &[5]), state(&[1, 3, 5], &[1, 4]));
+    let (running, nothing, guard) = (ids(&[2]), none(), Guard::default());
+    let input = input_at(&d, &s, &running, &nothing, &guard);
+    assert_eq!(
+        super::plan_with(input, &PlanSets::new(&d, &s)),
+        super::plan(input)
+    );
+}
+
+#[cfg(debug_assertions)]
+#[test]
+#[should_panic(expected = "plan_with was handed the PlanSets of other sets")]
+fn plan_with_stale_sets_is_caught_in_debug_builds() {
+    let (d, s) = (desired(&[1, 2], &[]), state(&[1], &[1]));
+    let stale = PlanSets::new(&d, &state(&[], &[]));
+    let (nothing, guard) = (none(), Guard::default());
+    let _ = super::plan_with(input_at(&d, &s, &nothing, &nothing, &guard), &stale);
+}
