@@ -21,7 +21,7 @@ use crate::ids::GroupId;
 mod listener;
 mod projection;
 pub use listener::serve;
-pub(crate) use projection::Projection;
+pub(crate) use projection::{Projection, SetsVersion};
 
 /// Label set `{outcome="..."}`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -487,6 +487,10 @@ pub struct Telemetry {
     /// of a job was had (Unix time; its age is `time() -` this); absent before the first.
     pub(crate) job_last_success: Family<JobLabel, Gauge<f64, AtomicU64>>,
     status: watch::Sender<LiveStatus>,
+    /// The [`projection::SetsVersion`] the status's large lists (`desired`, `retain`,
+    /// `admitted`, `confirmed`) were last filled from: the same again means the same lists,
+    /// so they are not compared id by id.
+    published_sets: std::sync::Mutex<Option<projection::SetsVersion>>,
     observers: std::sync::Mutex<Vec<Observer>>,
     /// The loop's liveness: bumped on every turn of the reconcile loop (at least once a
     /// second, and after every poll) and every second of the wait for merod. The systemd
@@ -743,6 +747,7 @@ impl Telemetry {
             job_run_seconds,
             job_last_success,
             status: watch::Sender::new(LiveStatus::default()),
+            published_sets: std::sync::Mutex::new(None),
             observers: std::sync::Mutex::new(Vec::new()),
             loop_turns: std::sync::atomic::AtomicU64::new(0),
         }

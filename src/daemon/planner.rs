@@ -16,6 +16,7 @@ use crate::reconcile::{self, Desired, Guard, LeavePolicy, LeaveWait, Plan, PlanI
 use crate::state::State;
 
 use super::held::Holdings;
+use crate::telemetry::SetsVersion;
 /// What planning works from besides the state: the last successful poll's answer, and what
 /// it remembers between polls.
 pub(super) struct Planner {
@@ -37,6 +38,12 @@ pub(super) struct Planner {
     /// idle cycle does not walk every id to learn that nothing is to be joined or left.
     /// Dropped when `desired` is replaced.
     sets: Option<(u64, PlanSets)>,
+    /// How many answers were taken in ([`Planner::polled`]): which one `desired` is.
+    answers: u64,
+    /// The [`super::record::Record::membership`] the orphans were last found at, while
+    /// neither the answer nor merod's holdings changed since: found again, they would be
+    /// the same.
+    orphans_found_at: Option<u64>,
     /// Every successful poll's answer, for the joins waiting for a slot.
     latest_poll: watch::Sender<Arc<Desired>>,
     /// The mass-withdrawal guard and the leave rate limit.
@@ -67,6 +74,8 @@ impl Planner {
             desired_digest: None,
             desired_membership: None,
             sets: None,
+            answers: 0,
+            orphans_found_at: None,
             latest_poll: watch::Sender::new(Arc::default()),
             guard: Guard::default(),
             waiting: BTreeMap::new(),
@@ -97,7 +106,15 @@ impl Planner {
         self.desired_digest = digest;
         self.desired_membership = Some(membership);
         self.sets = None;
+        self.answers += 1;
+        self.orphans_found_at = None;
         self.latest_poll.send_replace(Arc::clone(&self.desired));
+    }
+
+    /// Which answer [`Planner::desired`] is and which `membership` of the state: the
+    /// version of the sets a status shows (see [`SetsVersion`]).
+    pub(super) fn sets_version(&self, membership: u64) -> SetsVersion {
+        (self.answers, membership)
     }
 
     /// Plans this cycle ([`reconcile::plan_with`]) from the latest answer, the guard, and
@@ -178,12 +195,14 @@ impl Planner {
     pub(super) fn held_read(&mut self, read: Arc<[GroupId]>, started: Instant) {
         if self.held_changed.is_none_or(|changed| started >= changed) {
             self.held = Some(Holdings::new(read));
+            self.orphans_found_at = None;
         }
     }
 
     /// merod admitted `id` (and lists it).
     pub(super) fn admitted(&mut self, id: GroupId) {
         self.held_changed = Some(Instant::now());
+        self.orphans_found_at = None;
         if let Some(held) = &mut self.held {
             held.insert(id);
         }
@@ -192,6 +211,7 @@ impl Planner {
     /// merod no longer holds `id` (left, or never held).
     pub(super) fn left(&mut self, id: GroupId) {
         self.held_changed = Some(Instant::now());
+        self.orphans_found_at = None;
         if let Some(held) = &mut self.held {
             held.remove(&id);
         }
@@ -201,11 +221,23 @@ impl Planner {
     /// The orphans in merod's holdings ([`reconcile::orphans`]; none until a read worked).
     /// With `leave_orphans` (outside a dry run) they are returned, to be recorded as
     /// admitted, so the plan leaves them through the stability wait, the guard and the rate
-    /// limit; otherwise each new one is reported once, and none is returned.
-    pub(super) fn take_orphans(&mut self, state: &State) -> BTreeSet<GroupId> {
+    /// limit; otherwise each new one is reported once, and none is returned. `membership`:
+    /// `state`'s [`super::record::Record::membership`]; while it, the answer and the
+    /// holdings stand, the orphans are those found last time (already reported, or taken
+    /// and recorded, which moves `membership`), and are not looked for again.
+    pub(super) fn take_orphans(&mut self, state: &State, membership: u64) -> BTreeSet<GroupId> {
         let Some(held) = &self.held else {
             return BTreeSet::new();
         };
+        if self.orphans_found_at == Some(membership) {
+            debug_assert_eq!(
+                reconcile::orphans(held.iter(), state, &self.desired),
+                self.orphans,
+                "orphans kept past a change of what they are found from"
+            );
+            return BTreeSet::new();
+        }
+        self.orphans_found_at = Some(membership);
         let found = reconcile::orphans(held.iter(), state, &self.desired);
         if self.leave_orphans && !found.is_empty() && !self.dry_run {
             warn!(
@@ -302,6 +334,49 @@ mod tests {
         p.polled(desired, Some(HELD), 7);
         assert_eq!(p.sets, None);
         assert_eq!(plan(&mut p, &confirmed(&[1, 2, 3]), 7), [gid(9)]);
+    }
+
+    #[test]
+    fn orphans_are_looked_for_again_only_when_the_answer_the_holdings_or_the_membership_moved() {
+        // Assigned 1-4 (4 retained); merod holds 1 and 8: 8 is an orphan.
+        let mut p = planner(&[]);
+        let start = Instant::now();
+        p.held_read(Arc::from([gid(1), gid(8)]), start);
+        let state = confirmed(&[1]);
+        assert!(p.take_orphans(&state, 5).is_empty());
+        assert_eq!(*p.orphans(), BTreeSet::from([gid(8)]));
+        // The same membership, answer and holdings: not looked for (a state that says
+        // otherwise is not read; debug builds check that it says the same, and so catch
+        // this one).
+        let admitted_8 = State {
+            admitted: [gid(8)].into(),
+            ..state.clone()
+        };
+        let kept = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            p.take_orphans(&admitted_8, 5)
+        }));
+        assert_eq!(kept.is_err(), cfg!(debug_assertions));
+        assert_eq!(*p.orphans(), BTreeSet::from([gid(8)]));
+        // The membership moved: looked for again.
+        p.take_orphans(&admitted_8, 6);
+        assert!(p.orphans().is_empty());
+        // merod's holdings changed: a new read, an admission.
+        p.held_read(Arc::from([gid(1), gid(8), gid(9)]), Instant::now());
+        p.take_orphans(&admitted_8, 6);
+        assert_eq!(*p.orphans(), BTreeSet::from([gid(9)]));
+        p.admitted(gid(10));
+        p.take_orphans(&admitted_8, 6);
+        assert_eq!(*p.orphans(), BTreeSet::from([gid(9), gid(10)]));
+        // A leave seen by the loop: its namespace is gone from the holdings.
+        p.left(gid(10));
+        p.take_orphans(&admitted_8, 6);
+        assert_eq!(*p.orphans(), BTreeSet::from([gid(9)]));
+        // A new answer that assigns 9.
+        let mut desired = p.desired.as_ref().clone();
+        desired.assigned.insert(gid(9));
+        p.polled(desired, Some(HELD), 6);
+        p.take_orphans(&admitted_8, 6);
+        assert!(p.orphans().is_empty());
     }
 
     #[test]

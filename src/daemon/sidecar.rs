@@ -17,7 +17,7 @@ use crate::mdma::{Holding, NodeReport, PollError, Polled};
 use crate::merod::TeeRole;
 use crate::reconcile::{Desired, LeaveWait, MassDropEvent, Outcome};
 use crate::state::{State, StateStore};
-use crate::telemetry::{unix_now, Phase, Projection, Telemetry};
+use crate::telemetry::{unix_now, Phase, Projection, SetsVersion, Telemetry};
 
 use super::deps::{DaemonError, Deps, NotPersisted};
 use super::device_login;
@@ -254,8 +254,15 @@ impl Sidecar {
     /// Shows the loop's sets in the live status and the namespace gauges, and hands them to
     /// the jobs reporting on them when they may have changed since they were handed over.
     fn publish(&mut self) {
-        publish(&self.deps, &self.planner, &self.work, self.record.state());
         let membership = self.record.membership();
+        let sets = Some(self.planner.sets_version(membership));
+        publish(
+            &self.deps,
+            &self.planner,
+            &self.work,
+            self.record.state(),
+            sets,
+        );
         if self.offered_membership == Some(membership) {
             return;
         }
@@ -446,7 +453,10 @@ impl Sidecar {
     /// and with `leave_orphans` recorded as admitted (persisted) so this cycle's plan
     /// leaves them through the stability wait, the guard and the rate limit.
     fn find_orphans(&mut self) {
-        for id in self.planner.take_orphans(self.record.state()) {
+        for id in self
+            .planner
+            .take_orphans(self.record.state(), self.record.membership())
+        {
             info!(namespace_id = %id, "orphan taken as admitted (leave_orphans)");
             self.record(Outcome::Admitted(id));
         }
@@ -511,7 +521,7 @@ impl Sidecar {
         let ready = self
             .record
             .record_plan(plan.state, &plan.joins, &plan.leaves, |state| {
-                publish(&self.deps, &self.planner, &self.work, state)
+                publish(&self.deps, &self.planner, &self.work, state, None)
             });
         if self.planner.dry_run() {
             for id in &plan.joins {
@@ -530,7 +540,7 @@ impl Sidecar {
     /// for it; `start`: the joins and leaves that waited start (not at shutdown).
     fn on_written(&mut self, written: Written, start: bool) {
         let ready = self.record.on_written(written, |state| {
-            publish(&self.deps, &self.planner, &self.work, state)
+            publish(&self.deps, &self.planner, &self.work, state, None)
         });
         self.after_write(ready, start);
         self.publish();
@@ -626,7 +636,7 @@ impl Sidecar {
         let (deps, planner, work) = (&self.deps, &self.planner, &self.work);
         self.record
             .flush(SHUTDOWN_WRITE_WAIT, |state| {
-                publish(deps, planner, work, state)
+                publish(deps, planner, work, state, None)
             })
             .await
     }
@@ -634,7 +644,7 @@ impl Sidecar {
     /// Folds `outcome` into the state and persists it (see `Record::record`).
     fn record(&mut self, outcome: Outcome) {
         self.record.record(outcome, |state| {
-            publish(&self.deps, &self.planner, &self.work, state)
+            publish(&self.deps, &self.planner, &self.work, state, None)
         });
     }
 
@@ -678,7 +688,7 @@ impl Sidecar {
         let ready = self.record.record_then(
             Outcome::Admitted(id),
             AfterWrite::Ack { id, ack },
-            |state| publish(&self.deps, &self.planner, &self.work, state),
+            |state| publish(&self.deps, &self.planner, &self.work, state, None),
         );
         self.after_write(ready.into_iter().collect(), true);
     }
@@ -778,7 +788,15 @@ impl Sidecar {
 
 /// Shows the loop's sets in the live status and the namespace gauges, `state` being the
 /// record's (borrowed apart from the rest so the record can publish before it writes).
-fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
+/// Shows the loop's sets in the live status; `sets`: their version, when known (see
+/// [`SetsVersion`]; the closures the record calls with a state it just changed give none).
+fn publish(
+    deps: &Deps,
+    planner: &Planner,
+    work: &InFlight,
+    state: &State,
+    sets: Option<SetsVersion>,
+) {
     deps.telemetry.publish(&Projection {
         desired: &planner.desired,
         state,
@@ -788,5 +806,6 @@ fn publish(deps: &Deps, planner: &Planner, work: &InFlight, state: &State) {
         orphans: planner.orphans(),
         mass_drop: planner.guard.mass_drop,
         mass_drop_hold: planner.policy.mass_drop_hold,
+        sets,
     });
 }

@@ -30,7 +30,16 @@ pub(crate) struct Projection<'a> {
     pub mass_drop: MassDrop,
     /// `leave_policy.mass_drop_hold`: how long a mass withdrawal is held.
     pub mass_drop_hold: Duration,
+    /// The version of the sets `desired` and `state` hold, when the caller counts them
+    /// (`None`: compared id by id).
+    pub sets: Option<SetsVersion>,
 }
+
+/// Which answer (a count of the answers taken in) and which membership of the state (its
+/// record's count of the changes that may touch `admitted`, `confirmed` or `joining`) a
+/// [`Projection`]'s sets are: one published before means the same lists, which then are
+/// not walked (at 10,000 namespaces, twice a poll, a sixth of an idle cycle).
+pub(crate) type SetsVersion = (u64, u64);
 
 impl Telemetry {
     /// Copies the loop's sets into the live status and the namespace gauges, touching only
@@ -53,11 +62,32 @@ impl Telemetry {
             .max()
             .unwrap_or_default();
         self.pending_leave_absence.set(oldest.as_secs_f64());
+        let same_sets = {
+            let mut published = self
+                .published_sets
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let same = p.sets.is_some() && *published == p.sets;
+            *published = p.sets;
+            same
+        };
+        if cfg!(debug_assertions) && same_sets {
+            let st = self.status.borrow();
+            assert!(
+                st.desired.iter().eq(&p.desired.assigned)
+                    && st.retain.iter().eq(&p.desired.retain)
+                    && st.admitted.iter().eq(&p.state.admitted)
+                    && st.confirmed.iter().eq(&p.state.confirmed),
+                "the status's lists kept past a change of their sets"
+            );
+        }
         self.update(|st| {
-            refill(&mut st.desired, &p.desired.assigned);
-            refill(&mut st.retain, &p.desired.retain);
-            refill(&mut st.admitted, &p.state.admitted);
-            refill(&mut st.confirmed, &p.state.confirmed);
+            if !same_sets {
+                refill(&mut st.desired, &p.desired.assigned);
+                refill(&mut st.retain, &p.desired.retain);
+                refill(&mut st.admitted, &p.state.admitted);
+                refill(&mut st.confirmed, &p.state.confirmed);
+            }
             refill(&mut st.joining, p.joining);
             refill(&mut st.leaving, p.leaving);
             refill(&mut st.orphans, p.orphans);
@@ -141,6 +171,7 @@ mod tests {
             orphans: &none,
             mass_drop: MassDrop::Idle,
             mass_drop_hold: Duration::from_secs(600),
+            sets: None,
         };
         t.publish(&p);
         let st = t.snapshot();
@@ -161,6 +192,69 @@ mod tests {
             metrics.contains("fleet_sidecar_pending_leave_oldest_absence_seconds 0.0"),
             "{metrics}"
         );
+    }
+
+    /// A projection with nothing running, no orphans and the guard idle.
+    fn quiet<'a>(
+        desired: &'a Desired,
+        state: &'a State,
+        none: &'a BTreeSet<GroupId>,
+        waiting: &'a BTreeMap<GroupId, LeaveWait>,
+        sets: Option<SetsVersion>,
+    ) -> Projection<'a> {
+        Projection {
+            desired,
+            state,
+            joining: none,
+            leaving: none,
+            waiting,
+            orphans: none,
+            mass_drop: MassDrop::Idle,
+            mass_drop_hold: Duration::from_secs(600),
+            sets,
+        }
+    }
+
+    #[test]
+    fn the_large_lists_are_refilled_only_when_their_version_is_not_the_one_published() {
+        let t = Telemetry::new();
+        let none = BTreeSet::new();
+        let waiting = BTreeMap::new();
+        let publish = |desired: &Desired, state: &State, sets| {
+            t.publish(&quiet(desired, state, &none, &waiting, sets))
+        };
+        let desired = Desired {
+            assigned: [gid(1)].into(),
+            ..Desired::default()
+        };
+        let one = State {
+            confirmed: [gid(1)].into(),
+            ..State::default()
+        };
+        let two = State {
+            confirmed: [gid(1), gid(2)].into(),
+            ..State::default()
+        };
+        publish(&desired, &one, Some((1, 4)));
+        assert_eq!(t.snapshot().confirmed, [gid(1)]);
+        // The version published: the lists stand as they are, whatever the sets say
+        // (debug builds check that they are the same, and so catch this one).
+        let kept = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            publish(&desired, &two, Some((1, 4)))
+        }));
+        assert_eq!(kept.is_err(), cfg!(debug_assertions));
+        assert_eq!(t.snapshot().confirmed, [gid(1)]);
+        // Another membership, another answer, or none: compared and refilled.
+        publish(&desired, &two, Some((1, 5)));
+        assert_eq!(t.snapshot().confirmed, [gid(1), gid(2)]);
+        publish(&Desired::default(), &two, Some((2, 5)));
+        assert!(t.snapshot().desired.is_empty());
+        publish(&desired, &one, None);
+        assert_eq!(t.snapshot().confirmed, [gid(1)]);
+        assert_eq!(t.snapshot().desired, [gid(1)]);
+        // After one published without a version, no version vouches.
+        publish(&desired, &two, Some((2, 5)));
+        assert_eq!(t.snapshot().confirmed, [gid(1), gid(2)]);
     }
 
     #[test]
@@ -200,16 +294,7 @@ mod tests {
             (gid(2), LeaveWait::BackingOff),
         ]);
         let none = BTreeSet::new();
-        t.publish(&Projection {
-            desired: &Desired::default(),
-            state: &state,
-            joining: &none,
-            leaving: &none,
-            waiting: &waiting,
-            orphans: &none,
-            mass_drop: MassDrop::Idle,
-            mass_drop_hold: Duration::from_secs(600),
-        });
+        t.publish(&quiet(&Desired::default(), &state, &none, &waiting, None));
         let st = t.snapshot();
         assert_eq!(
             st.pending_leaves[&gid(1)],
