@@ -18,10 +18,10 @@ use fleet_sidecar::daemon::Sidecar;
 use fleet_sidecar::daemon::Telemetry;
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::parse_should_join;
+use fleet_sidecar::mdma::parse_should_join;
 use fleet_sidecar::reconcile::{plan, Desired, Guard, LeavePolicy, PlanInput};
 use fleet_sidecar::GroupId;
-use fleet_sidecar::{render_state, State, StateStore};
+use fleet_sidecar::{state::render_state, State, StateStore};
 use tokio_util::sync::CancellationToken;
 
 struct Counting;

@@ -5,7 +5,7 @@
 //! `cargo run --release --example fleet-answer-rss`.
 
 use fleet_sidecar::emulator::mdma::fleet_answer;
-use fleet_sidecar::{parse_should_join, MAX_POLL_BODY};
+use fleet_sidecar::{mdma::parse_should_join, mdma::MAX_POLL_BODY};
 
 /// `VmHWM` of this process, KiB (0 where /proc is not there).
 fn peak_rss_kib() -> u64 {

@@ -37,8 +37,8 @@ use clap::Parser;
 use fleet_sidecar::daemon::LiveStatus;
 use fleet_sidecar::reconcile::{self, Desired};
 use fleet_sidecar::{
-    resolve_admin_url, volatile, GroupId, MerodClient, Repair, State, StateFile, StateStore,
-    ToolConfig, DEFAULT_CONFIG_PATH,
+    config::DEFAULT_CONFIG_PATH, resolve_admin_url, state::volatile, GroupId, MerodClient, Repair,
+    State, StateFile, StateStore, ToolConfig,
 };
 use serde::Serialize;
 

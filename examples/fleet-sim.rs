@@ -30,7 +30,9 @@ use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::Config;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::MdmaClient;
-use fleet_sidecar::{Admission, MerodError, NetworkStatus, Node, NodeAccount, TeeRole};
+use fleet_sidecar::{
+    merod::NetworkStatus, merod::NodeAccount, Admission, MerodError, Node, TeeRole,
+};
 use fleet_sidecar::{State, StateStore};
 use tokio_util::sync::CancellationToken;
 

@@ -20,7 +20,9 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use fleet_sidecar::emulator::mdma::fleet_answer_for;
-use fleet_sidecar::{ControlPlane, Holding, MdmaClient, NodeReport, PeerId, Polled};
+use fleet_sidecar::{
+    mdma::Holding, mdma::NodeReport, mdma::Polled, ControlPlane, MdmaClient, PeerId,
+};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;

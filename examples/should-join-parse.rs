@@ -4,7 +4,7 @@
 
 use std::time::Instant;
 
-use fleet_sidecar::parse_should_join;
+use fleet_sidecar::mdma::parse_should_join;
 
 fn main() {
     let entries: Vec<String> = (0..10_000u32)

@@ -1,8 +1,9 @@
 //! The sidecar's configuration file (`/etc/calimero/fleet-sidecar.toml` by default).
 //!
-//! Two levels, as in ripgrep's low/high args: [`RawConfig`] is exactly what the TOML says
-//! (unknown keys are an error that names the key), and [`Config`] is the validated form with
-//! strong types (`Url`, `Duration`, paths) that the daemon runs on. Loading touches only the
+//! Two levels, as in ripgrep's low/high args: a private raw form is exactly what the TOML
+//! says (unknown keys are an error that names the key), and [`Config`] is the validated form
+//! with strong types (`Url`, `Duration`, paths) that the daemon runs on; [`ToolConfig`] is
+//! the part a tool needs, with nothing required. Loading touches only the
 //! config file itself: nothing here reads merod's files, sysfs, or the network.
 
 use std::net::SocketAddr;

@@ -20,19 +20,26 @@
 //! fleet-sidecar = { version = "0.1", default-features = false, features = ["testing"] }
 //! ```
 //!
+//! The library is grouped by concern, one module for each thing a tool talks to or reads:
+//! [`config`] (the config file), [`identity`] (merod's `config.toml`), [`ids`] (namespace ids
+//! and PeerIds), [`merod`] (the admin API client), [`mdma`] (the control plane client),
+//! [`metadata`] (the instance metadata server), [`mrtd`] (the TD's measurement), [`state`]
+//! (the sidecar's state file) and [`reconcile`] (the pure decision of what to join and leave).
+//! The crate root re-exports only the names nearly every tool uses (at most 40).
+//!
 //! | need | items |
 //! |---|---|
 //! | the sidecar's config | [`ToolConfig`] (`[merod]`, `state_file`, `[tdx]`, `mdma_url`; nothing required), [`ToolConfig::mdma_credentials`] (token and CA file, the daemon's checks), [`resolve_admin_url`], [`read_peer_id`]; [`Config`] is the daemon's (every check) |
-//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`] every page, [`MerodClient::identity`], [`MerodClient::node_key`] ([`NodeKey`]: 64 hex or rc.25's base58), [`MerodClient::tee_role`], and through the [`Node`] trait `probe`, `fleet_join` with `admitterAddrs`, `leave_namespace`, `holds_namespace` on merod's own 404s), [`MerodClientBuilder`], [`Admission`] with [`Refusal`]s, [`TeeRole`], [`MerodError`] |
-//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` (with a [`NodeReport`]: `held_namespaces`; `should_join_if_changed`, told what the caller holds ([`Holding`]: the [`AnswerDigest`] of its answer, the namespaces joined), says [`Polled::Unchanged`] for the same bytes and leaves the joined namespaces' `admitter_addrs` out of a changed answer), `confirm` (with the role) and `join_status` ([`JoinStatus`]) |
-//! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`read_mrtd_bounded_async`] from async code; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`parse_sysfs`], [`parse_tdreport`], [`parse_quote`] |
-//! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`RegisterRequest`], [`Registered`], [`RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
+//! | merod's admin API, every call with its own deadline | [`MerodClient`] ([`MerodClient::list_namespaces`] every page, [`MerodClient::identity`], [`MerodClient::node_key`] ([`NodeKey`]: 64 hex or rc.25's base58), [`MerodClient::tee_role`], and through the [`Node`] trait `probe`, `fleet_join` with `admitterAddrs`, `leave_namespace`, `holds_namespace` on merod's own 404s), [`merod::MerodClientBuilder`], [`Admission`] with [`merod::Refusal`]s, [`TeeRole`], [`MerodError`] |
+//! | MDMA, with the daemon's HTTP rules | [`MdmaClient::from_tool_config`], [`MdmaClient::post_json`] (any call, e.g. `api/fleet/inventory`) and [`MdmaAnswer`], [`CallError`]; through the [`ControlPlane`] trait `should_join` (with a [`mdma::NodeReport`]: `held_namespaces`; `should_join_if_changed`, told what the caller holds ([`mdma::Holding`]: the [`mdma::AnswerDigest`] of its answer, the namespaces joined), says [`mdma::Polled::Unchanged`] for the same bytes and leaves the joined namespaces' `admitter_addrs` out of a changed answer), `confirm` (with the role) and `join_status` ([`mdma::JoinStatus`]) |
+//! | the TD's MRTD, live or from saved bytes | [`read_mrtd_bounded`] (with a deadline; [`read_mrtd_bounded_async`] from async code; [`TdxConfig::without_side_effects`] leaves out the configfs-tsm quote), [`read_saved`], [`Mrtd`], [`mrtd::parse_sysfs`], [`mrtd::parse_tdreport`], [`mrtd::parse_quote`] |
+//! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`mdma::RegisterRequest`], [`mdma::Registered`], [`mdma::RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
 //! | fakes for your tests (`testing` feature) | `emulator::merod::MerodEmulator`, `emulator::mdma::MdmaEmulator` (see below) |
 //!
 //! Every type a tool prints is `Display` and `Serialize` ([`GroupId`] and [`Mrtd`] as
-//! lowercase hex, [`NodeKey`] as 64 lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`StateFormat`] by name,
+//! lowercase hex, [`NodeKey`] as 64 lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`state::StateFormat`] by name,
 //! [`MrtdReading`], [`StateReport`] and [`StateFile`] as JSON objects), so
 //! `serde_json::json!({"mrtd": reading.mrtd, "namespaces": held})` is a body to post.
 //!
@@ -205,7 +212,7 @@ macro_rules! serialize_kind_and_message {
 mod backoff;
 #[cfg(feature = "daemon")]
 pub mod cli;
-mod config;
+pub mod config;
 #[cfg(feature = "daemon")]
 pub mod daemon;
 #[cfg(feature = "daemon")]
@@ -216,16 +223,16 @@ pub mod emulator;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-mod identity;
-mod ids;
+pub mod identity;
+pub mod ids;
 #[cfg(feature = "daemon")]
 mod jobs;
 #[cfg(feature = "daemon")]
 mod logging;
-mod mdma;
-mod merod;
-mod metadata;
-mod mrtd;
+pub mod mdma;
+pub mod merod;
+pub mod metadata;
+pub mod mrtd;
 mod net;
 #[cfg(feature = "daemon")]
 mod node_tls;
@@ -236,56 +243,21 @@ mod outcome;
 pub mod reconcile;
 #[cfg(feature = "daemon")]
 mod registration;
-mod state;
+pub mod state;
 mod strict_json;
 #[cfg(feature = "daemon")]
 mod telemetry;
 
-pub use config::{
-    Config, ConfigError, DeviceLoginConfig, InventoryConfig, LogFormat, LogTarget, LogsTokenConfig,
-    MdmaCredentials, MerodConfig, RecoveryConfig, RegistrationConfig, TlsConfig, ToolConfig,
-    DEFAULT_ADMIN_URL, DEFAULT_CONFIG_PATH, DEFAULT_METADATA_URL,
-};
-pub use identity::{
-    read_peer_id, resolve_admin_url, AdminUrl, AdminUrlSource, IdentityError, ListenAddrError,
-};
-pub use ids::{GroupId, GroupIdError, PeerId, PeerIdError};
+// The names nearly every tool uses; everything else is at its module's path.
+pub use config::{Config, ConfigError, ToolConfig};
+pub use identity::{read_peer_id, resolve_admin_url, IdentityError};
+pub use ids::{GroupId, PeerId};
 pub use mdma::{
-    AnswerDigest, CallError, Challenge, ConfirmError, ControlPlane, EnrolmentToken, FleetToken,
-    GroupInventory, Holding, InventoryReport, JoinState, JoinStatus, LogsToken, MalformedAnswer,
-    MdmaAnswer, MdmaClient, MdmaClientBuilder, MdmaClientError, NamespaceInventory, NodeReport,
-    PollError, Polled, RecoveryEnvelope, RecoveryKey, RegisterError, RegisterRequest, Registered,
-    RequestError, RequestMethod, ShouldJoin, CHALLENGE_TIMEOUT, MAX_HELD_REPORTED, MAX_POLL_BODY,
-    MDMA_TIMEOUT, REGISTER_TIMEOUT,
+    CallError, ControlPlane, FleetToken, MdmaAnswer, MdmaClient, PollError, RequestError,
 };
-pub use merod::{
-    refuses_admitter_addrs, Admission, GroupMember, MemberDevice, MemberDevices, MerodClient,
-    MerodClientBuilder, MerodError, MerodOp, NetworkStatus, Node, NodeAccount, NodeKey,
-    NodeKeyError, Refusal, SealedEnvelope, StorageBytes, TeeRole, ADMITTER_ADDRS_RETRY,
-    ATTEST_TIMEOUT, CHECK_TIMEOUT, GROUP_PAGE, GROUP_PAGES, JOIN_TIMEOUT, LEAVE_TIMEOUT,
-    LIST_PAGES, MAX_REFUSALS, MAX_REFUSAL_MESSAGE, MAX_REFUSAL_PEER, MAX_REFUSAL_REASON,
-    MAX_REFUSAL_TYPE, MAX_SWARM_ADDRS, MEMBERS_TIMEOUT, MEMBER_PAGES, MEROD_CONNECT_TIMEOUT,
-    NOT_HELD_MESSAGES, PROBE_TIMEOUT, SEAL_ROUTE_RETRY, SEAL_TIMEOUT,
-};
-pub use metadata::{
-    server_port, MetadataAttribute, MetadataClient, MetadataError, DEFAULT_SERVER_PORT,
-    MAX_METADATA_ATTRIBUTE, METADATA_TIMEOUT,
-};
+pub use merod::{Admission, MerodClient, MerodError, Node, NodeKey, TeeRole};
 pub use mrtd::{
-    parse_quote, parse_sysfs, parse_tdreport, read_mrtd, read_mrtd_bounded,
-    read_mrtd_bounded_async, read_saved, Mrtd, MrtdError, MrtdReading, MrtdSource, MrtdUnavailable,
-    ReaderFailure, SavedEvidence, TdxConfig, MRTD_READ_TIMEOUT, SAVED_EVIDENCE_LIMIT, TDREPORT_LEN,
+    read_mrtd_bounded, read_mrtd_bounded_async, read_saved, Mrtd, MrtdError, MrtdReading,
+    MrtdSource, MrtdUnavailable, TdxConfig,
 };
-pub use state::{
-    bash_import, inspect_state, volatile, Absence, Repair, State, StateError, StateFile,
-    StateFormat, StateReport, StateStore, STATE_VERSION,
-};
-
-// The parsers and the state writer as pure functions, for the contract and schema tests and
-// the benches (a tool uses the clients and `StateStore`): not part of the documented API.
-#[doc(hidden)]
-pub use mdma::parse_should_join;
-#[doc(hidden)]
-pub use merod::{parse_fleet_join, NoAdmitted};
-#[doc(hidden)]
-pub use state::{parse_state, render_state};
+pub use state::{Repair, State, StateError, StateFile, StateReport, StateStore};

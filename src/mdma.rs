@@ -863,7 +863,7 @@ pub trait ControlPlane: Send + Sync + 'static {
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use fleet_sidecar::{ControlPlane, FleetToken, MdmaClient, NodeReport};
+/// use fleet_sidecar::{ControlPlane, FleetToken, MdmaClient, mdma::NodeReport};
 ///
 /// let mdma = MdmaClient::builder("https://mdma.example/".parse()?)
 ///     .token(FleetToken::new("…"))
@@ -1766,6 +1766,9 @@ pub(crate) fn keep_admitter_addrs<A: AsRef<str> + Into<String>>(
 /// One pass over the body in the common case, allocating only the two sets (see
 /// `mdma/answer.rs`); a body it refuses is read again the strict two-step way only to name
 /// the fault as before.
+// A pure entry point for the contract and schema tests, the fuzzers and the benches;
+// not part of the library's promise.
+#[doc(hidden)]
 pub fn parse_should_join(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
     parse_answer(body, None)
 }

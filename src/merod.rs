@@ -1422,12 +1422,18 @@ impl Node for MerodClient {
 /// A `fleet-join` answer with no boolean `admitted`, flat or under `data`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("no boolean \"admitted\" (flat or under \"data\")")]
+// A pure entry point for the contract and schema tests, the fuzzers and the benches;
+// not part of the library's promise.
+#[doc(hidden)]
 pub struct NoAdmitted;
 
 /// Reads a `fleet-join` answer: the flat object merod 0.11 sends, or the same wrapped in
 /// `{"data": {...}}`. Only a boolean `admitted` counts.
 ///
 /// Errors: [`NoAdmitted`] when neither shape has a boolean `admitted`.
+// A pure entry point for the contract and schema tests, the fuzzers and the benches;
+// not part of the library's promise.
+#[doc(hidden)]
 pub fn parse_fleet_join(answer: &Value) -> Result<Admission, NoAdmitted> {
     let inner = match answer.get("data") {
         Some(data) if data.is_object() => data,

@@ -333,7 +333,7 @@ impl std::fmt::Display for Repair {
 ///
 /// ```
 /// let text = br#"{"version": 1, "confirmed": []}"#;
-/// let report = fleet_sidecar::inspect_state(text, std::path::Path::new("state.json")).unwrap();
+/// let report = fleet_sidecar::state::inspect_state(text, std::path::Path::new("state.json")).unwrap();
 /// assert_eq!(serde_json::to_value(&report).unwrap()["format"], "v1");
 /// assert!(report.to_string().starts_with("format v1\n"));
 /// ```
@@ -575,6 +575,9 @@ impl StateError {
 ///
 /// Errors: [`StateError::Corrupt`], [`StateError::UnsupportedVersion`]; `path` only names
 /// the file in them.
+// A pure entry point for the contract and schema tests, the fuzzers and the benches;
+// not part of the library's promise.
+#[doc(hidden)]
 pub fn parse_state(bytes: &[u8], path: &Path) -> Result<State, StateError> {
     inspect_state(bytes, path).map(|report| report.state)
 }
@@ -809,6 +812,9 @@ fn json_kind(v: &serde_json::Value) -> &'static str {
 }
 
 /// Renders the current-version document (pretty JSON, trailing newline).
+// A pure entry point for the contract and schema tests, the fuzzers and the benches;
+// not part of the library's promise.
+#[doc(hidden)]
 pub fn render_state(state: &State) -> Vec<u8> {
     let doc = DocumentOut {
         version: STATE_VERSION,

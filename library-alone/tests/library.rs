@@ -3,7 +3,9 @@
 
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::{parse_sysfs, MerodClient, MerodOp, Repair, StateFile, StateStore, ToolConfig};
+use fleet_sidecar::{
+    merod::MerodOp, mrtd::parse_sysfs, MerodClient, Repair, StateFile, StateStore, ToolConfig,
+};
 
 const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
 const D: &str = "d00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00dd00d";

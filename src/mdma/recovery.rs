@@ -30,7 +30,7 @@ pub struct RecoveryEnvelope {
     #[serde(flatten)]
     pub key: RecoveryKey,
     /// `ciphertext`: the sealed envelope as one JSON string
-    /// ([`crate::SealedEnvelope::to_json_string`]).
+    /// ([`crate::merod::SealedEnvelope::to_json_string`]).
     pub ciphertext: String,
     /// `version`: 1 for a new envelope, then one more than the last one MDMA took.
     pub version: u64,

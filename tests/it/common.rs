@@ -8,7 +8,7 @@ use fleet_sidecar::daemon::Telemetry;
 use fleet_sidecar::daemon::{self, DaemonError};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::GroupId;
-use fleet_sidecar::{MerodError, MerodOp};
+use fleet_sidecar::{merod::MerodOp, MerodError};
 use fleet_sidecar::{State, StateStore};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;

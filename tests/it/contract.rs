@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::Router;
 use fleet_sidecar::GroupId;
-use fleet_sidecar::{Admission, MerodClient, MerodError, Node, NodeAccount, NodeKey};
+use fleet_sidecar::{merod::NodeAccount, Admission, MerodClient, MerodError, Node, NodeKey};
 use serde_json::Value;
 
 fn fixture(name: &str) -> Value {
@@ -124,10 +124,14 @@ async fn fleet_join_refusals_are_errors_with_merod_s_message() {
 async fn fleet_join_in_a_data_wrapper_is_read_too() {
     let inner = fixture("fleet-join-admitted")["response"]["body"].clone();
     let wrapped = serde_json::json!({ "data": inner });
-    let got = fleet_sidecar::parse_fleet_join(&wrapped).unwrap();
+    let got = fleet_sidecar::merod::parse_fleet_join(&wrapped).unwrap();
     assert!(got.admitted);
-    assert!(fleet_sidecar::parse_fleet_join(&serde_json::json!({"status": "joined"})).is_err());
-    assert!(fleet_sidecar::parse_fleet_join(&serde_json::json!({"admitted": "true"})).is_err());
+    assert!(
+        fleet_sidecar::merod::parse_fleet_join(&serde_json::json!({"status": "joined"})).is_err()
+    );
+    assert!(
+        fleet_sidecar::merod::parse_fleet_join(&serde_json::json!({"admitted": "true"})).is_err()
+    );
 }
 
 #[tokio::test]
@@ -271,7 +275,7 @@ async fn the_inventory_s_routes_read_what_merod_answered() {
         .unwrap();
     assert_eq!(
         usage.get(&ns.parse().unwrap()),
-        Some(&fleet_sidecar::StorageBytes::default())
+        Some(&fleet_sidecar::merod::StorageBytes::default())
     );
     assert_eq!(usage.len(), 1);
 }
@@ -364,7 +368,7 @@ async fn namespace_listings() {
 /// The client bounds its own calls: a tool that reuses it cannot hang on a stuck merod.
 #[tokio::test]
 async fn every_call_has_its_own_deadline() {
-    use fleet_sidecar::MerodOp;
+    use fleet_sidecar::merod::MerodOp;
     use std::time::{Duration, Instant};
 
     let router = Router::new().fallback(|| async {

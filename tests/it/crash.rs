@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::parse_state;
+use fleet_sidecar::state::parse_state;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 

@@ -7,15 +7,16 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use fleet_sidecar::daemon::Deps;
+use fleet_sidecar::mdma::ShouldJoin;
 use fleet_sidecar::Config;
 use fleet_sidecar::Mrtd;
-use fleet_sidecar::ShouldJoin;
 use fleet_sidecar::{
-    parse_should_join, ConfirmError, ControlPlane, PollError, RequestError, RequestMethod,
+    mdma::parse_should_join, mdma::ConfirmError, mdma::RequestMethod, ControlPlane, PollError,
+    RequestError,
 };
-use fleet_sidecar::{Admission, MerodError, MerodOp, Node, NodeAccount, TeeRole};
+use fleet_sidecar::{mdma::Holding, mdma::JoinStatus, mdma::NodeReport, mdma::Polled};
+use fleet_sidecar::{merod::MerodOp, merod::NodeAccount, Admission, MerodError, Node, TeeRole};
 use fleet_sidecar::{GroupId, PeerId};
-use fleet_sidecar::{Holding, JoinStatus, NodeReport, Polled};
 use tokio::time::Instant;
 
 use crate::common::{id, merod_err, spawn_loop, Running};
@@ -106,7 +107,7 @@ pub struct World {
     pub polls: Vec<(Instant, Option<String>)>,
     /// The `held_namespaces` each poll carried (`None`: left out).
     pub held_reported: Vec<Option<Vec<GroupId>>>,
-    /// The namespaces each poll said joined ([`fleet_sidecar::Holding::joined`]): the
+    /// The namespaces each poll said joined ([`fleet_sidecar::mdma::Holding::joined`]): the
     /// answer keeps no addresses for them.
     pub joined_said: Vec<Option<BTreeSet<GroupId>>>,
     /// The `executor_account` each poll carried (`None`: left out).
@@ -405,10 +406,10 @@ impl Node for Fake {
         })
     }
 
-    async fn network_status(&self) -> Result<fleet_sidecar::NetworkStatus, MerodError> {
+    async fn network_status(&self) -> Result<fleet_sidecar::merod::NetworkStatus, MerodError> {
         self.with(|w| {
             w.network_reads.push(Instant::now());
-            Ok(fleet_sidecar::NetworkStatus {
+            Ok(fleet_sidecar::merod::NetworkStatus {
                 local_peer_id: "SELF".to_owned(),
                 external_addrs: w.external_addrs.clone(),
             })

@@ -165,7 +165,7 @@ fn by_default_the_log_file_stays_and_an_unknown_target_is_refused() {
     let cfg =
         fleet_sidecar::Config::from_toml("mdma_url = \"https://m\"", Path::new("t.toml")).unwrap();
     assert!(cfg.log_to_file);
-    assert_eq!(cfg.log_target, fleet_sidecar::LogTarget::Auto);
+    assert_eq!(cfg.log_target, fleet_sidecar::config::LogTarget::Auto);
     let err = fleet_sidecar::Config::from_toml(
         "mdma_url = \"https://m\"\nlog_target = \"syslog\"",
         Path::new("t.toml"),

@@ -135,7 +135,7 @@ async fn a_withdrawal_after_an_outage_is_still_left() {
 #[tokio::test]
 async fn only_an_answer_identical_to_the_last_accepted_one_is_reused() {
     use fleet_sidecar::emulator::mdma::MdmaEmulator;
-    use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId, PollError};
+    use fleet_sidecar::{mdma::NodeReport, ControlPlane, MdmaClient, PeerId, PollError};
 
     let mdma = MdmaEmulator::start(None).await.unwrap();
     let client = MdmaClient::builder(mdma.url()).build().unwrap();
@@ -223,7 +223,7 @@ async fn serve_in_pieces(bodies: Vec<(String, usize)>) -> url::Url {
 /// in the last piece is parsed again.
 #[tokio::test]
 async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
-    use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId};
+    use fleet_sidecar::{mdma::NodeReport, ControlPlane, MdmaClient, PeerId};
 
     let body = |a: &str| {
         format!(
@@ -256,8 +256,8 @@ async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
 }
 
 /// What the caller holds: the answer `held`, no namespace said joined.
-fn holding(held: Option<&fleet_sidecar::AnswerDigest>) -> fleet_sidecar::Holding<'_> {
-    fleet_sidecar::Holding {
+fn holding(held: Option<&fleet_sidecar::mdma::AnswerDigest>) -> fleet_sidecar::mdma::Holding<'_> {
+    fleet_sidecar::mdma::Holding {
         answer: held,
         joined: None,
     }
@@ -269,7 +269,9 @@ fn holding(held: Option<&fleet_sidecar::AnswerDigest>) -> fleet_sidecar::Holding
 #[tokio::test]
 async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
     use fleet_sidecar::emulator::mdma::MdmaEmulator;
-    use fleet_sidecar::{ControlPlane, MdmaClient, NodeReport, PeerId, PollError, Polled};
+    use fleet_sidecar::{
+        mdma::NodeReport, mdma::Polled, ControlPlane, MdmaClient, PeerId, PollError,
+    };
 
     let mdma = MdmaEmulator::start(None).await.unwrap();
     let client = MdmaClient::builder(mdma.url()).build().unwrap();
@@ -319,7 +321,9 @@ async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
 #[tokio::test]
 async fn the_addresses_of_joined_namespaces_are_checked_but_not_kept() {
     use fleet_sidecar::emulator::mdma::MdmaEmulator;
-    use fleet_sidecar::{ControlPlane, Holding, MdmaClient, NodeReport, PeerId, PollError, Polled};
+    use fleet_sidecar::{
+        mdma::Holding, mdma::NodeReport, mdma::Polled, ControlPlane, MdmaClient, PeerId, PollError,
+    };
 
     let mdma = MdmaEmulator::start(None).await.unwrap();
     let client = MdmaClient::builder(mdma.url()).build().unwrap();

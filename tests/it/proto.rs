@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use fleet_sidecar::emulator::mdma::PollReply;
 use fleet_sidecar::emulator::sandbox::Sandbox;
-use fleet_sidecar::parse_should_join;
-use fleet_sidecar::{parse_state, render_state};
+use fleet_sidecar::mdma::parse_should_join;
+use fleet_sidecar::{state::parse_state, state::render_state};
 use serde_json::Value;
 
 use crate::common::*;

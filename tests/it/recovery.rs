@@ -9,7 +9,8 @@ use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::emulator::merod::ACCOUNT_ID;
 use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
 use fleet_sidecar::{
-    CallError, FleetToken, MdmaClient, RecoveryEnvelope, RecoveryKey, RequestError, RequestMethod,
+    mdma::RecoveryEnvelope, mdma::RecoveryKey, mdma::RequestMethod, CallError, FleetToken,
+    MdmaClient, RequestError,
 };
 
 const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";

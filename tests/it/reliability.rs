@@ -118,7 +118,7 @@ async fn a_kept_alive_connection_closed_as_it_is_reused_costs_no_failed_poll() {
         .build()
         .unwrap();
     for poll in 1..=4 {
-        mdma.should_join(&peer(), None, fleet_sidecar::NodeReport::default())
+        mdma.should_join(&peer(), None, fleet_sidecar::mdma::NodeReport::default())
             .await
             .unwrap_or_else(|e| panic!("poll {poll} failed: {e}"));
     }

@@ -194,7 +194,7 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
         let text = std::fs::read(root().join("proto").join(file)).unwrap();
         let found = errors(&v, &serde_json::from_slice(&text).unwrap());
         assert!(found.is_empty(), "{file}:\n{found}");
-        fleet_sidecar::parse_state(&text, Path::new(file)).expect("the code reads it");
+        fleet_sidecar::state::parse_state(&text, Path::new(file)).expect("the code reads it");
     }
     let id = crate::common::A;
     let accepted = [
@@ -234,7 +234,7 @@ fn the_state_schema_accepts_every_version_the_code_reads_and_nothing_it_refuses(
         assert!(!v.is_valid(&doc), "the schema accepts {doc}");
         let bytes = serde_json::to_vec(&doc).unwrap();
         assert!(
-            fleet_sidecar::parse_state(&bytes, Path::new("t")).is_err(),
+            fleet_sidecar::state::parse_state(&bytes, Path::new("t")).is_err(),
             "the code accepts {doc}"
         );
     }
@@ -256,17 +256,17 @@ fn every_mdma_example_matches_the_openapi_document() {
     ] {
         assert!(!answer.is_valid(&bad), "the schema accepts {bad}");
         let bytes = serde_json::to_vec(&bad).unwrap();
-        assert!(fleet_sidecar::parse_should_join(&bytes).is_err());
+        assert!(fleet_sidecar::mdma::parse_should_join(&bytes).is_err());
     }
     // The recovery envelopes' bodies, as the client renders them.
-    let key = fleet_sidecar::RecoveryKey {
+    let key = fleet_sidecar::mdma::RecoveryKey {
         peer_id: "12D3KooWJ6X2tBZEd8qKWvJyhtH2v2XyP4eQ9dcU2xZ8Y6YrjcVk"
             .parse()
             .unwrap(),
         account_id: "ab".repeat(32),
         namespace_id: "cd".repeat(32).parse().unwrap(),
     };
-    let put = fleet_sidecar::RecoveryEnvelope {
+    let put = fleet_sidecar::mdma::RecoveryEnvelope {
         key: key.clone(),
         ciphertext: r#"{"accountRootEpoch":1}"#.to_owned(),
         version: 1,
@@ -385,7 +385,7 @@ fn every_merod_recording_matches_the_openapi_document() {
 
 #[test]
 fn the_bash_sidecar_schema_and_the_import_agree_on_its_files() {
-    use fleet_sidecar::bash_import::{parse_admitted, parse_leave_pending};
+    use fleet_sidecar::state::bash_import::{parse_admitted, parse_leave_pending};
     let doc = read_json(&root().join("proto/bash-sidecar.schema.json"));
     let admitted = component_at(&doc, "#/$defs/admitted");
     let pending = component_at(&doc, "#/$defs/leavePending");

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::PeerId;
 use fleet_sidecar::{
-    ControlPlane, MdmaClient, MdmaClientError, NodeReport, PollError, RequestError,
+    mdma::MdmaClientError, mdma::NodeReport, ControlPlane, MdmaClient, PollError, RequestError,
 };
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use hyper_util::service::TowerToHyperService;

@@ -11,7 +11,7 @@ use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
 use fleet_sidecar::emulator::mdma::{fleet_answer, MdmaEmulator, PollReply};
 use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::Config;
-use fleet_sidecar::{MdmaClient, MdmaClientError, MAX_POLL_BODY};
+use fleet_sidecar::{mdma::MdmaClientError, mdma::MAX_POLL_BODY, MdmaClient};
 use fleet_sidecar::{MerodClient, MerodError, Node};
 use rcgen::{BasicConstraints, CertificateParams, IsCa, KeyPair};
 use tokio::io::AsyncWriteExt;
@@ -155,7 +155,7 @@ async fn a_fleet_sized_answer_of_10000_assignments_with_8_admitters_each_is_acce
         &mdma,
         &peer,
         None,
-        fleet_sidecar::NodeReport::default(),
+        fleet_sidecar::mdma::NodeReport::default(),
     )
     .await
     .expect("a fleet-sized answer is a good poll");
@@ -347,7 +347,7 @@ async fn retry_after_reaches_the_error_as_seconds_or_an_http_date() {
     let emu = MdmaEmulator::start(None).await.unwrap();
     let mdma = MdmaClient::new(&emu.url(), None, None).unwrap();
     let peer: fleet_sidecar::PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
-    let poll = || mdma.should_join(&peer, None, fleet_sidecar::NodeReport::default());
+    let poll = || mdma.should_join(&peer, None, fleet_sidecar::mdma::NodeReport::default());
     emu.set_reply(PollReply::Status(429));
     emu.set_retry_after(Some("30"));
     let e = poll().await.unwrap_err();
