@@ -14,10 +14,10 @@ use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use fleet_sidecar::daemon::Sidecar;
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::mdma::parse_should_join;
 use fleet_sidecar::reconcile::{plan, Desired, Guard, LeavePolicy, PlanInput};
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::{State, StateStore};
 use tokio_util::sync::CancellationToken;

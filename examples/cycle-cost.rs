@@ -21,8 +21,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fleet_sidecar::daemon::{Sidecar, Telemetry};
-use fleet_sidecar::emulator::mdma::{fleet_answer_for, PollReply};
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::{fleet_answer_for, PollReply};
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::{GroupId, State, StateStore};
 use tokio_util::sync::CancellationToken;
 

@@ -16,10 +16,10 @@ use std::time::Duration;
 
 use fleet_sidecar::daemon::Sidecar;
 use fleet_sidecar::daemon::Telemetry;
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::mdma::parse_should_join;
 use fleet_sidecar::reconcile::{plan, Desired, Guard, LeavePolicy, PlanInput};
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::{state::render_state, State, StateStore};
 use tokio_util::sync::CancellationToken;

@@ -4,7 +4,7 @@
 //! the body in memory, and after `parse_should_join` read it. Run in release:
 //! `cargo run --release --example fleet-answer-rss`.
 
-use fleet_sidecar::emulator::mdma::fleet_answer;
+use fleet_sidecar::testing::mdma::fleet_answer;
 use fleet_sidecar::{mdma::parse_should_join, mdma::MAX_POLL_BODY};
 
 /// `VmHWM` of this process, KiB (0 where /proc is not there).

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use fleet_sidecar::daemon::{self, Deps};
-use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
+use fleet_sidecar::testing::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::Config;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::MdmaClient;

@@ -10,8 +10,8 @@
 
 use std::collections::BTreeSet;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::{GroupId, State, StateStore};
 
 #[tokio::main]

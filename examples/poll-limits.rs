@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
-use fleet_sidecar::emulator::mdma::fleet_answer_for;
+use fleet_sidecar::testing::mdma::fleet_answer_for;
 use fleet_sidecar::{
     mdma::Holding, mdma::NodeReport, mdma::Polled, ControlPlane, MdmaClient, PeerId,
 };
@@ -167,7 +167,7 @@ fn main() -> Result<(), Error> {
         })?;
     }
 
-    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse()?;
+    let peer: PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse()?;
     for (name, base) in [
         (
             "MdmaClient, unchanged answer, HTTPS",

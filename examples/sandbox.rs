@@ -9,8 +9,8 @@
 //! cargo run -- --config /tmp/fleet-sidecar-XXXX/fleet-sidecar.toml run
 //! ```
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {

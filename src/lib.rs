@@ -36,7 +36,7 @@
 //! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`mdma::RegisterRequest`], [`mdma::Registered`], [`mdma::RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
-//! | fakes for your tests (`testing` feature) | `emulator::merod::MerodEmulator`, `emulator::mdma::MdmaEmulator` (see below) |
+//! | fakes for your tests (`testing` feature) | `testing::merod::MerodEmulator`, `testing::mdma::MdmaEmulator` (see below) |
 //!
 //! Every type a tool prints is `Display` and `Serialize` ([`GroupId`] and [`Mrtd`] as
 //! lowercase hex, [`NodeKey`] as 64 lowercase hex, [`PeerId`] as its base58 text, [`MrtdSource`] and [`state::StateFormat`] by name,
@@ -122,7 +122,7 @@
 //!
 //! ## Testing a tool: the `testing` feature
 //!
-//! `emulator::merod::MerodEmulator` and `emulator::mdma::MdmaEmulator` are loopback fakes
+//! `testing::merod::MerodEmulator` and `testing::mdma::MdmaEmulator` are loopback fakes
 //! (`127.0.0.1`, a free port, in memory) that answer with the shapes recorded from a real
 //! merod 0.11 and the fleet's MDMA: the namespace listing in pages of `offset`/`limit`,
 //! fleet-join, leave, membership, readiness; should-join, confirm, and any path you script.
@@ -135,8 +135,8 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! use fleet_sidecar::emulator::mdma::{CallReply, MdmaEmulator};
-//! use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+//! use fleet_sidecar::testing::mdma::{CallReply, MdmaEmulator};
+//! use fleet_sidecar::testing::merod::{ListBehaviour, MerodEmulator};
 //! use fleet_sidecar::{MdmaClient, MerodClient};
 //!
 //! let merod = MerodEmulator::start().await.unwrap();
@@ -183,9 +183,9 @@ leave, for a tool that wants to show what the sidecar would do."
 //! ## Features
 //!
 //! * `daemon` (default): the loop, the `fleet-sidecar` binary and what only it needs.
-//! * `testing`: the loopback fakes of merod and MDMA (`emulator`) for tests; none of the
+//! * `testing`: the loopback fakes of merod and MDMA (the [`testing`] module, `testing::sandbox` aside) for tests; none of the
 //!   daemon's dependencies. Never in a production build.
-//! * `emulator`: `testing` plus the daemon and `emulator::sandbox` (a node layout the real
+//! * `emulator`: `testing` plus the daemon and `testing::sandbox` (a node layout the real
 //!   daemon runs in), for the demo and this crate's tests.
 //!
 //! The contracts the code relies on are written down in `docs/` of the repository
@@ -218,8 +218,6 @@ pub mod daemon;
 #[cfg(feature = "daemon")]
 mod dropped;
 mod durable;
-#[cfg(feature = "testing")]
-pub mod emulator;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
@@ -247,6 +245,8 @@ pub mod state;
 mod strict_json;
 #[cfg(feature = "daemon")]
 mod telemetry;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 // The names nearly every tool uses; everything else is at its module's path.
 pub use config::{Config, ConfigError, ToolConfig};

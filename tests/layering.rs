@@ -18,7 +18,7 @@ const FLOORS: &[&[&str]] = &[
     &["jobs"],
     &["registration"],
     &["daemon", "fuzzing", "notify"],
-    &["cli", "emulator"],
+    &["cli", "testing"],
 ];
 
 /// The `crate::` edges of every module: module → modules it names.

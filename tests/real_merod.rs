@@ -24,8 +24,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply, ISSUED_TOKEN};
-use fleet_sidecar::emulator::sandbox::MRTD_HEX;
+use fleet_sidecar::testing::mdma::{MdmaEmulator, PollReply, ISSUED_TOKEN};
+use fleet_sidecar::testing::sandbox::MRTD_HEX;
 use fleet_sidecar::{GroupId, MerodClient, Node, StateStore};
 use serde_json::Value;
 use sha2::{Digest, Sha256};

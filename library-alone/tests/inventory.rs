@@ -6,8 +6,8 @@
 use std::os::unix::fs::PermissionsExt;
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::{CallReply, MdmaEmulator};
-use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+use fleet_sidecar::testing::mdma::{CallReply, MdmaEmulator};
+use fleet_sidecar::testing::merod::{ListBehaviour, MerodEmulator};
 use fleet_sidecar::{
     read_mrtd_bounded, resolve_admin_url, CallError, ConfigError, MdmaClient, MerodClient,
     RequestError, ToolConfig,

@@ -24,9 +24,9 @@ use std::io::Write;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::{fleet_answer_for, PollReply};
-use fleet_sidecar::emulator::merod::{JoinBehaviour, MerodEmulator};
-use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
+use fleet_sidecar::testing::mdma::{fleet_answer_for, PollReply};
+use fleet_sidecar::testing::merod::{JoinBehaviour, MerodEmulator};
+use fleet_sidecar::testing::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
 use fleet_sidecar::GroupId;
 use fleet_sidecar::{State, StateStore};
 use std::time::Instant;

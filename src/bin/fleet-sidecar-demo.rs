@@ -17,9 +17,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{error, info};
 
 use fleet_sidecar::daemon;
-use fleet_sidecar::emulator::mdma::{PollReply, ISSUED_TOKEN};
-use fleet_sidecar::emulator::merod::JoinBehaviour;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::{PollReply, ISSUED_TOKEN};
+use fleet_sidecar::testing::merod::JoinBehaviour;
+use fleet_sidecar::testing::sandbox::Sandbox;
 
 const A: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
 const B: &str = "4b1d5d2bd0c7e6a9a4b3f0e2c1d8e7f6a5b4c3d2e1f0a9b8c7d6e5f4a3b2c1d0";

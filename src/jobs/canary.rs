@@ -71,7 +71,7 @@ mod tests {
     use tokio_util::sync::CancellationToken;
 
     use super::*;
-    use crate::emulator::sandbox::Sandbox;
+    use crate::testing::sandbox::Sandbox;
 
     /// Log lines written by this thread's subscriber.
     #[derive(Clone, Default)]

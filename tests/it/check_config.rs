@@ -4,7 +4,7 @@
 use std::path::Path;
 use std::process::{Command, Output};
 
-use fleet_sidecar::emulator::sandbox::{MRTD_HEX, PEER_ID};
+use fleet_sidecar::testing::sandbox::{MRTD_HEX, PEER_ID};
 
 const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
 /// Grepped for in every output (`.ci/run` greps the whole run for this marker too).

@@ -3,8 +3,8 @@
 use std::process::Command;
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX};
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::{Sandbox, MRTD_HEX};
 
 use crate::common::*;
 

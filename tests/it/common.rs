@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use fleet_sidecar::daemon::Telemetry;
 use fleet_sidecar::daemon::{self, DaemonError};
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::GroupId;
 use fleet_sidecar::{merod::MerodOp, MerodError};
 use fleet_sidecar::{State, StateStore};
@@ -181,7 +181,7 @@ pub async fn wait_exit(
 }
 
 /// The first `fleet-join` request merod received.
-pub fn first_fleet_join(sb: &Sandbox) -> fleet_sidecar::emulator::merod::CallRecord {
+pub fn first_fleet_join(sb: &Sandbox) -> fleet_sidecar::testing::merod::CallRecord {
     sb.merod
         .calls()
         .into_iter()
@@ -204,7 +204,7 @@ impl NodeDir {
             node.join("config.toml"),
             format!(
                 "[identity]\npeer_id = \"{}\"\n",
-                fleet_sidecar::emulator::sandbox::PEER_ID
+                fleet_sidecar::testing::sandbox::PEER_ID
             ),
         )
         .expect("merod config");

@@ -418,7 +418,7 @@ async fn every_call_has_its_own_deadline() {
 /// merod answers at most `limit` (default 100) entries a page: the listing pages through.
 #[tokio::test]
 async fn a_listing_longer_than_a_page_is_read_whole() {
-    let merod = fleet_sidecar::emulator::merod::MerodEmulator::start()
+    let merod = fleet_sidecar::testing::merod::MerodEmulator::start()
         .await
         .unwrap();
     let ids: Vec<String> = (0..250u32).map(|n| format!("{n:064x}")).collect();
@@ -443,7 +443,7 @@ async fn a_listing_longer_than_a_page_is_read_whole() {
 /// 25 s before) and then reporting nothing either way.
 #[tokio::test]
 async fn a_listing_whose_pages_do_not_advance_is_an_error_at_once() {
-    use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+    use fleet_sidecar::testing::merod::{ListBehaviour, MerodEmulator};
     let merod = MerodEmulator::start().await.unwrap();
     for n in 0..250u32 {
         merod.hold(&format!("{n:064x}"));
@@ -466,7 +466,7 @@ async fn a_listing_whose_pages_do_not_advance_is_an_error_at_once() {
 /// overlap by one row see the shift, and the listing is an error rather than a wrong list.
 #[tokio::test]
 async fn a_listing_that_shifts_between_pages_is_not_taken_as_whole() {
-    use fleet_sidecar::emulator::merod::{ListBehaviour, MerodEmulator};
+    use fleet_sidecar::testing::merod::{ListBehaviour, MerodEmulator};
     let merod = MerodEmulator::start().await.unwrap();
     let ids: Vec<String> = (0..150u32).map(|n| format!("{n:064x}")).collect();
     for id in &ids {
@@ -528,8 +528,8 @@ fn same_shape(want: &Value, got: &Value) -> bool {
 }
 
 /// The merod emulator put in the state the node was in when `name` was recorded.
-fn prepare(merod: &fleet_sidecar::emulator::merod::MerodEmulator, name: &str, f: &Value) {
-    use fleet_sidecar::emulator::merod::JoinBehaviour;
+fn prepare(merod: &fleet_sidecar::testing::merod::MerodEmulator, name: &str, f: &Value) {
+    use fleet_sidecar::testing::merod::JoinBehaviour;
     let id = || id_of(f).to_string();
     match name {
         "fleet-join-already-admitted"
@@ -592,7 +592,7 @@ async fn the_emulator_answers_every_recorded_request_in_the_recorded_shape() {
     let mut wrong = Vec::new();
     for name in &names {
         let f = fixture(name);
-        let merod = fleet_sidecar::emulator::merod::MerodEmulator::start()
+        let merod = fleet_sidecar::testing::merod::MerodEmulator::start()
             .await
             .unwrap();
         prepare(&merod, name, &f);
@@ -774,7 +774,7 @@ async fn quotes_are_read_under_data_or_at_the_top_and_a_404_is_the_fallback_sign
 /// `GET /admin-api/network/status` as the emulator answers it (flat, as core 0.11 does).
 #[tokio::test]
 async fn network_status_gives_the_peer_id_and_external_addresses() {
-    use fleet_sidecar::emulator::merod::MerodEmulator;
+    use fleet_sidecar::testing::merod::MerodEmulator;
     let merod = MerodEmulator::start().await.unwrap();
     let client = MerodClient::new(&merod.url()).unwrap();
     let status = client.network_status().await.unwrap();
@@ -785,7 +785,7 @@ async fn network_status_gives_the_peer_id_and_external_addresses() {
         status.swarm_addrs(),
         [format!(
             "/ip4/1.2.3.4/udp/2528/quic-v1/p2p/{}",
-            fleet_sidecar::emulator::sandbox::PEER_ID
+            fleet_sidecar::testing::sandbox::PEER_ID
         )]
     );
 }
@@ -849,7 +849,7 @@ async fn a_typed_refusal_keeps_its_status_message_and_type_on_every_call() {
 /// a server that ignores `offset` is an error, never a list read twice or cut short.
 #[tokio::test]
 async fn group_lists_are_read_whole_past_one_page_and_a_non_advancing_page_fails() {
-    use fleet_sidecar::emulator::merod::MerodEmulator;
+    use fleet_sidecar::testing::merod::MerodEmulator;
     let merod = MerodEmulator::start().await.unwrap();
     let ns = "c".repeat(64);
     let sub = "d".repeat(64);

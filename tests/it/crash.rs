@@ -17,10 +17,10 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
-use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::state::parse_state;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::testing::sandbox::Sandbox;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 

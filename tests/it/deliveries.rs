@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use fleet_sidecar::daemon::{UnitControl, UnitError};
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
 
 use crate::common::*;

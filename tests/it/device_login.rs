@@ -9,8 +9,8 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use fleet_sidecar::daemon::{UnitControl, UnitError};
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 
 use crate::common::*;
 

@@ -3,7 +3,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::sandbox::Sandbox;
 
 use crate::common::{set, A, B, C, D};
 

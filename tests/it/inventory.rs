@@ -5,9 +5,9 @@
 
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::ACCOUNT_ID;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::ACCOUNT_ID;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use serde_json::{json, Value};
 
 use crate::common::*;
@@ -57,7 +57,7 @@ async fn a_confirmed_namespace_is_reported_in_full_and_a_withdrawn_one_pruned() 
     );
     assert_eq!(
         first["peer_id"],
-        json!(fleet_sidecar::emulator::sandbox::PEER_ID)
+        json!(fleet_sidecar::testing::sandbox::PEER_ID)
     );
     let ns = &first["namespaces"][0];
     assert_eq!(ns["namespace_id"], json!(A));

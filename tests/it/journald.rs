@@ -11,9 +11,9 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::JoinBehaviour;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::JoinBehaviour;
+use fleet_sidecar::testing::sandbox::Sandbox;
 
 use crate::common::*;
 

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
-use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::testing::sandbox::{Sandbox, PEER_ID};
 use fleet_sidecar::{MerodClient, MerodError, Node, State, StateStore};
 
 use crate::common::*;
@@ -25,7 +25,7 @@ fn refuse_under_data() -> JoinBehaviour {
     }
 }
 
-fn fleet_joins(sb: &Sandbox) -> Vec<fleet_sidecar::emulator::merod::CallRecord> {
+fn fleet_joins(sb: &Sandbox) -> Vec<fleet_sidecar::testing::merod::CallRecord> {
     sb.merod
         .calls()
         .into_iter()
@@ -294,7 +294,7 @@ async fn an_admission_merod_does_not_list_yet_stays_recorded_and_is_checked_agai
 /// once the refusal is older than its bound.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_admitter_addrs_is_offered_again_after_its_bound() {
-    use fleet_sidecar::emulator::merod::MerodEmulator;
+    use fleet_sidecar::testing::merod::MerodEmulator;
     let merod = MerodEmulator::start().await.unwrap();
     merod.set_older_core(true);
     let bound = Duration::from_millis(500);

@@ -5,8 +5,8 @@ use std::os::unix::fs::MetadataExt;
 use std::time::Duration;
 
 use fleet_sidecar::daemon::{self, CycleOutcome};
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use tokio_util::sync::CancellationToken;
 
 use crate::common::*;
@@ -134,12 +134,12 @@ async fn a_withdrawal_after_an_outage_is_still_left() {
 /// parsed and validated again, and a body refused by the gate is never kept.
 #[tokio::test]
 async fn only_an_answer_identical_to_the_last_accepted_one_is_reused() {
-    use fleet_sidecar::emulator::mdma::MdmaEmulator;
+    use fleet_sidecar::testing::mdma::MdmaEmulator;
     use fleet_sidecar::{mdma::NodeReport, ControlPlane, MdmaClient, PeerId, PollError};
 
     let mdma = MdmaEmulator::start(None).await.unwrap();
     let client = MdmaClient::builder(mdma.url()).build().unwrap();
-    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let peer: PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap();
     let poll = |body: String| {
         mdma.set_reply(PollReply::RawBody(body));
         client.should_join(&peer, None, NodeReport::default())
@@ -238,7 +238,7 @@ async fn an_answer_read_in_pieces_is_read_and_recognized_whatever_its_split() {
     ])
     .await;
     let client = MdmaClient::builder(url).build().unwrap();
-    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let peer: PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap();
     let poll = || client.should_join(&peer, None, NodeReport::default());
     let first = poll().await.unwrap();
     assert_eq!(first.assignments, set(&[A, B]));
@@ -268,14 +268,14 @@ fn holding(held: Option<&fleet_sidecar::mdma::AnswerDigest>) -> fleet_sidecar::m
 /// refused answer gives no digest and changes nothing the caller holds.
 #[tokio::test]
 async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
-    use fleet_sidecar::emulator::mdma::MdmaEmulator;
+    use fleet_sidecar::testing::mdma::MdmaEmulator;
     use fleet_sidecar::{
         mdma::NodeReport, mdma::Polled, ControlPlane, MdmaClient, PeerId, PollError,
     };
 
     let mdma = MdmaEmulator::start(None).await.unwrap();
     let client = MdmaClient::builder(mdma.url()).build().unwrap();
-    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let peer: PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap();
     let body = |a: &str| format!(r#"{{"assignments":[{{"group_id":"{a}"}}]}}"#);
     let poll = |body: String, held| {
         mdma.set_reply(PollReply::RawBody(body));
@@ -320,14 +320,14 @@ async fn the_caller_holding_an_answer_hears_only_that_it_is_unchanged() {
 /// still validates every entry's: a malformed list in a joined one refuses the answer.
 #[tokio::test]
 async fn the_addresses_of_joined_namespaces_are_checked_but_not_kept() {
-    use fleet_sidecar::emulator::mdma::MdmaEmulator;
+    use fleet_sidecar::testing::mdma::MdmaEmulator;
     use fleet_sidecar::{
         mdma::Holding, mdma::NodeReport, mdma::Polled, ControlPlane, MdmaClient, PeerId, PollError,
     };
 
     let mdma = MdmaEmulator::start(None).await.unwrap();
     let client = MdmaClient::builder(mdma.url()).build().unwrap();
-    let peer: PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let peer: PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap();
     let joined = set(&[A]);
     let poll = |body: String, held| {
         mdma.set_reply(PollReply::RawBody(body));

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
 use fleet_sidecar::mdma::parse_should_join;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::{state::parse_state, state::render_state};
 use serde_json::Value;
 

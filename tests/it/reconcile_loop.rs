@@ -2,9 +2,9 @@
 
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
-use fleet_sidecar::emulator::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::testing::sandbox::{Sandbox, MRTD_HEX, PEER_ID};
 
 use crate::common::*;
 

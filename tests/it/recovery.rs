@@ -5,9 +5,9 @@
 
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
-use fleet_sidecar::emulator::merod::ACCOUNT_ID;
-use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
+use fleet_sidecar::testing::mdma::{MdmaEmulator, PollReply};
+use fleet_sidecar::testing::merod::ACCOUNT_ID;
+use fleet_sidecar::testing::sandbox::{Sandbox, PEER_ID};
 use fleet_sidecar::{
     mdma::RecoveryEnvelope, mdma::RecoveryKey, mdma::RequestMethod, CallError, FleetToken,
     MdmaClient, RequestError,

@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use base64::Engine;
-use fleet_sidecar::emulator::mdma::{PollReply, RegisterReply, ISSUED_TOKEN};
-use fleet_sidecar::emulator::merod::{mock_quote, ACCOUNT_ID};
-use fleet_sidecar::emulator::metadata::MetadataEmulator;
-use fleet_sidecar::emulator::sandbox::{Sandbox, PEER_ID};
+use fleet_sidecar::testing::mdma::{PollReply, RegisterReply, ISSUED_TOKEN};
+use fleet_sidecar::testing::merod::{mock_quote, ACCOUNT_ID};
+use fleet_sidecar::testing::metadata::MetadataEmulator;
+use fleet_sidecar::testing::sandbox::{Sandbox, PEER_ID};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 

@@ -7,9 +7,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::JoinBehaviour;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::JoinBehaviour;
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::{ControlPlane, MdmaClient, PeerId};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -20,7 +20,7 @@ const LIMIT: Duration = Duration::from_secs(30);
 const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
 
 fn peer() -> PeerId {
-    fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap()
+    fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap()
 }
 
 /// A free loopback TCP port (bound, then let go).

@@ -26,9 +26,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use fleet_sidecar::daemon::{self, Deps};
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::merod::{JoinBehaviour, LeaveBehaviour};
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::{JoinBehaviour, LeaveBehaviour};
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::Config;
 use fleet_sidecar::MdmaClient;
 use fleet_sidecar::MerodClient;

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use fleet_sidecar::emulator::mdma::{MdmaEmulator, PollReply};
+use fleet_sidecar::testing::mdma::{MdmaEmulator, PollReply};
 use fleet_sidecar::PeerId;
 use fleet_sidecar::{
     mdma::MdmaClientError, mdma::NodeReport, ControlPlane, MdmaClient, PollError, RequestError,
@@ -84,7 +84,7 @@ async fn https_mdma(pki: &Pki, mdma: &MdmaEmulator) -> url::Url {
 }
 
 fn peer() -> PeerId {
-    fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap()
+    fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use fleet_sidecar::daemon::{self, CycleOutcome, Deps};
-use fleet_sidecar::emulator::mdma::{fleet_answer, MdmaEmulator, PollReply};
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::{fleet_answer, MdmaEmulator, PollReply};
+use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::Config;
 use fleet_sidecar::{mdma::MdmaClientError, mdma::MAX_POLL_BODY, MdmaClient};
 use fleet_sidecar::{MerodClient, MerodError, Node};
@@ -150,7 +150,7 @@ async fn a_fleet_sized_answer_of_10000_assignments_with_8_admitters_each_is_acce
     let emu = MdmaEmulator::start(None).await.unwrap();
     emu.set_reply(PollReply::RawBody(body));
     let mdma = MdmaClient::new(&emu.url(), None, None).unwrap();
-    let peer: fleet_sidecar::PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let peer: fleet_sidecar::PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap();
     let answer = fleet_sidecar::ControlPlane::should_join(
         &mdma,
         &peer,
@@ -346,7 +346,7 @@ async fn retry_after_reaches_the_error_as_seconds_or_an_http_date() {
     use fleet_sidecar::ControlPlane;
     let emu = MdmaEmulator::start(None).await.unwrap();
     let mdma = MdmaClient::new(&emu.url(), None, None).unwrap();
-    let peer: fleet_sidecar::PeerId = fleet_sidecar::emulator::sandbox::PEER_ID.parse().unwrap();
+    let peer: fleet_sidecar::PeerId = fleet_sidecar::testing::sandbox::PEER_ID.parse().unwrap();
     let poll = || mdma.should_join(&peer, None, fleet_sidecar::mdma::NodeReport::default());
     emu.set_reply(PollReply::Status(429));
     emu.set_retry_after(Some("30"));

@@ -8,8 +8,8 @@ use std::io::Read;
 use std::os::linux::net::SocketAddrExt;
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::Sandbox;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::Sandbox;
 
 use crate::common::*;
 

@@ -8,9 +8,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::MdmaEmulator;
-use fleet_sidecar::emulator::merod::MerodEmulator;
-use fleet_sidecar::emulator::sandbox::PEER_ID;
+use fleet_sidecar::testing::mdma::MdmaEmulator;
+use fleet_sidecar::testing::merod::MerodEmulator;
+use fleet_sidecar::testing::sandbox::PEER_ID;
 
 /// The unit under test, as shipped.
 pub const UNIT: &str = "fleet-sidecar.service";

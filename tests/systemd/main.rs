@@ -20,8 +20,8 @@ mod package;
 
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::emulator::mdma::PollReply;
-use fleet_sidecar::emulator::sandbox::MRTD_HEX;
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::sandbox::MRTD_HEX;
 use harness::{
     brief, exec_start, prop, restarts, skipped, Boot, Node, CREDENTIAL, CREDENTIAL_PATH, LOG_FILE,
     STATE_FILE, UNIT,

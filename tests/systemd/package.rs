@@ -12,7 +12,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use fleet_sidecar::emulator::mdma::PollReply;
+use fleet_sidecar::testing::mdma::PollReply;
 
 use crate::harness::{brief, prop, restarts, skipped, Boot, Node, STATE_FILE, UNIT};
 use crate::{active, A, SOON};

@@ -1097,7 +1097,7 @@ mod tests {
     const B: &str = "abababababababababababababababababababababababababababababababab";
     const PEER: &str = "12D3KooWDpJ7As7BWAwRMfu1VU2WCqNjvq387JEYKDBj4kx6nXTN";
 
-    use crate::emulator::test_client as client;
+    use crate::testing::test_client as client;
 
     fn endpoint(emu: &MdmaEmulator, path: &str) -> Url {
         emu.url().join(path).unwrap()

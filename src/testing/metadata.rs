@@ -5,7 +5,7 @@
 //!
 //! ```no_run
 //! # async fn demo() -> std::io::Result<()> {
-//! use fleet_sidecar::emulator::metadata::MetadataEmulator;
+//! use fleet_sidecar::testing::metadata::MetadataEmulator;
 //! let md = MetadataEmulator::start().await?;
 //! md.set("relay-url", "https://relay.example");
 //! // `[registration] metadata_url = "<md.attributes_url()>"`

@@ -1692,7 +1692,7 @@ mod tests {
     const ID: &str = "38069a4cc4285c4245c84587ac60084ba53502a8b91c9b108bca40f10ec4d3df";
     const OTHER: &str = "abababababababababababababababababababababababababababababababab";
 
-    use crate::emulator::test_client as client;
+    use crate::testing::test_client as client;
 
     fn endpoint(emu: &MerodEmulator, path: &str) -> Url {
         emu.url().join(path).unwrap()
