@@ -1,5 +1,9 @@
 //! The reconcile loop: poll, plan, execute, persist — every `poll_interval`.
 //!
+//! **Not part of the library's promise.** This module exists only with the `daemon` feature
+//! and is the daemon's own (its entry points, its telemetry, its test hooks): it changes in
+//! any version without a note. A tool uses the modules in the API snapshot (`api/`).
+//!
 //! Level-triggered: each cycle recomputes from the latest poll and the persisted state, so
 //! a crash at any point leaves a state the next cycle repairs. The poll is the node's
 //! heartbeat and runs on its cadence whatever merod does: joins and leaves run as

@@ -25,7 +25,11 @@
 //! and PeerIds), [`merod`] (the admin API client), [`mdma`] (the control plane client),
 //! [`metadata`] (the instance metadata server), [`mrtd`] (the TD's measurement), [`state`]
 //! (the sidecar's state file) and [`reconcile`] (the pure decision of what to join and leave).
-//! The crate root re-exports only the names nearly every tool uses (at most 40).
+//! The crate root re-exports only the names nearly every tool uses (at most 40). What is
+//! promised is the public API written down in `api/` of the repository (default features off,
+//! and with `testing`), checked in CI; every change to it is recorded in `CHANGELOG.md`, and
+//! the README says how versions follow it. The `daemon` and `cli` modules (with the `daemon`
+//! feature) are the daemon's own and not promised.
 //!
 //! | need | items |
 //! |---|---|
@@ -169,21 +173,23 @@
     doc = "With the `daemon` feature, [`daemon::run`] runs the whole loop against any
 [`ControlPlane`] and [`Node`] (the real clients, or your own), and [`reconcile::plan`]
 is the pure decision of what to join and leave, for a tool that wants to show what the
-sidecar would do. [`cli::main`] is the `fleet-sidecar` command line itself."
+sidecar would do. [`cli::main`] is the `fleet-sidecar` command line itself. `daemon` and
+`cli` are not part of the library's promise: they change in any version."
 )]
 #![cfg_attr(
     not(feature = "daemon"),
     doc = "With the `daemon` feature, `daemon::run` runs the whole loop against any
 [`ControlPlane`] and [`Node`] (the real clients, or your own), and `cli::main` is the
 `fleet-sidecar` command line itself (neither is built without the feature: see
-[Features](#features)). [`reconcile::plan`] is the pure decision of what to join and
+[Features](#features)); neither is part of the library's promise.
+[`reconcile::plan`] is the pure decision of what to join and
 leave, for a tool that wants to show what the sidecar would do."
 )]
 //!
 //! ## Features
 //!
 //! * `daemon` (default): the loop, the `fleet-sidecar` binary and what only it needs.
-//! * `testing`: the loopback fakes of merod and MDMA (the [`testing`] module, `testing::sandbox` aside) for tests; none of the
+//! * `testing`: the loopback fakes of merod and MDMA (the `testing` module, `testing::sandbox` aside) for tests; none of the
 //!   daemon's dependencies. Never in a production build.
 //! * `emulator`: `testing` plus the daemon and `testing::sandbox` (a node layout the real
 //!   daemon runs in), for the demo and this crate's tests.

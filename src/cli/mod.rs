@@ -2,6 +2,9 @@
 //! and map the outcome to an exit code. [`main`] is the binary's entry point; the
 //! subcommands that are not the daemon itself (`check-config`, completions, the man page)
 //! are in the submodules.
+//!
+//! **Not part of the library's promise**: with the `daemon` feature only, the binary's own;
+//! it changes in any version without a note.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
