@@ -1,5 +1,6 @@
-//! `fleet-inspect`: an admin tool built only on `fleet_sidecar`'s public API. It compares the
-//! sidecar's state file with the namespaces merod holds and prints the drift:
+//! `fleet-inspect`: an admin tool built only on `fleet_sidecar`'s promised API (the snapshot
+//! in `api/`), with the crate's default features off. It compares the sidecar's state file
+//! with the namespaces merod holds and prints the drift:
 //!
 //! - **held by merod, not in the state**: joined outside the sidecar (or by a sidecar whose
 //!   state was lost); the sidecar will never leave it on its own.
@@ -23,7 +24,7 @@
 //! as the node's heartbeat.
 //!
 //! ```text
-//! cargo run --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--json] [--status 127.0.0.1:9464]
+//! cargo run -p library-alone --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--json] [--status 127.0.0.1:9464]
 //! ```
 //!
 //! Exit status: 0 in sync, 1 drift found (orphans included), 2 the config, the state file,
@@ -34,8 +35,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::Parser;
-use fleet_sidecar::daemon::LiveStatus;
 use fleet_sidecar::reconcile::{self, Desired};
+use fleet_sidecar::status::read_status;
 use fleet_sidecar::{
     config::DEFAULT_CONFIG_PATH, resolve_admin_url, state::volatile, GroupId, MerodClient, Repair,
     State, StateFile, StateStore, ToolConfig,
@@ -112,22 +113,6 @@ impl Drift {
     }
 }
 
-/// The running daemon's live status from its listener at `addr` (2 s bound).
-async fn live_status(addr: &str) -> Result<LiveStatus, Box<dyn std::error::Error>> {
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .timeout(std::time::Duration::from_secs(2))
-        .build()?;
-    let status = client
-        .get(format!("http://{addr}/status"))
-        .send()
-        .await?
-        .error_for_status()?
-        .json()
-        .await?;
-    Ok(status)
-}
-
 /// Reads the config, the state file, merod's listing and (with `status`, a `host:port`) the
 /// daemon's live status, and compares them.
 ///
@@ -179,10 +164,18 @@ pub async fn inspect(
     let orphans = match status {
         None => None,
         Some(addr) => {
-            let live = live_status(addr).await?;
+            let live = read_status(addr.parse()?).await?;
+            // Before the daemon's first good poll its empty assignments say nothing: every
+            // held namespace would look like an orphan.
+            let (Some(assigned), Some(retain)) = (live.assigned(), live.retained()) else {
+                return Err(format!(
+                    "the daemon at {addr} has had no successful poll yet: orphans unknown"
+                )
+                .into());
+            };
             let desired = Desired {
-                assigned: live.desired.into_iter().collect(),
-                retain: live.retain.into_iter().collect(),
+                assigned: assigned.clone(),
+                retain: retain.clone(),
                 ..Desired::default()
             };
             let state = State {

@@ -947,6 +947,7 @@ fn is_unit_name(name: &str) -> bool {
 }
 
 /// Whether `path` is a regular file someone may execute (a script a key names).
+#[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
 pub(crate) fn is_executable(path: &Path) -> bool {
     use std::os::unix::fs::PermissionsExt;
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)

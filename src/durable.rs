@@ -141,6 +141,7 @@ fn is_temp_name(name: &str) -> bool {
 /// Errors: [`std::io::ErrorKind::FileTooLarge`] past `cap` bytes (nothing is cut short and
 /// taken for the file), [`std::io::ErrorKind::InvalidInput`] for anything but a regular file,
 /// and the open or read's own error.
+#[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
 pub(crate) fn read_capped(path: &Path, cap: u64) -> std::io::Result<Option<Vec<u8>>> {
     use std::io::Read;
     use std::os::unix::fs::OpenOptionsExt;

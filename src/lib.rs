@@ -24,7 +24,8 @@
 //! [`config`] (the config file), [`identity`] (merod's `config.toml`), [`ids`] (namespace ids
 //! and PeerIds), [`merod`] (the admin API client), [`mdma`] (the control plane client),
 //! [`metadata`] (the instance metadata server), [`mrtd`] (the TD's measurement), [`state`]
-//! (the sidecar's state file) and [`reconcile`] (the pure decision of what to join and leave).
+//! (the sidecar's state file), [`status`] (the running daemon's live status, read from its
+//! listener) and [`reconcile`] (the pure decision of what to join and leave).
 //! The crate root re-exports only the names nearly every tool uses (at most 40). What is
 //! promised is the public API written down in `api/` of the repository (default features off,
 //! and with `testing`), checked in CI; every change to it is recorded in `CHANGELOG.md`, and
@@ -40,6 +41,7 @@
 //! | attested registration (a per-node token) | [`MdmaClient::challenge`], [`MdmaClient::register`] ([`mdma::RegisterRequest`], [`mdma::Registered`], [`mdma::RegisterError`]); [`MerodClient::identity`], [`MerodClient::registration_attest`], [`MerodClient::attest`] |
 //! | the sidecar's state file | [`StateStore`], [`State`], [`StateFile`], [`StateReport`], [`Repair`] |
 //! | ids | [`GroupId`] (64 hex chars), [`PeerId`] |
+//! | what MDMA assigns, without a heartbeat: the running daemon's sets | [`status::read_status`] (its `status_listen`), [`status::DaemonStatus`] ([`status::DaemonStatus::assigned`] is `None` before its first good poll), [`status::StatusError`] |
 //! | fakes for your tests (`testing` feature) | `testing::merod::MerodEmulator`, `testing::mdma::MdmaEmulator` (see below) |
 //!
 //! Every type a tool prints is `Display` and `Serialize` ([`GroupId`] and [`Mrtd`] as
@@ -106,17 +108,22 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Never send `should-join` from a tool: MDMA counts it as the node's heartbeat.
+//! Never send `should-join` from a tool: MDMA counts it as the node's heartbeat. What MDMA
+//! assigns is in the running daemon's status ([`status::read_status`]).
 //!
-//! `examples/fleet-inspect.rs` is that tool whole: it prints the drift between the state
-//! file and merod (held but not recorded; admitted but not held; confirmed but not
-//! admitted, which must be impossible), with `--json`, exit 0 in sync, 1 drift, 2
-//! unreadable; with `--status HOST:PORT` (the daemon's `status_listen`) it names the
-//! orphans too. It never calls MDMA: a should-join from a tool would count as the node's
-//! heartbeat.
+//! Two whole tools are in the repository, each built in CI with default features off on the
+//! promised API alone (`library-alone/` builds them so):
+//! - `examples/fleet-inspect.rs` prints the drift between the state file and merod (held
+//!   but not recorded; admitted but not held; confirmed but not admitted, which must be
+//!   impossible), with `--json`, exit 0 in sync, 1 drift, 2 unreadable; with
+//!   `--status HOST:PORT` (the daemon's `status_listen`) it names the orphans too;
+//! - `examples/fleet-membership.rs` prints what merod holds, what the state says and what
+//!   MDMA assigns (by the daemon's latest good poll, with `--status`), one row per
+//!   namespace, as JSON; a side it cannot read is `unknown`, never empty (exit 2).
 //!
 //! ```sh
-//! cargo run --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml [--status 127.0.0.1:9464]
+//! cargo run -p library-alone --example fleet-inspect -- --config /etc/calimero/fleet-sidecar.toml
+//! cargo run -p library-alone --example fleet-membership -- --config /etc/calimero/fleet-sidecar.toml [--status 127.0.0.1:9464]
 //! ```
 //!
 //! Without the daemon feature none of axum, prometheus-client, sd-notify or
@@ -248,6 +255,7 @@ pub mod reconcile;
 #[cfg(feature = "daemon")]
 mod registration;
 pub mod state;
+pub mod status;
 mod strict_json;
 #[cfg(feature = "daemon")]
 mod telemetry;

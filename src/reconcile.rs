@@ -329,6 +329,7 @@ impl StateChange {
 
     /// Whether applying it changes a set (`confirmed`: a prune); else only the clock,
     /// the absences and the leave stamps move.
+    #[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
     pub(crate) fn changes_membership(&self) -> bool {
         !self.unconfirmed.is_empty()
     }

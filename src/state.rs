@@ -942,6 +942,7 @@ impl StateStore {
     /// Tells the store that `state`'s sets are version `sets` of the caller's count (one
     /// that moves with every change of `admitted`, `confirmed` or `joining`), if the file
     /// holds `state` exactly ([`StateStore::is_saved`]): e.g. the state just loaded.
+    #[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
     pub(crate) fn adopt_sets_version(&mut self, state: &State, sets: u64) {
         if self.is_saved(state) {
             self.written_sets = Some(sets);
@@ -1008,6 +1009,7 @@ impl StateStore {
 
     /// A write of `state` to this store's file, to run anywhere ([`PendingWrite::run`]
     /// blocks); once it succeeded, [`StateStore::mark_written`] tells the store.
+    #[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
     pub(crate) fn prepare_write(&self, state: State) -> PendingWrite {
         PendingWrite {
             path: self.path.clone(),
@@ -1034,11 +1036,13 @@ impl StateStore {
 /// to write. Rendered and written by [`PendingWrite::run`], which blocks (a write, two
 /// fsyncs and a rename), so the daemon runs it on a blocking thread, never on its loop.
 #[derive(Debug)]
+#[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
 pub(crate) struct PendingWrite {
     path: PathBuf,
     state: State,
 }
 
+#[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
 impl PendingWrite {
     /// Writes the state atomically (as [`StateStore::save`] does); with `probe`, then checks
     /// that a file can still be created beside it ([`StateStore::check_writable`]). Gives
@@ -1059,6 +1063,7 @@ impl PendingWrite {
 
 /// What a [`PendingWrite`] did.
 #[derive(Debug)]
+#[cfg(feature = "daemon")] // the daemon's alone: a tool's build leaves it out
 pub(crate) struct WriteOutcome {
     /// The state it wrote (or tried to).
     pub(crate) state: State,

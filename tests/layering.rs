@@ -10,7 +10,9 @@ use std::path::Path;
 /// The floors, bottom first.
 const FLOORS: &[&[&str]] = &[
     &["dropped", "durable", "ids", "net", "outcome", "strict_json"],
-    &["backoff", "merod", "metadata", "mrtd", "node_tls", "state"],
+    &[
+        "backoff", "merod", "metadata", "mrtd", "node_tls", "state", "status",
+    ],
     &["mdma"],
     &["reconcile"],
     &["config"],

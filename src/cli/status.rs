@@ -2,9 +2,6 @@
 //! [`StateStore::inspect`], which reports what loading would repair, and never writes), and
 //! the running daemon's live status when its listener is on.
 
-use std::net::SocketAddr;
-use std::time::Duration;
-
 use serde::Serialize;
 
 use crate::config::Config;
@@ -76,7 +73,7 @@ pub(crate) async fn report(cfg: &Config) -> Report {
             None,
             Some("status_listen is not set: no live status".to_owned()),
         ),
-        Some(addr) => match fetch_live(addr).await {
+        Some(addr) => match crate::status::fetch::<LiveStatus>(addr).await {
             Ok(l) => (Some(l), None),
             Err(e) => (None, Some(e.to_string())),
         },
@@ -94,55 +91,6 @@ pub(crate) async fn report(cfg: &Config) -> Report {
             .as_ref()
             .map(|r| crate::registration::token_file_presence(&r.token_file)),
     }
-}
-
-/// Why the running daemon's live status could not be had.
-#[derive(Debug, thiserror::Error)]
-enum LiveError {
-    #[error("cannot build an HTTP client: {0}")]
-    Client(#[source] reqwest::Error),
-    #[error("GET {url}: {source} (is the daemon running?)")]
-    Unreachable {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
-    #[error("GET {url}: HTTP {status}")]
-    Status { url: String, status: u16 },
-    #[error("GET {url}: unexpected answer: {source}")]
-    Answer {
-        url: String,
-        #[source]
-        source: reqwest::Error,
-    },
-}
-
-async fn fetch_live(addr: SocketAddr) -> Result<LiveStatus, LiveError> {
-    let url = format!("http://{addr}/status");
-    // The daemon's own listener on this host: never through an environment proxy.
-    let client = reqwest::Client::builder()
-        .timeout(Duration::from_secs(2))
-        .no_proxy()
-        .build()
-        .map_err(LiveError::Client)?;
-    let resp = client
-        .get(&url)
-        .send()
-        .await
-        .map_err(|e| LiveError::Unreachable {
-            url: url.clone(),
-            source: e.without_url(),
-        })?;
-    if !resp.status().is_success() {
-        return Err(LiveError::Status {
-            url,
-            status: resp.status().as_u16(),
-        });
-    }
-    resp.json().await.map_err(|e| LiveError::Answer {
-        url,
-        source: e.without_url(),
-    })
 }
 
 /// The report as text for a terminal.
