@@ -67,6 +67,11 @@ pub const CHECK_TIMEOUT: Duration = Duration::from_secs(10);
 pub const ATTEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Largest identity or attest answer read (a quote is a few KiB).
 const MAX_ATTEST_BODY: usize = 1024 * 1024;
+/// Largest answer of any other merod call read (bytes). The largest merod sends is a page of
+/// the namespace listing or the usage of every namespace (a few MB at 10,000 namespaces);
+/// one announced or found larger is refused as [`MerodError::Answer`] before it can fill
+/// the daemon's memory within the call's deadline.
+pub const MAX_MEROD_BODY: usize = 64 * 1024 * 1024;
 
 /// The route of the node's identity (its account and node key).
 const IDENTITY_PATH: &str = "admin-api/identity";
@@ -830,10 +835,12 @@ impl MerodClient {
                             source: e.without_url().into(),
                         })?;
                 let status = resp.status().as_u16();
-                let body = resp.bytes().await.map_err(|e| MerodError::Call {
-                    op,
-                    url: url_text.clone(),
-                    source: e.without_url().into(),
+                let body = read_capped(resp, MAX_MEROD_BODY).await.map_err(|e| {
+                    e.into_error(answer_err, |e| MerodError::Call {
+                        op,
+                        url: url_text.clone(),
+                        source: e.without_url().into(),
+                    })
                 })?;
                 if !(200..300).contains(&status) {
                     return Err(refusal_of(op, &url_text, status, &body));
@@ -1113,7 +1120,7 @@ impl MerodClient {
         })
     }
 
-    /// Sends `req`: the status and the whole body.
+    /// Sends `req`: the status and the whole body, at most [`MAX_MEROD_BODY`] bytes.
     async fn fetch(
         &self,
         op: MerodOp,
@@ -1132,8 +1139,17 @@ impl MerodClient {
         };
         let resp = req.send().await.map_err(transport)?;
         let status = resp.status().as_u16();
-        let bytes = resp.bytes().await.map_err(transport)?;
-        Ok((status, bytes))
+        let bytes = read_capped(resp, MAX_MEROD_BODY).await.map_err(|e| {
+            e.into_error(
+                |reason| MerodError::Answer {
+                    op,
+                    url: url.to_string(),
+                    reason,
+                },
+                transport,
+            )
+        })?;
+        Ok((status, bytes::Bytes::from(bytes)))
     }
 
     /// A non-2xx answer as an error (see [`refusal`]).

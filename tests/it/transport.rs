@@ -139,6 +139,39 @@ async fn an_answer_over_the_body_cap_is_refused_unread() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merod_answer_over_the_body_cap_is_refused_unread() {
+    use fleet_sidecar::merod::MAX_MEROD_BODY;
+    // Announced larger than the cap, then nothing: reading it would wait for the deadline
+    // (and, sent, fill the memory); refused at once instead, for the listing's pages and
+    // for every other call alike.
+    let head: &'static str = Box::leak(
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            MAX_MEROD_BODY + 1
+        )
+        .into_boxed_str(),
+    );
+    let url = raw_server(head, |tcp| async move {
+        let _open = tcp;
+        tokio::time::sleep(Duration::from_secs(60)).await;
+    })
+    .await;
+    let merod = MerodClient::new(&url).unwrap();
+    let started = std::time::Instant::now();
+    let listing = merod.list_namespaces().await.unwrap_err();
+    let status = merod.network_status().await.unwrap_err();
+    for err in [&listing, &status] {
+        assert!(matches!(err, MerodError::Answer { .. }), "{err}");
+        assert!(err.to_string().contains("larger than"), "{err}");
+    }
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "refused before the deadline: {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fleet_sized_answer_of_10000_assignments_with_8_admitters_each_is_accepted() {
     let body = fleet_answer(10_000, 8);
     assert!(
