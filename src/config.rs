@@ -578,6 +578,7 @@ fn human(d: Duration) -> String {
 
 /// Why the config cannot be used. Each names the file and, where one is at fault, the key.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ConfigError {
     /// The file could not be read.
     #[error("cannot read config file {path}: {source}")]

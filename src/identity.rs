@@ -37,6 +37,7 @@ struct ServerTable {
 
 /// Why merod's config.toml did not yield what was asked. Each names the file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum IdentityError {
     /// The file could not be read.
     #[error("cannot read merod config {path}: {source}")]
@@ -103,6 +104,7 @@ serialize_kind_and_message!(IdentityError);
 
 /// Why a `[server].listen` multiaddr gives no admin URL.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ListenAddrError {
     /// Not a multiaddr.
     #[error("not a multiaddr: {0}")]

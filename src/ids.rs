@@ -29,6 +29,7 @@ pub(crate) fn test_id(n: u8) -> GroupId {
 
 /// Why a string is not a [`GroupId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum GroupIdError {
     /// Not exactly 64 characters.
     #[error("group id must be 64 hex chars, got {0} chars")]
@@ -119,6 +120,7 @@ pub struct PeerId(String);
 
 /// Why a string is not a [`PeerId`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum PeerIdError {
     /// Empty, or too short or too long to be a base58 multihash (accepted: 32..=128 chars).
     #[error("peer id has an implausible length of {0} chars")]

@@ -87,6 +87,7 @@ impl std::fmt::Display for RequestMethod {
 
 /// A request to MDMA that got no usable answer.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RequestError {
     /// No answer: connection refused, DNS, TLS, reset. The message spells out reqwest's
     /// chain of causes (it never holds a header, so never the token); `source()` keeps it.
@@ -234,6 +235,7 @@ impl crate::outcome::Timed for RequestError {
 
 /// Why a poll failed. Every variant means: skip the whole cycle.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PollError {
     /// No answer, a timeout, or a status other than 200 (redirects and 204 included).
     #[error(transparent)]
@@ -257,6 +259,7 @@ pub enum PollError {
 
 /// Why a 200 `should-join` body is not a valid assignment document.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MalformedAnswer {
     /// Announced or found larger than [`MAX_POLL_BODY`]; refused without reading it whole.
     #[error("the body is larger than {limit} bytes")]
@@ -303,6 +306,7 @@ pub type ConfirmError = RequestError;
 
 /// Why an [`MdmaClient::post_json`] call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum CallError {
     /// `path` does not name a place under the client's MDMA URL (an absolute URL, a `..`
     /// climbing out of it, a query or fragment).
@@ -362,6 +366,7 @@ impl MdmaAnswer {
 
 /// Why the MDMA client could not be built.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MdmaClientError {
     /// The extra CA file could not be read.
     #[error("cannot read mdma_ca_file {path}: {source}")]
@@ -501,6 +506,7 @@ pub struct Registered {
 
 /// A registration call (`challenge` or `register`) that failed. Never holds a token.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegisterError {
     /// No answer (refused, reset, TLS); `source()` keeps reqwest's error.
     #[error("{method} {url}: {}", describe(.source))]

@@ -161,6 +161,7 @@ pub struct Admission {
 
 /// The admin-API call an error is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum MerodOp {
     /// Building the HTTP client.
     Connect,
@@ -227,6 +228,7 @@ pub(crate) type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
 /// A failed merod call. Each names the operation and the URL and keeps its cause.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MerodError {
     /// The call failed: transport (connection refused, reset) or a non-2xx answer, as
     /// calimero-client reports it (its errors carry the reason as text, not the status).

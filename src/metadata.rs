@@ -84,6 +84,7 @@ impl fmt::Display for MetadataAttribute {
 
 /// Why an attribute could not be read. Never holds the attribute's text.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MetadataError {
     /// The client could not be built (the TLS backend failed to start).
     #[error("cannot build the metadata HTTP client: {0}")]

@@ -279,6 +279,7 @@ impl TdxConfig {
 ///
 /// Messages are one lowercase line and name the file or device involved.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MrtdError {
     /// Opening, reading, writing, creating or removing `path` failed. A missing path reads as
     /// "not present (not a TD, or kernel without this interface)".

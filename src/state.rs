@@ -240,6 +240,7 @@ impl std::fmt::Display for StateFormat {
 /// "reading-after-clock", "group_id": "<64 lowercase hex>" (null for
 /// `reading-after-clock`), "text": "<the Display sentence>"}`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Repair {
     /// Listed as confirmed but not as admitted (a v2 document only: the older formats have
     /// no admitted set). Must never happen; loading adds it to `admitted`, so the namespace
@@ -498,6 +499,7 @@ impl From<V1> for State {
 
 /// Why the state file could not be used. Each names the file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StateError {
     /// The file exists but could not be read.
     #[error("cannot read state file {path}: {source}")]

@@ -21,6 +21,7 @@ pub struct NodeKey([u8; 32]);
 
 /// Why a `publicKey` is not a node key.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum NodeKeyError {
     /// Neither 64 hex characters nor base58 that decodes to exactly 32 bytes.
     #[error("publicKey is neither 64 hex characters nor base58 of 32 bytes ({chars} characters)")]

@@ -129,6 +129,7 @@ impl serde::Serialize for BashImport {
 
 /// Why a Bash sidecar file could not be imported. Each names the file.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ImportError {
     /// The file exists but could not be read.
     #[error("cannot read the Bash sidecar's {path}: {source} (fix or move it aside; the sidecar will not guess what it held)")]

@@ -47,6 +47,7 @@ impl std::fmt::Display for RamFilesystem {
 
 /// Why the check could not be made.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum VolatileCheckError {
     /// The mount table could not be read.
     #[error("cannot read {path}: {source}")]
