@@ -2,25 +2,42 @@
 //! gate), installed as `cert.pem` in `[tls] dir` by a job beside the loop: the poll only
 //! hands it over ([`CertInstaller::offer`]) and never waits for the install.
 //!
-//! The rule ([`judge`], pure): a certificate byte-identical to the installed one changes
-//! nothing; one that does not certify `key.pem`'s public key (the SubjectPublicKeyInfo of
-//! its first certificate against the key's, compared in-process) is refused and said once
-//! per distinct certificate, since MDMA repeats it every poll; otherwise it is written
-//! atomically (mode 0644), then every unit in `[tls] restart_units` is restarted through
-//! systemd's D-Bus API ([`UnitControl`]). A failed restart is retried with the back-off
-//! until it succeeds or a newer certificate is installed; the certificate stays installed.
+//! The rule ([`judge`], pure; the delivery is checked whole before anything is written):
+//! - it holds PEM `CERTIFICATE` blocks and nothing but whitespace around them: a private
+//!   key, any other block or stray text refuses it (a world-readable `cert.pem` never
+//!   carries a key);
+//! - exactly one of its certificates (the leaf) certifies `key.pem`'s public key (the
+//!   SubjectPublicKeyInfo compared in-process); it is written first, the rest of the chain
+//!   after it in the order delivered;
+//! - the leaf is valid now: not before its `notBefore` (less [`NOT_YET_VALID_SKEW`]), not
+//!   after its `notAfter`; the chain's other certificates are the TLS clients' business
+//!   (public chains carry expired cross-signs on purpose);
+//! - the leaf was not issued before the installed one (an earlier `notBefore`: a replay or a
+//!   stale cache), unless the installed one is the image's self-signed placeholder;
+//! - "the same certificate" is the same DER chain however it is encoded (line endings, final
+//!   newlines, line widths): it changes nothing. What is written is the chain re-encoded
+//!   (LF, 64 columns), so nothing but certificates' DER ever reaches the file.
+//!
+//! A refusal is said once per distinct delivery (the last [`REFUSALS_REMEMBERED`] kept),
+//! since MDMA repeats it every poll; otherwise the chain is written atomically (mode 0644),
+//! then every unit in `[tls] restart_units` is restarted through systemd's D-Bus API
+//! ([`UnitControl`]). A failed restart is retried with the back-off until it succeeds or a
+//! newer certificate is installed; the certificate stays installed.
 
+use std::collections::VecDeque;
 use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
+use x509_cert::der::{pem, Decode, Encode};
+use x509_cert::Certificate;
 
-use super::node_files::{cert_not_after, first_certificate, NodeFilesView};
+use super::node_files::{cert_not_after, NodeFilesView};
 use super::units::{UnitControl, UnitError, RESTART_TIMEOUT};
 use crate::backoff::RETRY;
 use crate::config::Config;
@@ -32,49 +49,214 @@ use crate::telemetry::Telemetry;
 
 /// The installed certificate's mode: readable by the TLS terminator's user.
 const CERT_MODE: u32 = 0o644;
-/// Largest `key.pem` or installed `cert.pem` read; a larger file is not one.
+/// Largest `key.pem` or installed `cert.pem` read; a larger file is not one, and a delivery
+/// that would write a larger one is refused (it would read as foreign and be written again).
 const MAX_FILE: u64 = 64 * 1024;
 /// Bound of reading the key and the installed certificate and writing the new one.
 const FILES_DEADLINE: Duration = Duration::from_secs(10);
+/// How far in the future a leaf's `notBefore` may lie and still be installed: the CA's clock
+/// and ours disagree by a little (CAs backdate by minutes for the same reason).
+pub(crate) const NOT_YET_VALID_SKEW: Duration = Duration::from_secs(5 * 60);
+/// How many refused deliveries are remembered so that each is logged once: MDMA's replicas
+/// may alternate between a few, and an unbounded memory would grow with what MDMA sends.
+pub(crate) const REFUSALS_REMEMBERED: usize = 32;
+/// Most certificates in one delivery (a leaf and its chain are a handful).
+const MAX_CHAIN: usize = 16;
 
 /// What to do with a delivered certificate.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Verdict {
-    /// Write these bytes as `cert.pem` (the delivery, ending in one newline), then restart.
+    /// Write these bytes as `cert.pem` (the leaf, then its chain, re-encoded), then restart.
     Install(Vec<u8>),
-    /// Byte-identical to the installed certificate: nothing to do.
+    /// The same DER chain as the installed certificate: nothing to do.
     Unchanged,
     /// Not installed, and why.
     Refused(String),
 }
 
-/// What becomes of `delivered` (a PEM certificate, possibly a chain) given `key.pem`'s
-/// bytes (`None`: no key file) and the installed `cert.pem`'s (`None`: none).
-pub(crate) fn judge(delivered: &str, key_pem: Option<&[u8]>, installed: Option<&[u8]>) -> Verdict {
-    let mut bytes = delivered.as_bytes().to_vec();
-    if !bytes.ends_with(b"\n") {
-        bytes.push(b'\n');
+/// The DER of every certificate in `text`, in order: PEM `CERTIFICATE` blocks with nothing
+/// but whitespace around them (LF or CRLF line endings).
+///
+/// Errors: why it is not only certificates (a block's label is named, never its content).
+pub(crate) fn certificate_chain(text: &str) -> Result<Vec<Vec<u8>>, String> {
+    const BEGIN: &str = "-----BEGIN ";
+    let mut chain = Vec::new();
+    let mut rest = text.trim_start();
+    while !rest.is_empty() {
+        if !rest.starts_with(BEGIN) {
+            return Err("it holds text outside PEM blocks".to_owned());
+        }
+        let label_end = rest[BEGIN.len()..]
+            .find("-----")
+            .map(|i| BEGIN.len() + i)
+            .ok_or("a PEM block's header is cut short")?;
+        let label = &rest[BEGIN.len()..label_end];
+        if label != "CERTIFICATE" {
+            let shown: String = label.chars().take(40).filter(|c| !c.is_control()).collect();
+            return Err(format!(
+                "it holds a {shown:?} block (only certificates are installed)"
+            ));
+        }
+        let end = "-----END CERTIFICATE-----";
+        let block_end = rest
+            .find(end)
+            .map(|i| i + end.len())
+            .ok_or("a certificate block has no end line")?;
+        let (label, der) = pem::decode_vec(&rest.as_bytes()[..block_end])
+            .map_err(|e| format!("certificate {} is not valid PEM ({e})", chain.len() + 1))?;
+        if label != "CERTIFICATE" {
+            return Err(format!("certificate {} is not one", chain.len() + 1));
+        }
+        chain.push(der);
+        if chain.len() > MAX_CHAIN {
+            return Err(format!("it holds more than {MAX_CHAIN} certificates"));
+        }
+        rest = rest[block_end..].trim_start();
     }
-    if installed == Some(&bytes[..]) {
-        return Verdict::Unchanged;
+    if chain.is_empty() {
+        return Err("it is not a PEM X.509 certificate".to_owned());
     }
+    Ok(chain)
+}
+
+/// A delivery's identity for saying a refusal once: SHA-256 of its certificates' DER when it
+/// holds only certificates (so its encodings are one delivery), of its bytes otherwise.
+pub(crate) fn delivery_digest(delivered: &str) -> [u8; 32] {
+    let mut hash = Sha256::new();
+    match certificate_chain(delivered) {
+        Ok(chain) => {
+            for der in chain {
+                hash.update((der.len() as u64).to_be_bytes());
+                hash.update(&der);
+            }
+        }
+        Err(_) => {
+            hash.update(b"bytes");
+            hash.update(delivered.as_bytes());
+        }
+    }
+    hash.finalize().into()
+}
+
+/// The chain as PEM: LF line endings, 64 columns, one block after another.
+fn encode_chain(chain: &[&[u8]]) -> Result<Vec<u8>, String> {
+    let mut out = String::new();
+    for der in chain {
+        let block = pem::encode_string("CERTIFICATE", pem::LineEnding::LF, der)
+            .map_err(|e| format!("cannot be encoded as PEM ({e})"))?;
+        out.push_str(&block);
+    }
+    Ok(out.into_bytes())
+}
+
+/// An RFC 3339 time for a refusal's reason.
+fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_seconds(t).to_string()
+}
+
+/// What becomes of `delivered` (PEM certificates: a leaf and its chain, in any order) given
+/// `key.pem`'s bytes (`None`: no key file), the installed `cert.pem`'s (`None`: none) and
+/// the wall clock `now`. Pure: the files are read and written by the caller.
+pub(crate) fn judge(
+    delivered: &str,
+    key_pem: Option<&[u8]>,
+    installed: Option<&[u8]>,
+    now: SystemTime,
+) -> Verdict {
+    match judge_chain(delivered, key_pem, installed, now) {
+        Ok(verdict) => verdict,
+        Err(why) => Verdict::Refused(why),
+    }
+}
+
+fn judge_chain(
+    delivered: &str,
+    key_pem: Option<&[u8]>,
+    installed: Option<&[u8]>,
+    now: SystemTime,
+) -> Result<Verdict, String> {
+    let chain = certificate_chain(delivered)?;
+    let certs = chain
+        .iter()
+        .enumerate()
+        .map(|(i, der)| {
+            Certificate::from_der(der)
+                .map_err(|e| format!("certificate {} is not X.509 ({e})", i + 1))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
     let key = match key_pem {
         Some(k) if !k.iter().all(u8::is_ascii_whitespace) => k,
-        _ => return Verdict::Refused("the node has no TLS key (key.pem) to match it".to_owned()),
+        _ => return Err("the node has no TLS key (key.pem) to match it".to_owned()),
     };
-    let Some(cert) = first_certificate(delivered.as_bytes()) else {
-        return Verdict::Refused("it is not a PEM X.509 certificate".to_owned());
-    };
-    let certified =
-        match x509_cert::der::Encode::to_der(&cert.tbs_certificate.subject_public_key_info) {
-            Ok(der) => der,
-            Err(e) => return Verdict::Refused(format!("its public key cannot be encoded: {e}")),
-        };
-    match public_key_der(key) {
-        Ok(own) if own == certified => Verdict::Install(bytes),
-        Ok(_) => Verdict::Refused("it certifies another key than key.pem's".to_owned()),
-        Err(why) => Verdict::Refused(format!("key.pem: {why}")),
+    let own = public_key_der(key).map_err(|why| format!("key.pem: {why}"))?;
+    let mut over_own = Vec::new();
+    for (i, cert) in certs.iter().enumerate() {
+        let spki = cert
+            .tbs_certificate
+            .subject_public_key_info
+            .to_der()
+            .map_err(|e| format!("certificate {}'s public key cannot be encoded: {e}", i + 1))?;
+        if spki == own {
+            over_own.push(i);
+        }
     }
+    let leaf = match over_own[..] {
+        [leaf] => leaf,
+        [] => return Err("it certifies another key than key.pem's".to_owned()),
+        _ => {
+            return Err(format!(
+                "{} of its certificates certify key.pem's key: which is the leaf is ambiguous",
+                over_own.len()
+            ))
+        }
+    };
+    let ordered: Vec<&[u8]> = std::iter::once(leaf)
+        .chain((0..chain.len()).filter(|&i| i != leaf))
+        .map(|i| chain[i].as_slice())
+        .collect();
+    let installed_chain = installed
+        .and_then(|bytes| std::str::from_utf8(bytes).ok())
+        .and_then(|text| certificate_chain(text).ok());
+    if let Some(current) = &installed_chain {
+        if current
+            .iter()
+            .map(Vec::as_slice)
+            .eq(ordered.iter().copied())
+        {
+            return Ok(Verdict::Unchanged);
+        }
+    }
+    let validity = &certs[leaf].tbs_certificate.validity;
+    let not_before = validity.not_before.to_system_time();
+    let not_after = validity.not_after.to_system_time();
+    if not_before > now + NOT_YET_VALID_SKEW {
+        return Err(format!("it is not valid until {}", rfc3339(not_before)));
+    }
+    if not_after < now {
+        return Err(format!("it expired at {}", rfc3339(not_after)));
+    }
+    let installed_leaf = installed_chain
+        .as_ref()
+        .and_then(|current| current.first())
+        .and_then(|der| Certificate::from_der(der).ok());
+    if let Some(current) = installed_leaf {
+        let tbs = &current.tbs_certificate;
+        let placeholder = tbs.issuer == tbs.subject;
+        let current_from = tbs.validity.not_before.to_system_time();
+        if !placeholder && not_before < current_from {
+            return Err(format!(
+                "it was issued before the installed certificate (notBefore {} < {}): a replay \
+                 or a stale copy",
+                rfc3339(not_before),
+                rfc3339(current_from)
+            ));
+        }
+    }
+    let bytes = encode_chain(&ordered)?;
+    if bytes.len() as u64 > MAX_FILE {
+        return Err(format!("it is larger than {MAX_FILE} bytes"));
+    }
+    Ok(Verdict::Install(bytes))
 }
 
 /// Why an install or its restarts failed (retried with the back-off).
@@ -140,7 +322,7 @@ impl CertInstaller {
             delivered: rx,
             handled: None,
             restarts: Vec::new(),
-            refused: None,
+            refused: VecDeque::new(),
             key: cfg.tls.key_file(),
             cert: cfg.tls.dir.join("cert.pem"),
             restart_units: cfg.tls.restart_units.clone(),
@@ -165,8 +347,9 @@ struct InstallJob {
     handled: Option<Arc<str>>,
     /// The units still to restart for the certificate installed last.
     restarts: Vec<String>,
-    /// SHA-256 of the certificate refused last: a refusal is said once per certificate.
-    refused: Option<[u8; 32]>,
+    /// [`delivery_digest`]s of the deliveries refused last, newest at the back, at most
+    /// [`REFUSALS_REMEMBERED`]: a refusal is said once per distinct delivery.
+    refused: VecDeque<[u8; 32]>,
     key: PathBuf,
     cert: PathBuf,
     restart_units: Vec<String>,
@@ -190,7 +373,12 @@ impl InstallJob {
                     source,
                 })?,
             };
-            let verdict = judge(&pem, key_pem.as_deref(), installed.as_deref());
+            let verdict = judge(
+                &pem,
+                key_pem.as_deref(),
+                installed.as_deref(),
+                SystemTime::now(),
+            );
             if let Verdict::Install(bytes) = &verdict {
                 durable::write_atomically(&cert, bytes, CERT_MODE)?;
             }
@@ -201,6 +389,19 @@ impl InstallJob {
             Ok(Err(_)) | Err(_) => Err(InstallError::Stalled(FILES_DEADLINE)),
         }
     }
+}
+
+/// Records `digest` among the refusals remembered; `true` when it is new (to be logged).
+/// The oldest is forgotten past [`REFUSALS_REMEMBERED`].
+fn remember_refusal(refused: &mut VecDeque<[u8; 32]>, digest: [u8; 32]) -> bool {
+    if refused.contains(&digest) {
+        return false;
+    }
+    if refused.len() == REFUSALS_REMEMBERED {
+        refused.pop_front();
+    }
+    refused.push_back(digest);
+    true
 }
 
 /// A file's bytes, `None` when it does not exist ([`durable::read_capped`] at [`MAX_FILE`]).
@@ -245,11 +446,10 @@ impl Job for InstallJob {
                     }
                     Verdict::Refused(why) => {
                         Telemetry::count(&self.telemetry.tls_installs, "refused");
-                        let digest: [u8; 32] = Sha256::digest(pem.as_bytes()).into();
-                        if self.refused != Some(digest) {
-                            self.refused = Some(digest);
+                        let digest = delivery_digest(&pem);
+                        if remember_refusal(&mut self.refused, digest) {
                             warn!(
-                                certificate_sha256 = %hex::encode(digest),
+                                delivery_sha256 = %hex::encode(digest),
                                 "MDMA delivered a TLS certificate that is not installed: {why}"
                             );
                         }
@@ -307,16 +507,37 @@ impl Job for InstallJob {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rcgen::{CertificateParams, KeyPair};
+    use rcgen::{CertificateParams, DistinguishedName, DnType, KeyPair};
+
+    /// 2030-06-01T00:00:00Z: the tests' clock.
+    fn now() -> SystemTime {
+        SystemTime::UNIX_EPOCH + Duration::from_secs(1_906_502_400)
+    }
+
+    /// A leaf over `key` valid from `from` to `to` (years, 1 January) and its CA, both PEM.
+    fn issued_between(key: &KeyPair, from: i32, to: i32) -> (String, String) {
+        let mut params = CertificateParams::new(vec!["node.test".to_owned()]).unwrap();
+        params.not_before = rcgen::date_time_ymd(from, 1, 1);
+        params.not_after = rcgen::date_time_ymd(to, 1, 1);
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca = CertificateParams::new(Vec::<String>::new()).unwrap();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::CommonName, "fleet CA");
+        ca.distinguished_name = dn;
+        let ca = ca.self_signed(&ca_key).unwrap();
+        let leaf = params.signed_by(key, &ca, &ca_key).unwrap().pem();
+        (leaf, ca.pem())
+    }
 
     fn cert_for(key: &KeyPair) -> String {
-        let params = CertificateParams::new(vec!["node.test".to_owned()]).unwrap();
-        let ca_key = KeyPair::generate().unwrap();
-        let ca = CertificateParams::new(Vec::<String>::new())
-            .unwrap()
-            .self_signed(&ca_key)
-            .unwrap();
-        params.signed_by(key, &ca, &ca_key).unwrap().pem()
+        issued_between(key, 2029, 2031).0
+    }
+
+    fn refused(verdict: Verdict, why: &str) {
+        match verdict {
+            Verdict::Refused(r) => assert!(r.contains(why), "{why}: {r}"),
+            v => panic!("{why}: {v:?}"),
+        }
     }
 
     #[test]
@@ -328,16 +549,16 @@ mod tests {
         // Over our key: installed, ending in one newline whatever the delivery ended in.
         let want = format!("{trimmed}\n").into_bytes();
         assert_eq!(
-            judge(trimmed, Some(pkcs8.as_bytes()), None),
+            judge(trimmed, Some(pkcs8.as_bytes()), None, now()),
             Verdict::Install(want.clone())
         );
         assert_eq!(
-            judge(&cert, Some(pkcs8.as_bytes()), Some(b"old")),
+            judge(&cert, Some(pkcs8.as_bytes()), Some(b"old"), now()),
             Verdict::Install(want.clone())
         );
         // The same bytes again: nothing (no restart).
         assert_eq!(
-            judge(trimmed, Some(pkcs8.as_bytes()), Some(&want)),
+            judge(trimmed, Some(pkcs8.as_bytes()), Some(&want), now()),
             Verdict::Unchanged
         );
         // The same key as SEC1, after the parameters block `openssl ecparam -genkey` writes.
@@ -351,7 +572,7 @@ mod tests {
             )
         };
         assert!(matches!(
-            judge(trimmed, Some(sec1.as_bytes()), None),
+            judge(trimmed, Some(sec1.as_bytes()), None, now()),
             Verdict::Install(_)
         ));
         // Over another key, without a key, garbage: refused, saying why.
@@ -360,7 +581,8 @@ mod tests {
             (Some(other.as_bytes()), trimmed, "another key"),
             (None, trimmed, "no TLS key"),
             (Some(&b" \n"[..]), trimmed, "no TLS key"),
-            (Some(pkcs8.as_bytes()), "hello", "not a PEM X.509"),
+            (Some(pkcs8.as_bytes()), "hello", "text outside PEM blocks"),
+            (Some(pkcs8.as_bytes()), "", "not a PEM X.509"),
             (
                 Some(&b"-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n"[..]),
                 trimmed,
@@ -372,10 +594,168 @@ mod tests {
                 "key.pem: no PEM private key",
             ),
         ] {
-            match judge(delivered, key_pem, None) {
-                Verdict::Refused(r) => assert!(r.contains(why), "{why}: {r}"),
-                v => panic!("{why}: {v:?}"),
-            }
+            refused(judge(delivered, key_pem, None, now()), why);
         }
+    }
+
+    #[test]
+    fn a_delivery_holding_anything_but_certificates_is_refused_whole() {
+        let key = KeyPair::generate().unwrap();
+        let pkcs8 = key.serialize_pem();
+        let (leaf, ca) = issued_between(&key, 2029, 2031);
+        let other_key = KeyPair::generate().unwrap().serialize_pem();
+        for (delivered, why) in [
+            // The node's own key, or another, after the leaf: never into a 0644 file.
+            (format!("{leaf}{pkcs8}"), "\"PRIVATE KEY\" block"),
+            (format!("{leaf}{ca}{other_key}"), "\"PRIVATE KEY\" block"),
+            (
+                format!(
+                    "{leaf}-----BEGIN EC PRIVATE KEY-----\nAAAA\n-----END EC PRIVATE KEY-----\n"
+                ),
+                "\"EC PRIVATE KEY\" block",
+            ),
+            (format!("subject=CN=node.test\n{leaf}"), "text outside"),
+            (format!("{leaf}\nMIIBkTCB+wIJAK\n"), "text outside"),
+            (
+                format!("{leaf}-----BEGIN CERTIFICATE-----\nAAAA"),
+                "no end line",
+            ),
+            (
+                "-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----\n".to_owned(),
+                "not valid PEM",
+            ),
+            (
+                "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n".to_owned(),
+                "not X.509",
+            ),
+            (leaf.repeat(MAX_CHAIN + 1), "more than"),
+            (format!("{leaf}{leaf}"), "ambiguous"),
+        ] {
+            refused(judge(&delivered, Some(pkcs8.as_bytes()), None, now()), why);
+        }
+    }
+
+    #[test]
+    fn the_leaf_over_the_key_is_written_first_and_its_chain_after_it() {
+        let key = KeyPair::generate().unwrap();
+        let pkcs8 = key.serialize_pem();
+        let (leaf, ca) = issued_between(&key, 2029, 2031);
+        let want = format!("{leaf}{ca}").into_bytes();
+        for delivered in [format!("{leaf}{ca}"), format!("{ca}\n\n{leaf}")] {
+            assert_eq!(
+                judge(&delivered, Some(pkcs8.as_bytes()), None, now()),
+                Verdict::Install(want.clone())
+            );
+        }
+    }
+
+    #[test]
+    fn the_same_chain_in_another_encoding_changes_nothing() {
+        let key = KeyPair::generate().unwrap();
+        let pkcs8 = key.serialize_pem();
+        let (leaf, ca) = issued_between(&key, 2029, 2031);
+        let Verdict::Install(installed) =
+            judge(&format!("{leaf}{ca}"), Some(pkcs8.as_bytes()), None, now())
+        else {
+            panic!("installed")
+        };
+        let lf = format!("{leaf}{ca}");
+        let crlf = lf.replace('\n', "\r\n");
+        for delivered in [
+            lf.clone(),
+            crlf.clone(),
+            format!("{lf}\n"),
+            format!("{crlf}\r\n"),
+            lf.trim_end().to_owned(),
+            format!("\n{lf}"),
+        ] {
+            assert_eq!(
+                judge(&delivered, Some(pkcs8.as_bytes()), Some(&installed), now()),
+                Verdict::Unchanged,
+                "{delivered:?}"
+            );
+            assert_eq!(delivery_digest(&delivered), delivery_digest(&lf));
+        }
+        // An installed file in another encoding is the same certificate too.
+        let installed_crlf = String::from_utf8(installed).unwrap().replace('\n', "\r\n");
+        assert_eq!(
+            judge(
+                &lf,
+                Some(pkcs8.as_bytes()),
+                Some(installed_crlf.as_bytes()),
+                now()
+            ),
+            Verdict::Unchanged
+        );
+    }
+
+    #[test]
+    fn a_leaf_out_of_its_validity_or_older_than_the_installed_one_is_refused() {
+        let key = KeyPair::generate().unwrap();
+        let pkcs8 = key.serialize_pem();
+        let k = Some(pkcs8.as_bytes());
+        // now() is 2030-06-01.
+        refused(
+            judge(&issued_between(&key, 2020, 2030).0, k, None, now()),
+            "expired at 2030-01-01",
+        );
+        refused(
+            judge(&issued_between(&key, 2031, 2032).0, k, None, now()),
+            "not valid until 2031-01-01",
+        );
+        // Within the skew of its notBefore: installed.
+        let (fresh, _) = issued_between(&key, 2030, 2032);
+        let early = SystemTime::UNIX_EPOCH + Duration::from_secs(1_893_456_000)
+            - NOT_YET_VALID_SKEW
+            + Duration::from_secs(1);
+        assert!(matches!(judge(&fresh, k, None, early), Verdict::Install(_)));
+        refused(
+            judge(&fresh, k, None, early - Duration::from_secs(2)),
+            "not valid until",
+        );
+        // Issued before the installed one: a replay, refused; a newer one is installed.
+        let (older, _) = issued_between(&key, 2029, 2031);
+        let Verdict::Install(installed) = judge(&fresh, k, None, now()) else {
+            panic!("installed")
+        };
+        refused(
+            judge(&older, k, Some(&installed), now()),
+            "issued before the installed",
+        );
+        let Verdict::Install(installed_older) = judge(&older, k, None, now()) else {
+            panic!("installed")
+        };
+        assert!(matches!(
+            judge(&fresh, k, Some(&installed_older), now()),
+            Verdict::Install(_)
+        ));
+        // Over the image's self-signed placeholder, whatever its dates: installed.
+        let mut placeholder = CertificateParams::new(vec!["node.test".to_owned()]).unwrap();
+        placeholder.not_before = rcgen::date_time_ymd(2030, 5, 1);
+        let placeholder = placeholder.self_signed(&key).unwrap().pem();
+        assert!(matches!(
+            judge(&older, k, Some(placeholder.as_bytes()), now()),
+            Verdict::Install(_)
+        ));
+    }
+
+    #[test]
+    fn each_distinct_refusal_is_remembered_within_a_bound() {
+        let mut memory = VecDeque::new();
+        let (a, b) = ([1; 32], [2; 32]);
+        // Two alternating: each said once.
+        let said: Vec<bool> = [a, b, a, b, a, b]
+            .into_iter()
+            .map(|d| remember_refusal(&mut memory, d))
+            .collect();
+        assert_eq!(said, [true, true, false, false, false, false]);
+        // The memory holds at most REFUSALS_REMEMBERED; the oldest goes first.
+        for i in 0..REFUSALS_REMEMBERED * 2 {
+            let mut d = [0xee; 32];
+            d[..8].copy_from_slice(&(i as u64).to_be_bytes());
+            assert!(remember_refusal(&mut memory, d));
+        }
+        assert_eq!(memory.len(), REFUSALS_REMEMBERED);
+        assert!(remember_refusal(&mut memory, a), "forgotten, said again");
     }
 }

@@ -54,13 +54,19 @@ fn issued(key: &KeyPair) -> String {
     leaf.signed_by(key, &ca, &ca_key).unwrap().pem()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_certificate_is_installed_only_over_the_node_key_once_and_its_restart_retried() {
+/// A sandbox whose node has a TLS key (`tls/key.pem`): the sandbox, the directory, the key.
+async fn node_with_key() -> (Sandbox, std::path::PathBuf, KeyPair) {
     let sb = Sandbox::start(None).await.unwrap();
     let tls = sb.dir().join("tls");
     std::fs::create_dir_all(&tls).unwrap();
     let key = KeyPair::generate().unwrap();
     std::fs::write(tls.join("key.pem"), key.serialize_pem()).unwrap();
+    (sb, tls, key)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_certificate_is_installed_only_over_the_node_key_once_and_its_restart_retried() {
+    let (sb, tls, key) = node_with_key().await;
     let cert_file = tls.join("cert.pem");
 
     // First MDMA delivers a certificate over another key, poll after poll.
@@ -150,6 +156,59 @@ async fn a_certificate_is_installed_only_over_the_node_key_once_and_its_restart_
             "fleet_sidecar_unit_restarts_total{outcome=\"ok\"}"
         ),
         1.0
+    );
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_certificate_in_alternating_encodings_is_installed_and_restarted_once() {
+    let (sb, tls, key) = node_with_key().await;
+    let lf = issued(&key);
+    // As MDMA's replicas may serialise one certificate: LF, CRLF, an extra final newline.
+    let encodings = [lf.clone(), lf.replace('\n', "\r\n"), format!("{lf}\n")];
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    sb.mdma
+        .set_delivery("tls_certificate", Some(encodings[0].clone().into()));
+    let cfg = sb.config("").expect("config");
+    let mut deps = sb.deps(&cfg).expect("deps");
+    let units = Arc::new(Units::default());
+    deps.units = Arc::clone(&units) as Arc<dyn UnitControl>;
+    let d = spawn_loop(cfg, deps);
+    eventually("the first install", LIMIT, || {
+        !units.restarted.lock().unwrap().is_empty()
+    })
+    .await;
+    for round in 1..=9 {
+        let from = sb.mdma.polls().len();
+        sb.mdma.set_delivery(
+            "tls_certificate",
+            Some(encodings[round % encodings.len()].clone().into()),
+        );
+        eventually("a poll with the next encoding", LIMIT, || {
+            sb.mdma.polls().len() >= from + 2
+        })
+        .await;
+    }
+    assert_eq!(
+        units.asked.load(Ordering::SeqCst),
+        1,
+        "one certificate, one restart"
+    );
+    assert_eq!(std::fs::read_to_string(tls.join("cert.pem")).unwrap(), lf);
+    let metrics = d.telemetry.encode_metrics();
+    assert_eq!(
+        metric(
+            &metrics,
+            "fleet_sidecar_tls_installs_total{outcome=\"installed\"}"
+        ),
+        1.0
+    );
+    assert!(
+        metric(
+            &metrics,
+            "fleet_sidecar_tls_installs_total{outcome=\"unchanged\"}"
+        ) >= 5.0,
+        "each new encoding judged the same certificate"
     );
     d.stop().await;
 }
