@@ -8,11 +8,13 @@
 //! builds per member account the v2 plaintext (its groups, the union of their contexts, its
 //! own devices), and for each whose SHA-256 differs from the one recorded (or all of them on
 //! a full pass) seals it through merod to the account's root key and `PUT`s it to MDMA at
-//! the recorded version + 1. A namespace not read whole writes nothing. Members no longer
-//! listed, and every entry of a namespace neither confirmed nor held by merod, are
-//! `DELETE`d. What landed is kept in `fleet-recovery.json` (the Bash sidecar's format),
-//! written after each change, before the next call: a version MDMA took is never offered
-//! again.
+//! the recorded version + 1; on a 409 at a version above it that MDMA takes ([`next_offer`]).
+//! A namespace not read whole writes and deletes nothing. Members no longer listed, and every
+//! entry of a namespace neither confirmed nor held by merod, are `DELETE`d once proven gone:
+//! missing from two complete reads at least [`MISSING_FOR`] apart, never on a member list
+//! that is empty or lacks the node's own account, at most [`MAX_DELETES_PER_PASS`] a pass.
+//! What landed is kept in `fleet-recovery.json` (the Bash sidecar's format), written after
+//! each change, before the next call: a version MDMA took is never offered again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -39,7 +41,8 @@ use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
 use super::inventory::{
-    within, GroupReader, NamespacesFeed, NamespacesOffer, TreeTooLarge, TreeWalk, WALK_BUDGET,
+    within, AccountSource, GroupReader, NamespacesFeed, NamespacesOffer, TreeTooLarge, TreeWalk,
+    WALK_BUDGET,
 };
 
 /// How often the envelopes are checked (and at once when the confirmed set changes).
@@ -50,6 +53,18 @@ pub(crate) const FULL_EVERY: Duration = Duration::from_secs(86_400);
 pub(crate) const RECORD_FILE: &str = "fleet-recovery.json";
 /// Largest record read back (an entry is ~200 bytes).
 const MAX_RECORD: u64 = 64 * 1024 * 1024;
+/// How long an account must have been missing from complete reads of its namespace (the
+/// first such read and a later one at least this far apart) before its envelope is deleted:
+/// one odd answer (`200 {"members": []}`) deletes nothing.
+pub(crate) const MISSING_FOR: Duration = PASS_EVERY;
+/// Most envelopes deleted in one pass; the rest wait for the next passes.
+pub(crate) const MAX_DELETES_PER_PASS: usize = 64;
+/// Most `PUT`s of one envelope in one pass while MDMA answers 409 (the first included): the
+/// search upward for a version MDMA takes goes on from where it stopped at the next pass.
+pub(crate) const MAX_PUTS_PER_ENVELOPE: u32 = 16;
+/// Most `PUT`s refused with 409 in one pass, all envelopes together: a MDMA that refuses
+/// everything costs a bounded number of requests a pass.
+pub(crate) const MAX_CONFLICTS_PER_PASS: u32 = 256;
 /// Bound of one pass. A pass cut here keeps what landed (recorded as it landed); the next
 /// one takes up the rest, as their digests still differ.
 const PASS_DEADLINE: Duration = Duration::from_secs(3600);
@@ -398,12 +413,14 @@ pub(crate) struct RecoveryView {
 }
 
 impl RecoveryView {
-    /// Starts the job for the node `peer_id` when `[recovery] enabled` (not in a dry run,
-    /// not without `deps`), its record kept beside the state file.
+    /// Starts the job for the node `peer_id` (its account read from `account` at each pass)
+    /// when `[recovery] enabled` (not in a dry run, not without `deps`), its record kept
+    /// beside the state file.
     pub(crate) fn start(
         cfg: &Config,
         deps: Option<RecoveryDeps>,
         peer_id: PeerId,
+        account: AccountSource,
         telemetry: Arc<Telemetry>,
         shutdown: CancellationToken,
     ) -> Option<Self> {
@@ -422,6 +439,10 @@ impl RecoveryView {
             confirmed: feed,
             recorded: recorded_feed,
             pending_full: false,
+            account,
+            missing: BTreeMap::new(),
+            searching: BTreeMap::new(),
+            behind_said: false,
         };
         jobs::spawn(job, telemetry, shutdown);
         Some(Self {
@@ -442,7 +463,7 @@ impl RecoveryView {
 /// may then hold versions this node no longer knows, and answer 409 until they are passed).
 fn load_record(path: &Path) -> RecoveryRecord {
     let lost = |why: String| {
-        warn!(path = %path.display(), "the recovery record is lost ({why}): envelopes start again at version 1, which MDMA refuses (409) where it holds a newer one");
+        warn!(path = %path.display(), "the recovery record is lost ({why}): envelopes start again at version 1, and where MDMA holds a newer one (409) the job looks for a version above it");
         RecoveryRecord::default()
     };
     match durable::read_capped(path, MAX_RECORD) {
@@ -462,18 +483,48 @@ struct PassJob {
     pending_full: bool,
     record: RecoveryRecord,
     path: PathBuf,
+    /// The node's own account: a member list without it proves no one left.
+    account: AccountSource,
+    /// Record keys missing from a complete read, and the start of the pass that first saw
+    /// it; forgotten when the account is listed again. Kept in memory only: after a
+    /// restart an account must be seen missing twice again.
+    missing: BTreeMap<String, Instant>,
+    /// Record keys whose `PUT` drew 409s: the next version to offer and the refusals so far.
+    searching: BTreeMap<String, (u64, u32)>,
+    /// Whether MDMA holding newer versions than the record was said (once a run).
+    behind_said: bool,
 }
 
-/// The failures of one pass so far.
-#[derive(Default)]
+/// What one pass did and may still do.
 struct Tally {
     done: PassDone,
     failed: usize,
     incomplete: usize,
     first: Option<String>,
+    /// When the pass started (the time a missing account is first seen at).
+    started: Instant,
+    /// Deletes this pass may still make.
+    deletes_left: usize,
+    /// Deletes proven but left for a later pass (the bound was reached).
+    deferred: usize,
+    /// 409s this pass may still draw.
+    conflicts_left: u32,
 }
 
 impl Tally {
+    fn new(started: Instant) -> Self {
+        Self {
+            done: PassDone::default(),
+            failed: 0,
+            incomplete: 0,
+            first: None,
+            started,
+            deletes_left: MAX_DELETES_PER_PASS,
+            deferred: 0,
+            conflicts_left: MAX_CONFLICTS_PER_PASS,
+        }
+    }
+
     fn failed(&mut self, why: String) {
         debug!("{why}");
         self.failed += 1;
@@ -503,8 +554,9 @@ impl PassJob {
         }
     }
 
-    /// Seals and writes the due envelopes of `namespace`, then removes those of members no
-    /// longer listed.
+    /// Seals and writes the due envelopes of `namespace`, then removes those of members
+    /// proven gone ([`PassJob::proven_missing`]), unless the member list is empty or lacks
+    /// the node's own account (then the read is not trusted to say who left).
     async fn pass_namespace(
         &mut self,
         namespace: GroupId,
@@ -540,39 +592,127 @@ impl PassJob {
                     continue;
                 }
             };
-            let version = self.record.next_version(namespace, account);
             let envelope = RecoveryEnvelope {
                 key: self.key(namespace, account),
                 ciphertext: sealed.to_json_string(),
-                version,
+                version: 0,
             };
-            match self.deps.mdma.put(&envelope).await {
-                Ok(()) => {
-                    self.record.envelopes.insert(
-                        entry_key(namespace, account),
-                        Written {
-                            version,
-                            sha256: plaintext.sha256.clone(),
-                        },
-                    );
-                    self.keep().await?;
-                    tally.done.written += 1;
-                    info!(namespace_id = %namespace, "Recovery envelope written for {account} in {namespace} (v{version})");
-                }
-                // A 409 too: nothing is recorded and no version spent (see docs/mdma.md).
-                Err(e) => tally.failed(format!(
-                    "writing the envelope of {account} in {namespace} (v{version}): {}",
-                    conflict_or(&e)
-                )),
-            }
+            self.put(envelope, &plaintext.sha256, tally).await?;
         }
-        for account in self.record.accounts(namespace) {
-            if !plan.contains_key(&account) {
+        let own = (self.account)().map(|a| a.trim().to_ascii_lowercase());
+        let trusted = match &own {
+            Some(own) => plan.contains_key(own),
+            None => false,
+        };
+        let recorded = self.record.accounts(namespace);
+        let listed: Vec<&String> = recorded.iter().filter(|a| plan.contains_key(*a)).collect();
+        for account in listed {
+            self.missing.remove(&entry_key(namespace, account));
+        }
+        if !trusted {
+            if recorded.iter().any(|a| !plan.contains_key(a)) {
+                debug!(namespace_id = %namespace, "the member list of {namespace} is empty or lacks the node's own account: no envelope of it is removed on that read");
+            }
+            return Ok(());
+        }
+        for account in recorded {
+            if !plan.contains_key(&account) && self.proven_missing(namespace, &account, tally) {
                 self.remove(namespace, &account, "no longer a member", tally)
                     .await?;
             }
         }
         Ok(())
+    }
+
+    /// Whether the envelope of `account` in `namespace`, missing from this pass's complete
+    /// read, may be deleted: it was missing from an earlier complete read at least
+    /// [`MISSING_FOR`] before this pass started, and this pass's deletes are not spent.
+    /// Otherwise the first sighting is kept (or noted now) and `false`.
+    fn proven_missing(&mut self, namespace: GroupId, account: &str, tally: &mut Tally) -> bool {
+        let since = *self
+            .missing
+            .entry(entry_key(namespace, account))
+            .or_insert(tally.started);
+        if tally.started.saturating_duration_since(since) < MISSING_FOR {
+            return false;
+        }
+        if tally.deletes_left == 0 {
+            tally.deferred += 1;
+            return false;
+        }
+        tally.deletes_left -= 1;
+        true
+    }
+
+    /// `PUT`s `envelope` (its version set here) and records it once MDMA took it. The version
+    /// offered is the recorded one + 1, or where a search left off; on a 409 the next one
+    /// is above what MDMA says it holds ([`held_version`]) or found by [`next_offer`], at
+    /// most [`MAX_PUTS_PER_ENVELOPE`] `PUT`s of one envelope and [`MAX_CONFLICTS_PER_PASS`]
+    /// refusals a pass. The same sealed ciphertext goes with every version tried.
+    ///
+    /// Errors: [`PassError::Record`] when what MDMA took cannot be recorded.
+    async fn put(
+        &mut self,
+        mut envelope: RecoveryEnvelope,
+        sha256: &str,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        let namespace = envelope.key.namespace_id;
+        let account = envelope.key.account_id.clone();
+        let key = entry_key(namespace, &account);
+        let (mut version, mut refusals) = self
+            .searching
+            .get(&key)
+            .copied()
+            .unwrap_or((self.record.next_version(namespace, &account), 0));
+        let mut puts = 0;
+        loop {
+            envelope.version = version;
+            puts += 1;
+            match self.deps.mdma.put(&envelope).await {
+                Ok(()) => {
+                    self.searching.remove(&key);
+                    self.record.envelopes.insert(
+                        key,
+                        Written {
+                            version,
+                            sha256: sha256.to_owned(),
+                        },
+                    );
+                    self.keep().await?;
+                    tally.done.written += 1;
+                    if refusals > 0 {
+                        info!(namespace_id = %namespace, "Recovery envelope written for {account} in {namespace} (v{version}, above the {refusals} version(s) MDMA refused as held)");
+                    } else {
+                        info!(namespace_id = %namespace, "Recovery envelope written for {account} in {namespace} (v{version})");
+                    }
+                    return Ok(());
+                }
+                Err(e) => {
+                    let Some(said) = conflict(&e) else {
+                        tally.failed(format!(
+                            "writing the envelope of {account} in {namespace} (v{version}): {e}"
+                        ));
+                        return Ok(());
+                    };
+                    refusals += 1;
+                    let next = next_offer(version, said, refusals);
+                    self.searching.insert(key.clone(), (next, refusals));
+                    if !self.behind_said {
+                        self.behind_said = true;
+                        warn!(namespace_id = %namespace, "MDMA holds a newer recovery envelope of {account} in {namespace} than v{version}, the version the record gives (the record was lost or is behind): looking for a version MDMA takes; said once");
+                    }
+                    tally.conflicts_left = tally.conflicts_left.saturating_sub(1);
+                    if puts >= MAX_PUTS_PER_ENVELOPE || tally.conflicts_left == 0 {
+                        tally.failed(format!(
+                            "writing the envelope of {account} in {namespace}: MDMA refused v{version} as held (409); the next pass offers v{next}"
+                        ));
+                        return Ok(());
+                    }
+                    version = next;
+                }
+            }
+        }
     }
 
     /// Deletes the envelope of `account` in `namespace` and forgets it once MDMA took that.
@@ -585,7 +725,10 @@ impl PassJob {
     ) -> Result<(), PassError> {
         match self.deps.mdma.delete(&self.key(namespace, account)).await {
             Ok(()) => {
-                self.record.envelopes.remove(&entry_key(namespace, account));
+                let key = entry_key(namespace, account);
+                self.record.envelopes.remove(&key);
+                self.missing.remove(&key);
+                self.searching.remove(&key);
                 self.keep().await?;
                 tally.done.removed += 1;
                 info!(namespace_id = %namespace, "Recovery envelope removed for {account} in {namespace}: {why}");
@@ -597,8 +740,10 @@ impl PassJob {
         Ok(())
     }
 
-    /// Removes every entry of the recorded namespaces that are neither `confirmed` nor held
-    /// by merod (a failed read of merod's holdings removes nothing).
+    /// Removes the entries of the recorded namespaces that are neither `confirmed` nor held
+    /// by merod, each once proven ([`PassJob::proven_missing`]: gone from merod's list on two
+    /// reads at least [`MISSING_FOR`] apart). A failed read of merod's holdings removes
+    /// nothing and proves nothing.
     async fn remove_gone(
         &mut self,
         confirmed: &BTreeSet<GroupId>,
@@ -622,28 +767,69 @@ impl PassJob {
                 return Ok(());
             }
         };
-        for namespace in gone.into_iter().filter(|ns| !held.contains(ns)) {
-            for account in self.record.accounts(namespace) {
-                self.remove(
-                    namespace,
-                    &account,
-                    "the node no longer holds the namespace",
-                    tally,
-                )
-                .await?;
+        for namespace in gone {
+            let accounts = self.record.accounts(namespace);
+            if held.contains(&namespace) {
+                for account in &accounts {
+                    self.missing.remove(&entry_key(namespace, account));
+                }
+                continue;
+            }
+            for account in accounts {
+                if self.proven_missing(namespace, &account, tally) {
+                    self.remove(
+                        namespace,
+                        &account,
+                        "the node no longer holds the namespace",
+                        tally,
+                    )
+                    .await?;
+                }
             }
         }
         Ok(())
     }
 }
 
-/// A 409 said as what it means here, anything else as it is.
-fn conflict_or(e: &CallError) -> String {
+/// What a 409 says MDMA holds: `Some(Some(v))` when its body names the version, `Some(None)`
+/// when it does not; `None` for any other failure. See [`held_version`].
+fn conflict(e: &CallError) -> Option<Option<u64>> {
     match e {
-        CallError::Request(RequestError::Status { status: 409, .. }) => {
-            format!("{e} (MDMA holds this version or a newer one)")
+        CallError::Request(RequestError::Status {
+            status: 409, body, ..
+        }) => Some(held_version(body)),
+        _ => None,
+    }
+}
+
+/// The version a 409's body says MDMA holds: a JSON object with a whole `current_version`
+/// or `version` (≥ 1), at its top or under `data`. Anything else says nothing.
+pub(crate) fn held_version(body: &str) -> Option<u64> {
+    let value: serde_json::Value = serde_json::from_str(body).ok()?;
+    let object = value.as_object()?;
+    let scopes = [Some(object), object.get("data").and_then(|d| d.as_object())];
+    let held = scopes.into_iter().flatten().find_map(|scope| {
+        ["current_version", "version"]
+            .into_iter()
+            .find_map(|name| scope.get(name)?.as_u64())
+            .filter(|v| *v > 0)
+    });
+    held
+}
+
+/// The version to offer after `refused` drew its `refusals`-th 409 (from 1): one above what
+/// MDMA `said` it holds when that is at or above `refused`; otherwise `refused` plus a step
+/// doubling with each refusal (1, 2, 4, …), so a record behind by `n` versions catches up
+/// in about log2(n) refusals. Saturates at `u64::MAX`.
+pub(crate) fn next_offer(refused: u64, said: Option<u64>, refusals: u32) -> u64 {
+    match said {
+        Some(held) if held >= refused => held.saturating_add(1),
+        _ => {
+            let step = 1u64
+                .checked_shl(refusals.saturating_sub(1))
+                .unwrap_or(u64::MAX);
+            refused.saturating_add(step)
         }
-        _ => e.to_string(),
     }
 }
 
@@ -683,11 +869,20 @@ impl Job for PassJob {
             self.pending_full = false;
             self.keep().await?;
         }
-        let mut tally = Tally::default();
+        let mut tally = Tally::new(Instant::now());
         for namespace in confirmed.iter() {
             self.pass_namespace(*namespace, full, &mut tally).await?;
         }
         self.remove_gone(&confirmed, &mut tally).await?;
+        // Sightings of entries since removed (a leave, a delete) go with them.
+        let record = &self.record;
+        self.missing.retain(|k, _| record.envelopes.contains_key(k));
+        if tally.deferred > 0 {
+            info!(
+                "{} recovery envelope(s) to remove wait for the next pass (at most {MAX_DELETES_PER_PASS} a pass)",
+                tally.deferred
+            );
+        }
         match tally.first {
             None => Ok(tally.done),
             Some(first) => Err(PassError::Partly {
@@ -817,14 +1012,20 @@ mod tests {
         }
     }
 
+    /// MDMA's recovery route as the emulator keeps it: a `PUT` is taken only above the
+    /// version held (409 otherwise, naming it when `names_held`); `status` answers every
+    /// `PUT` instead when set.
     #[derive(Default)]
     struct Mdma {
         puts: Mutex<Vec<RecoveryEnvelope>>,
         deletes: Mutex<Vec<RecoveryKey>>,
-        failing: Mutex<bool>,
+        held: Mutex<HashMap<(GroupId, String), u64>>,
+        status: Mutex<Option<u16>>,
+        names_held: Mutex<bool>,
+        refusals: Mutex<u32>,
     }
 
-    fn refused(status: u16) -> CallError {
+    fn refused(status: u16, body: &str) -> CallError {
         CallError::Request(RequestError::Status {
             method: crate::mdma::RequestMethod::Put,
             url: "https://mdma.test/api/fleet/recovery-envelope"
@@ -832,21 +1033,50 @@ mod tests {
                 .unwrap(),
             status,
             retry_after_secs: None,
-            body: Box::default(),
+            body: body.into(),
         })
+    }
+
+    impl Mdma {
+        /// MDMA holds `version` of every envelope of `accounts` in `namespace`.
+        fn holding(&self, namespace: GroupId, accounts: &[&str], version: u64) {
+            let mut held = self.held.lock().unwrap();
+            for a in accounts {
+                held.insert((namespace, acct(a)), version);
+            }
+        }
     }
 
     #[async_trait]
     impl EnvelopeSink for Mdma {
         async fn put(&self, envelope: &RecoveryEnvelope) -> Result<(), CallError> {
-            if *self.failing.lock().unwrap() {
-                return Err(refused(409));
+            if let Some(status) = *self.status.lock().unwrap() {
+                *self.refusals.lock().unwrap() += 1;
+                return Err(refused(status, r#"{"error":"emulated"}"#));
             }
+            let key = (envelope.key.namespace_id, envelope.key.account_id.clone());
+            let mut held = self.held.lock().unwrap();
+            if let Some(&h) = held.get(&key).filter(|h| envelope.version <= **h) {
+                *self.refusals.lock().unwrap() += 1;
+                let body = if *self.names_held.lock().unwrap() {
+                    format!(
+                        r#"{{"error":"a newer or equal version is held","current_version":{h}}}"#
+                    )
+                } else {
+                    r#"{"error":"a newer or equal version is held"}"#.to_owned()
+                };
+                return Err(refused(409, &body));
+            }
+            held.insert(key, envelope.version);
             self.puts.lock().unwrap().push(envelope.clone());
             Ok(())
         }
         async fn delete(&self, key: &RecoveryKey) -> Result<(), CallError> {
             self.deletes.lock().unwrap().push(key.clone());
+            self.held
+                .lock()
+                .unwrap()
+                .remove(&(key.namespace_id, key.account_id.clone()));
             Ok(())
         }
     }
@@ -912,6 +1142,10 @@ mod tests {
             pending_full: false,
             record: load_record(&path),
             path,
+            account: Arc::new(|| Some(acct("alice"))),
+            missing: BTreeMap::new(),
+            searching: BTreeMap::new(),
+            behind_said: false,
         };
         Rig {
             job,
@@ -1040,16 +1274,120 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_put_spends_no_version_and_is_retried_at_v1() {
+    async fn a_refused_put_spends_no_version_and_is_retried_at_the_same_version() {
         let mut r = rig(three_members(), &[gid(1)]);
-        *r.mdma.failing.lock().unwrap() = true;
+        *r.mdma.status.lock().unwrap() = Some(503);
         let err = r.job.run().await.unwrap_err();
-        assert!(err.to_string().contains("409"), "{err}");
-        assert!(err.to_string().contains("MDMA holds this version"), "{err}");
+        assert!(err.to_string().contains("503"), "{err}");
         assert!(r.job.record.envelopes.is_empty());
-        *r.mdma.failing.lock().unwrap() = false;
+        assert_eq!(
+            *r.mdma.refusals.lock().unwrap(),
+            3,
+            "one PUT each, no search"
+        );
+        *r.mdma.status.lock().unwrap() = None;
         assert_eq!(r.job.run().await.unwrap().written, 3);
         assert!(r.puts().iter().all(|p| p.version == 1));
+    }
+
+    #[tokio::test]
+    async fn a_lost_record_converges_on_versions_mdma_takes_sealing_each_envelope_once() {
+        // MDMA holds v5 of every envelope; the record is empty (lost).
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.mdma.holding(gid(1), &["alice", "bob", "carol"], 5);
+        let done = r.job.run().await.unwrap();
+        assert_eq!(done.written, 3);
+        // 1, 2, 4 refused, 8 taken: three 409s each, one seal each.
+        assert_eq!(*r.mdma.refusals.lock().unwrap(), 9);
+        assert_eq!(r.sealed().len(), 3);
+        assert!(r.puts().iter().all(|p| p.version == 8), "{:?}", r.puts());
+        assert_eq!(r.job.record.next_version(gid(1), &acct("bob")), 9);
+        // Converged: the next pass writes nothing, and a change goes on from the record.
+        assert_eq!(r.job.run().await.unwrap().written, 0);
+        let mut changed = three_members();
+        changed.contexts.insert(gid(1), vec!["ctx2".into()]);
+        let mut r = r.restarted(changed, &[gid(1)]);
+        r.mdma.holding(gid(1), &["alice", "bob", "carol"], 8);
+        assert_eq!(r.job.run().await.unwrap().written, 3);
+        assert!(r.puts().iter().all(|p| p.version == 9));
+        assert_eq!(*r.mdma.refusals.lock().unwrap(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_409_naming_the_held_version_is_passed_in_one_step() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.mdma.holding(gid(1), &["alice", "bob", "carol"], 41);
+        *r.mdma.names_held.lock().unwrap() = true;
+        assert_eq!(r.job.run().await.unwrap().written, 3);
+        assert_eq!(*r.mdma.refusals.lock().unwrap(), 3);
+        assert!(r.puts().iter().all(|p| p.version == 42));
+    }
+
+    #[tokio::test]
+    async fn a_search_is_bounded_a_pass_and_goes_on_at_the_next() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        // Far ahead: more than one pass's PUTs of the search reach.
+        r.mdma.holding(gid(1), &["alice"], 1 << 20);
+        let err = r.job.run().await.unwrap_err();
+        assert!(err.to_string().contains("409"), "{err}");
+        assert_eq!(
+            *r.mdma.refusals.lock().unwrap(),
+            MAX_PUTS_PER_ENVELOPE,
+            "bounded a pass"
+        );
+        assert_eq!(r.puts().len(), 2, "bob and carol were written");
+        r.job.run().await.unwrap();
+        let alice: Vec<u64> = r
+            .puts()
+            .iter()
+            .filter(|p| p.key.account_id == acct("alice"))
+            .map(|p| p.version)
+            .collect();
+        assert_eq!(alice.len(), 1);
+        assert!(alice[0] > 1 << 20, "{alice:?}");
+        assert!(*r.mdma.refusals.lock().unwrap() < 2 * MAX_PUTS_PER_ENVELOPE);
+        // MDMA refusing everything with 409: the search stops at MAX_CONFLICTS_PER_PASS
+        // refusals (16 envelopes of 16 PUTs); each envelope after it gets its one PUT, as
+        // every envelope does without a search.
+        let mut many = Merod::default();
+        let names: Vec<String> = (0..40).map(|i| format!("m{i:02}")).collect();
+        many.members
+            .insert(gid(1), names.iter().map(|n| acct(n)).collect());
+        many.contexts.insert(gid(1), vec![]);
+        let mut r = rig(many, &[gid(1)]);
+        *r.mdma.status.lock().unwrap() = Some(409);
+        assert!(r.job.run().await.is_err());
+        assert_eq!(
+            *r.mdma.refusals.lock().unwrap(),
+            MAX_CONFLICTS_PER_PASS + (40 - MAX_CONFLICTS_PER_PASS / MAX_PUTS_PER_ENVELOPE)
+        );
+    }
+
+    #[test]
+    fn the_version_after_a_409_is_above_the_one_named_or_a_doubling_step() {
+        assert_eq!(next_offer(3, Some(9), 1), 10);
+        assert_eq!(next_offer(3, Some(3), 1), 4);
+        // Naming a version below the one refused says nothing usable.
+        assert_eq!(next_offer(3, Some(2), 1), 4);
+        assert_eq!(next_offer(3, None, 1), 4);
+        assert_eq!(next_offer(4, None, 2), 6);
+        assert_eq!(next_offer(6, None, 3), 10);
+        assert_eq!(next_offer(u64::MAX - 1, None, 70), u64::MAX);
+        assert_eq!(next_offer(1, Some(u64::MAX), 1), u64::MAX);
+        for (body, want) in [
+            (r#"{"current_version":7}"#, Some(7)),
+            (r#"{"error":"held","version":7}"#, Some(7)),
+            (r#"{"data":{"current_version":7}}"#, Some(7)),
+            (r#"{"current_version":0}"#, None),
+            (r#"{"current_version":-1}"#, None),
+            (r#"{"current_version":"7"}"#, None),
+            (r#"{"current_version":7.5}"#, None),
+            ("[7]", None),
+            ("held: 7", None),
+            ("", None),
+        ] {
+            assert_eq!(held_version(body), want, "{body}");
+        }
     }
 
     #[tokio::test]
@@ -1080,48 +1418,140 @@ mod tests {
         assert!(text("bob").contains(r#""contexts":["ctx1"]"#));
     }
 
-    #[tokio::test]
-    async fn members_who_left_and_namespaces_gone_from_merod_are_deleted() {
-        let mut m = three_members();
-        m.members.insert(gid(2), vec![acct("erin")]);
-        m.contexts.insert(gid(2), vec![]);
-        m.held.insert(gid(2));
-        let mut r = rig(m, &[gid(1), gid(2)]);
-        assert_eq!(r.job.run().await.unwrap().written, 4);
-        // Carol left namespace 1; namespace 2 is withdrawn but still held: kept.
+    impl Rig {
+        fn deleted(&self) -> Vec<(GroupId, String)> {
+            self.mdma
+                .deletes
+                .lock()
+                .unwrap()
+                .iter()
+                .map(|k| (k.namespace_id, k.account_id.clone()))
+                .collect()
+        }
+        /// merod's answers from now on (the record, the sightings and the clock kept).
+        fn merod_now(&mut self, merod: Merod) {
+            let merod = Arc::new(merod);
+            self.job.deps.merod = Arc::clone(&merod) as _;
+            self.merod = merod;
+        }
+    }
+
+    /// Namespace 1 as [`three_members`] but for carol.
+    fn carol_left() -> Merod {
         let mut m = three_members();
         m.members.insert(gid(1), vec![acct("alice"), acct("bob")]);
-        m.held.insert(gid(2));
-        let mut r = r.restarted(m, &[gid(1)]);
-        let done = r.job.run().await.unwrap();
-        assert_eq!(done.removed, 1);
-        let deleted = r.mdma.deletes.lock().unwrap().clone();
-        assert_eq!(deleted.len(), 1);
-        assert_eq!(deleted[0].account_id, acct("carol"));
-        assert_eq!(deleted[0].namespace_id, gid(1));
-        assert!(r
-            .job
-            .record
-            .envelopes
-            .contains_key(&entry_key(gid(2), &acct("erin"))));
-        // merod no longer holds namespace 2: its entries go too.
-        let mut r = r.restarted(three_members(), &[gid(1)]);
-        let _ = r.job.run().await.unwrap();
-        let deleted = r.mdma.deletes.lock().unwrap().clone();
-        assert_eq!(deleted.len(), 1);
-        assert_eq!(
-            (deleted[0].namespace_id, deleted[0].account_id.clone()),
-            (gid(2), acct("erin"))
-        );
-        assert_eq!(r.job.record.namespaces(), BTreeSet::from([gid(1)]));
+        m
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_member_is_deleted_once_missing_from_two_complete_reads_a_pass_apart() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        assert_eq!(r.job.run().await.unwrap().written, 3);
+        // Carol is missing from one read: nothing is deleted, nor on a read soon after.
+        r.merod_now(carol_left());
+        assert_eq!(r.job.run().await.unwrap().removed, 0);
+        tokio::time::advance(MISSING_FOR - Duration::from_secs(1)).await;
+        assert_eq!(r.job.run().await.unwrap().removed, 0);
+        assert!(r.deleted().is_empty());
+        // A pass apart: proven, deleted.
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(r.job.run().await.unwrap().removed, 1);
+        assert_eq!(r.deleted(), [(gid(1), acct("carol"))]);
+        // Listed again in between: the first sighting is forgotten.
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.job.run().await.unwrap();
+        r.merod_now(carol_left());
+        r.job.run().await.unwrap();
+        r.merod_now(three_members());
+        r.job.run().await.unwrap();
+        r.merod_now(carol_left());
+        tokio::time::advance(MISSING_FOR).await;
+        assert_eq!(r.job.run().await.unwrap().removed, 0);
+        tokio::time::advance(MISSING_FOR).await;
+        assert_eq!(r.job.run().await.unwrap().removed, 1);
         // Carol is back: her envelope starts again at v1 (her entry was dropped).
+        r.merod_now(three_members());
+        r.job.run().await.unwrap();
         let carol: Vec<u64> = r
             .puts()
             .iter()
             .filter(|p| p.key.account_id == acct("carol"))
             .map(|p| p.version)
             .collect();
-        assert_eq!(carol, [1]);
+        assert_eq!(carol, [1, 1]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_member_list_that_is_empty_or_lacks_the_node_deletes_nothing() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.job.run().await.unwrap();
+        // `200 {"members": []}`, read after read for an hour; then a list without the
+        // node's own account (alice); then one without its account known.
+        let mut empty = three_members();
+        empty.members.insert(gid(1), vec![]);
+        let mut no_node = three_members();
+        no_node.members.insert(gid(1), vec![acct("bob")]);
+        for merod in [empty, no_node] {
+            r.merod_now(merod);
+            for _ in 0..12 {
+                assert_eq!(r.job.run().await.unwrap().removed, 0);
+                tokio::time::advance(PASS_EVERY).await;
+            }
+        }
+        r.job.account = Arc::new(|| None);
+        r.merod_now(carol_left());
+        for _ in 0..3 {
+            assert_eq!(r.job.run().await.unwrap().removed, 0);
+            tokio::time::advance(PASS_EVERY).await;
+        }
+        assert!(r.deleted().is_empty());
+        assert_eq!(r.job.record.envelopes.len(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deletes_are_bounded_a_pass() {
+        let names: Vec<String> = (0..100).map(|i| format!("m{i:03}")).collect();
+        let mut m = three_members();
+        let mut all = vec![acct("alice")];
+        all.extend(names.iter().map(|n| acct(n)));
+        m.members.insert(gid(1), all);
+        let mut r = rig(m, &[gid(1)]);
+        assert_eq!(r.job.run().await.unwrap().written, 101);
+        let mut left = three_members();
+        left.members.insert(gid(1), vec![acct("alice")]);
+        r.merod_now(left);
+        r.job.run().await.unwrap();
+        tokio::time::advance(MISSING_FOR).await;
+        assert_eq!(r.job.run().await.unwrap().removed, MAX_DELETES_PER_PASS);
+        assert_eq!(
+            r.job.run().await.unwrap().removed,
+            100 - MAX_DELETES_PER_PASS
+        );
+        assert_eq!(r.job.record.envelopes.len(), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_namespace_gone_from_merod_is_deleted_once_missing_from_two_reads_a_pass_apart() {
+        let mut m = three_members();
+        m.members.insert(gid(2), vec![acct("erin")]);
+        m.contexts.insert(gid(2), vec![]);
+        m.held.insert(gid(2));
+        let mut r = rig(m, &[gid(1), gid(2)]);
+        assert_eq!(r.job.run().await.unwrap().written, 4);
+        // Namespace 2 is withdrawn but still held: kept, however long.
+        let mut m = three_members();
+        m.held.insert(gid(2));
+        let mut r = r.restarted(m, &[gid(1)]);
+        r.job.run().await.unwrap();
+        tokio::time::advance(MISSING_FOR).await;
+        assert_eq!(r.job.run().await.unwrap().removed, 0);
+        // merod no longer lists it: deleted on the second read a pass apart, not the first.
+        r.merod_now(three_members());
+        assert_eq!(r.job.run().await.unwrap().removed, 0);
+        tokio::time::advance(MISSING_FOR).await;
+        assert_eq!(r.job.run().await.unwrap().removed, 1);
+        assert_eq!(r.deleted(), [(gid(2), acct("erin"))]);
+        assert_eq!(r.job.record.namespaces(), BTreeSet::from([gid(1)]));
     }
 
     #[tokio::test]

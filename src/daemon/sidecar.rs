@@ -191,6 +191,10 @@ impl Sidecar {
             &cfg,
             deps.recovery.clone(),
             identity.peer_id.clone(),
+            {
+                let account = Arc::clone(&view.account);
+                Arc::new(move || account.get())
+            },
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
