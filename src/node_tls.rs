@@ -2,8 +2,10 @@
 //! MDMA delivers must certify before it is installed, and the certificate signing request
 //! registration sends so MDMA can sign a certificate for the relay host.
 //!
-//! The CSR ([`registration_csr`]) is DER with CN = SAN DNS = the relay URL's host, signed
-//! with the node's key, sent as one line of base64. It is kept in `[tls] dir` as
+//! The CSR ([`registration_csr`]) is DER with SAN DNS = the relay URL's host (and CN = the
+//! host when it fits X.509's 64 characters), signed with the node's key, sent as one line of
+//! base64. A host no CA would sign (an IP literal, `localhost`, a label over 63 characters or
+//! a name over 253) gets no CSR, and registration goes on without one. It is kept in `[tls] dir` as
 //! `csr-<host>.b64` and byte-stable: the registration nonce commits to its SHA-256, and an
 //! ECDSA signature over the same request is deterministic here (RFC 6979), so a lost cache
 //! gives the same bytes again. A cached CSR over another key (the key was replaced) is made
@@ -28,8 +30,13 @@ use crate::durable;
 const MAX_KEY_FILE: u64 = 64 * 1024;
 /// The cached CSR's mode: it is public (it holds the public key and the host).
 const CSR_MODE: u32 = 0o644;
-/// Longest host a CSR is made for (a DNS name's limit).
+/// Longest host a CSR is made for (a DNS name's limit, RFC 1035).
 const MAX_HOST: usize = 253;
+/// Longest label of that host (RFC 1035).
+const MAX_LABEL: usize = 63;
+/// Longest common name X.509 takes (RFC 5280's `ub-common-name`): a longer host goes in the
+/// SAN only.
+const MAX_CN: usize = 64;
 
 /// The first PEM block labelled `label` in `text` (`-----BEGIN {label}-----` to its
 /// `-----END {label}-----`), if whole.
@@ -72,28 +79,90 @@ fn spki_der(key: &p256::SecretKey) -> Result<Vec<u8>, String> {
         .map_err(|e| e.to_string())
 }
 
-/// The host a CSR is made for: the relay URL's host, lowercase, when it is a DNS name or an
-/// IPv4 address (letters, digits, `.` and `-`, at most 253 characters); `None` for an empty
-/// URL, one that does not parse or has no host, and an IPv6 host (no safe file name).
-pub(crate) fn relay_host(relay_url: &str) -> Option<String> {
-    let url = url::Url::parse(relay_url.trim()).ok()?;
-    let host = url.host_str()?.to_ascii_lowercase();
-    let fine = !host.is_empty()
-        && host.len() <= MAX_HOST
-        && !host.starts_with(['.', '-'])
-        && host
-            .bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'.' || b == b'-');
-    fine.then_some(host)
+/// The host a CSR is made for: the relay URL's host, lowercase, when it is a DNS name a CA
+/// signs: labels of 1 to [`MAX_LABEL`] letters, digits and `-` (not at either end), at most
+/// [`MAX_HOST`] characters in all, not `localhost` (nor under it).
+///
+/// Returns `Ok(None)` when there is no host to ask for (an empty URL, one that does not
+/// parse or has no host).
+///
+/// Errors: why the host cannot be in a certificate (an IP literal, `localhost`, a label or
+/// a name too long, a character no DNS name has), for the one log line that says so.
+pub(crate) fn relay_host(relay_url: &str) -> Result<Option<String>, String> {
+    let Ok(url) = url::Url::parse(relay_url.trim()) else {
+        return Ok(None);
+    };
+    let host = match url.host() {
+        None => return Ok(None),
+        Some(url::Host::Domain("")) => return Ok(None),
+        Some(url::Host::Ipv4(ip)) => {
+            return Err(format!(
+                "the relay host {ip} is an IP address, which no CA signs a certificate for"
+            ))
+        }
+        Some(url::Host::Ipv6(ip)) => {
+            return Err(format!(
+                "the relay host [{ip}] is an IP address, which no CA signs a certificate for"
+            ))
+        }
+        Some(url::Host::Domain(d)) => d.to_ascii_lowercase(),
+    };
+    let shown = || {
+        let mut s: String = host.chars().take(80).collect();
+        if host.len() > 80 {
+            s.push('…');
+        }
+        s
+    };
+    if host.len() > MAX_HOST {
+        return Err(format!(
+            "the relay host {} is {} characters long; a DNS name has at most {MAX_HOST}",
+            shown(),
+            host.len()
+        ));
+    }
+    if host == "localhost" || host.ends_with(".localhost") {
+        return Err(format!(
+            "the relay host {host} is local; no CA signs a certificate for it"
+        ));
+    }
+    for label in host.split('.') {
+        let fine = !label.is_empty()
+            && !label.starts_with('-')
+            && !label.ends_with('-')
+            && label
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !fine {
+            return Err(format!(
+                "the relay host {} is not a DNS name (label {label:?})",
+                shown()
+            ));
+        }
+        if label.len() > MAX_LABEL {
+            return Err(format!(
+                "the relay host {} has a label of {} characters; a DNS label has at most {MAX_LABEL}",
+                shown(),
+                label.len()
+            ));
+        }
+    }
+    Ok(Some(host))
 }
 
-/// A DER certificate signing request for `host` (CN and SAN DNS), signed with `key`
-/// (ECDSA P-256 with SHA-256, deterministic: the same key and host give the same bytes).
+/// A DER certificate signing request for `host` (SAN DNS, and CN when the host fits X.509's
+/// [`MAX_CN`] characters; a longer one leaves the subject empty, as CAs issue such names),
+/// signed with `key` (ECDSA P-256 with SHA-256, deterministic: the same key and host give
+/// the same bytes).
 ///
 /// Errors: why the request cannot be built (not expected for a host [`relay_host`] gave).
 pub(crate) fn csr_der(key: &p256::SecretKey, host: &str) -> Result<Vec<u8>, String> {
     let signer = p256::ecdsa::SigningKey::from(key);
-    let subject = Name::from_str(&format!("CN={host}")).map_err(|e| e.to_string())?;
+    let subject = if host.len() <= MAX_CN {
+        Name::from_str(&format!("CN={host}")).map_err(|e| e.to_string())?
+    } else {
+        Name::default()
+    };
     let dns = Ia5String::new(host).map_err(|e| e.to_string())?;
     let mut request = RequestBuilder::new(subject, &signer).map_err(|e| e.to_string())?;
     request
@@ -142,8 +211,10 @@ pub(crate) struct KeyUnreadable {
 ///
 /// Errors: [`KeyUnreadable`] when `key.pem` exists but cannot be read.
 pub(crate) fn registration_csr(dir: &Path, relay_url: &str) -> Result<Csr, KeyUnreadable> {
-    let Some(host) = relay_host(relay_url) else {
-        return Ok(Csr::NoHost);
+    let host = match relay_host(relay_url) {
+        Ok(Some(host)) => host,
+        Ok(None) => return Ok(Csr::NoHost),
+        Err(why) => return Ok(Csr::Without(why)),
     };
     let key_file = dir.join("key.pem");
     let key_pem = match durable::read_capped(&key_file, MAX_KEY_FILE) {
@@ -278,14 +349,83 @@ mod tests {
             ("https://H.example", Some("h.example")),
             ("https://relay.example/admin-api/x", Some("relay.example")),
             ("https://relay.example:8443", Some("relay.example")),
-            ("http://10.0.0.7:2428", Some("10.0.0.7")),
+            ("https://relay", Some("relay")),
             ("", None),
             ("not a url", None),
             ("relay.example:443", None),
-            ("https://[::1]/", None),
             ("file:///etc/passwd", None),
         ] {
-            assert_eq!(relay_host(url).as_deref(), host, "{url:?}");
+            assert_eq!(relay_host(url).unwrap().as_deref(), host, "{url:?}");
+        }
+    }
+
+    #[test]
+    fn a_host_no_ca_signs_is_refused_saying_why() {
+        let label63 = "a".repeat(63);
+        let name253 = format!("{label63}.{label63}.{label63}.{}", "b".repeat(61));
+        assert_eq!(name253.len(), 253);
+        assert_eq!(
+            relay_host(&format!("https://{name253}/"))
+                .unwrap()
+                .as_deref(),
+            Some(name253.as_str()),
+            "at the limits: fine"
+        );
+        for (url, why) in [
+            ("http://10.0.0.7:2428".to_owned(), "IP address"),
+            ("https://[::1]/".to_owned(), "IP address"),
+            ("https://2130706433/".to_owned(), "IP address"),
+            ("https://localhost:8443".to_owned(), "local"),
+            ("https://relay.LOCALHOST".to_owned(), "local"),
+            (
+                format!("https://{}.example", "a".repeat(64)),
+                "a label of 64",
+            ),
+            (format!("https://{name253}x/"), "254 characters"),
+            (format!("https://a.{name253}/"), "255 characters"),
+            ("https://relay.example./".to_owned(), r#"label """#),
+            ("https://-relay.example/".to_owned(), "not a DNS name"),
+            ("https://relay_1.example/".to_owned(), "not a DNS name"),
+        ] {
+            match relay_host(&url) {
+                Err(e) => assert!(e.contains(why), "{url}: {e}"),
+                Ok(h) => panic!("{url}: {h:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_host_over_64_characters_goes_in_the_san_only() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("key.pem"), key_pem()).unwrap();
+        let label63 = "h".repeat(63);
+        let hosts = [
+            format!("{}.com", "a".repeat(60)),
+            format!("{}.com", "a".repeat(61)),
+            format!("{label63}.{label63}.{label63}.{}", "b".repeat(61)),
+        ];
+        for host in hosts {
+            let len = host.len();
+            let Csr::Ready(text) =
+                registration_csr(dir.path(), &format!("https://{host}/")).unwrap()
+            else {
+                panic!("no CSR for {len}")
+            };
+            let req = decode(&text);
+            assert_eq!(san_dns(&req), std::slice::from_ref(&host));
+            let cn = req.info.subject.to_string();
+            if len <= MAX_CN {
+                assert_eq!(cn, format!("CN={host}"));
+            } else {
+                assert_eq!(cn, "", "no CN over 64 characters");
+            }
+        }
+        // Refused hosts: no CSR, and why; nothing cached.
+        for url in ["https://localhost/", "http://192.0.2.1/"] {
+            match registration_csr(dir.path(), url).unwrap() {
+                Csr::Without(why) => assert!(why.contains("relay host"), "{why}"),
+                other => panic!("{url}: {other:?}"),
+            }
         }
     }
 
