@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use nix::unistd::Pid;
 use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -44,6 +45,13 @@ const MAX_TOKEN: u64 = 64 * 1024;
 const FILES_DEADLINE: Duration = Duration::from_secs(10);
 /// Bound of one configure script (it may restart its service).
 pub(crate) const SCRIPT_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long a script's process group has after `TERM` (at the script's end or its bound)
+/// before `KILL`.
+pub(crate) const SCRIPT_GRACE: Duration = Duration::from_secs(5);
+/// How often the group is looked at during that grace.
+const GROUP_POLL: Duration = Duration::from_millis(50);
+/// How long the script's stderr is still read once its group has ended.
+const STDERR_AFTER_END: Duration = Duration::from_secs(1);
 /// Most of a failing script's stderr kept for the warning.
 const MAX_SCRIPT_OUTPUT: u64 = 2048;
 /// The only variables a script gets: no proxy, locale or secret of the daemon's reaches it.
@@ -193,13 +201,26 @@ impl InstallJob {
     }
 }
 
-/// Runs `script` with `args` and only [`SCRIPT_PATH`] in its environment, at most
-/// [`SCRIPT_TIMEOUT`] (killed after), keeping at most [`MAX_SCRIPT_OUTPUT`] bytes of its
-/// stderr for the error.
+/// Runs `script` with `args` and only [`SCRIPT_PATH`] in its environment, in a process
+/// group of its own, at most [`SCRIPT_TIMEOUT`], keeping at most [`MAX_SCRIPT_OUTPUT`] bytes
+/// of its stderr for the error. When the script ends, or its time is up, whatever is left of
+/// its group (a backgrounded command, children of a script that traps `TERM`) gets `TERM`,
+/// then `KILL` after [`SCRIPT_GRACE`]: none of its processes outlives it. (A process that
+/// leaves the group on purpose, with `setsid`, is out of reach.)
 ///
 /// Errors: why it did not succeed (not started, killed at the bound, a non-zero exit with
 /// the end of its stderr).
 pub(crate) async fn run_script(script: &Path, args: &[&OsStr]) -> Result<(), String> {
+    run_bounded(script, args, SCRIPT_TIMEOUT, SCRIPT_GRACE).await
+}
+
+/// [`run_script`] within `limit`, its group given `grace` between `TERM` and `KILL`.
+async fn run_bounded(
+    script: &Path,
+    args: &[&OsStr],
+    limit: Duration,
+    grace: Duration,
+) -> Result<(), String> {
     let mut child = tokio::process::Command::new(script)
         .args(args)
         .env_clear()
@@ -208,27 +229,72 @@ pub(crate) async fn run_script(script: &Path, args: &[&OsStr]) -> Result<(), Str
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
+        // Its own group (its id the script's pid): what it starts can be ended with it.
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| format!("cannot start it: {e}"))?;
+    let group = child
+        .id()
+        .and_then(|id| i32::try_from(id).ok())
+        .map(Pid::from_raw);
     let stderr = child.stderr.take();
-    let run = async {
+    // Read beside the wait: a backgrounded command holding the pipe open must not hold
+    // the script's end.
+    let reader = tokio::spawn(async move {
         let mut said = Vec::new();
         if let Some(err) = stderr {
             // What is past the cap is not read: the pipe closes when `err` is dropped.
             let _ = err.take(MAX_SCRIPT_OUTPUT).read_to_end(&mut said).await;
         }
-        (child.wait().await, said)
+        said
+    });
+    let waited = tokio::time::timeout(limit, child.wait()).await;
+    if let Some(group) = group {
+        end_group(group, &mut child, grace).await;
+    }
+    // Every writer of the pipe is gone now, but one that left the group: bounded.
+    let said = match tokio::time::timeout(STDERR_AFTER_END, reader).await {
+        Ok(Ok(said)) => said,
+        _ => Vec::new(),
     };
-    match tokio::time::timeout(SCRIPT_TIMEOUT, run).await {
-        Err(_) => Err(format!("no end within {SCRIPT_TIMEOUT:?}: killed")),
-        Ok((Err(e), _)) => Err(format!("cannot wait for it: {e}")),
-        Ok((Ok(status), _)) if status.success() => Ok(()),
-        Ok((Ok(status), said)) => {
+    match waited {
+        Err(_) => Err(format!(
+            "no end within {limit:?}: its process group was killed"
+        )),
+        Ok(Err(e)) => Err(format!("cannot wait for it: {e}")),
+        Ok(Ok(status)) if status.success() => Ok(()),
+        Ok(Ok(status)) => {
             let said = String::from_utf8_lossy(&said);
             Err(format!("{status}: {}", said.trim().escape_debug()))
         }
     }
+}
+
+/// Ends what is left of process group `group` (the script `child` leads it): `TERM`, then
+/// `KILL` once `grace` passed with a process still in it. Returns at once when the group is
+/// empty. The script is reaped on the way, so that it does not count as left.
+async fn end_group(group: Pid, child: &mut tokio::process::Child, grace: Duration) {
+    use nix::sys::signal::{killpg, Signal};
+    let left = |child: &mut tokio::process::Child| {
+        let _ = child.try_wait();
+        killpg(group, None).is_ok()
+    };
+    if !left(child) {
+        return;
+    }
+    let _ = killpg(group, Signal::SIGTERM);
+    let deadline = tokio::time::Instant::now() + grace;
+    while tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(GROUP_POLL).await;
+        if !left(child) {
+            return;
+        }
+    }
+    warn!("a configure script's processes outlived {grace:?} after TERM: killed");
+    let _ = killpg(group, Signal::SIGKILL);
+    // Reaped, so no zombie of it stays (KILL cannot be refused).
+    let _ = tokio::time::timeout(grace, child.wait()).await;
 }
 
 #[async_trait]
@@ -246,7 +312,12 @@ impl Job for InstallJob {
             min_gap: Duration::ZERO,
             deadline: FILES_DEADLINE
                 .saturating_add(METADATA_TIMEOUT.saturating_mul(2))
-                .saturating_add(SCRIPT_TIMEOUT.saturating_mul(2))
+                .saturating_add(
+                    SCRIPT_TIMEOUT
+                        .saturating_add(SCRIPT_GRACE.saturating_mul(2))
+                        .saturating_add(STDERR_AFTER_END)
+                        .saturating_mul(2),
+                )
                 .saturating_add(super::units::RESTART_TIMEOUT)
                 .saturating_add(Duration::from_secs(1)),
             backoff: RETRY,
@@ -380,5 +451,68 @@ mod tests {
             "2 a b https://e none C\n"
         );
         assert!(run_script(Path::new("/nonexistent"), &[]).await.is_err());
+    }
+
+    /// An executable script in `dir` whose body is `body`; its background child's pid goes
+    /// to `dir/child.pid`.
+    fn script(dir: &Path, body: &str) -> PathBuf {
+        use std::os::unix::fs::PermissionsExt;
+        let script = dir.join("s.sh");
+        std::fs::write(&script, format!("#!/bin/sh\n{body}\n")).unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        script
+    }
+
+    /// Whether `pid` is gone (or a zombie its new parent has yet to reap), within 5 s.
+    async fn gone_soon(pid_file: &Path) -> bool {
+        let pid: i32 = std::fs::read_to_string(pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        for _ in 0..100 {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            // The state follows the command's closing parenthesis.
+            let state = stat.rsplit_once(") ").map(|(_, rest)| &rest[..1]);
+            if matches!(state, None | Some("Z") | Some("X")) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        false
+    }
+
+    #[tokio::test]
+    async fn a_script_s_backgrounded_command_ends_with_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid = dir.path().join("child.pid");
+        let s = script(
+            dir.path(),
+            &format!("sleep 300 &\necho $! > {}\nexit 0", pid.display()),
+        );
+        // Its end is the script's, not its child's (which holds the stderr pipe open).
+        run_bounded(&s, &[], Duration::from_secs(30), Duration::from_secs(2))
+            .await
+            .expect("the script itself succeeded");
+        assert!(gone_soon(&pid).await, "the backgrounded sleep survived");
+    }
+
+    #[tokio::test]
+    async fn at_its_limit_a_script_trapping_term_and_its_children_are_killed() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid = dir.path().join("child.pid");
+        let s = script(
+            dir.path(),
+            &format!(
+                "trap '' TERM\nsh -c \"trap '' TERM; sleep 300\" &\necho $! > {}\nwhile :; do sleep 1; done",
+                pid.display()
+            ),
+        );
+        // 5 s: time for the script to start its child on a loaded machine.
+        let err = run_bounded(&s, &[], Duration::from_secs(5), Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert!(err.contains("process group was killed"), "{err}");
+        assert!(gone_soon(&pid).await, "the child ignoring TERM survived");
     }
 }

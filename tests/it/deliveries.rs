@@ -238,6 +238,27 @@ fn runs(dir: &std::path::Path, name: &str) -> Vec<String> {
         .collect()
 }
 
+/// The sandbox's config with both shippers on: their configs and recording scripts in
+/// `shippers/` (vector's script `vector` instead when given), both endpoints configured.
+fn with_shippers(
+    sb: &Sandbox,
+    vector: Option<std::path::PathBuf>,
+) -> (fleet_sidecar::Config, std::path::PathBuf) {
+    let mut cfg = sb.config("").expect("config");
+    let shippers = sb.dir().join("shippers");
+    std::fs::create_dir_all(&shippers).unwrap();
+    for name in ["vector.yaml", "scrape.yml"] {
+        std::fs::write(shippers.join(name), "").unwrap();
+    }
+    cfg.logs_token.vector_script = vector.unwrap_or_else(|| recording_script(&shippers, "vector"));
+    cfg.logs_token.vector_config = shippers.join("vector.yaml");
+    cfg.logs_token.vmagent_script = recording_script(&shippers, "vmagent");
+    cfg.logs_token.vmagent_config = shippers.join("scrape.yml");
+    cfg.logs_token.logs_endpoint = Some("https://logs.example".to_owned());
+    cfg.logs_token.metrics_endpoint = Some("https://metrics.example".to_owned());
+    (cfg, shippers)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_logs_token_is_installed_once_per_distinct_token_and_both_shippers_configured() {
     use sha2::Digest;
@@ -246,18 +267,7 @@ async fn a_logs_token_is_installed_once_per_distinct_token_and_both_shippers_con
     let sb = Sandbox::start(None).await.unwrap();
     let dir = sb.dir().to_owned();
     let token_file = dir.join("provided_token");
-    let mut cfg = sb.config("").expect("config");
-    let shippers = dir.join("shippers");
-    std::fs::create_dir_all(&shippers).unwrap();
-    for name in ["vector.yaml", "scrape.yml"] {
-        std::fs::write(shippers.join(name), "").unwrap();
-    }
-    cfg.logs_token.vector_script = recording_script(&shippers, "vector");
-    cfg.logs_token.vector_config = shippers.join("vector.yaml");
-    cfg.logs_token.vmagent_script = recording_script(&shippers, "vmagent");
-    cfg.logs_token.vmagent_config = shippers.join("scrape.yml");
-    cfg.logs_token.logs_endpoint = Some("https://logs.example".to_owned());
-    cfg.logs_token.metrics_endpoint = Some("https://metrics.example".to_owned());
+    let (cfg, shippers) = with_shippers(&sb, None);
     let mut deps = sb.deps(&cfg).expect("deps");
     let units = Arc::new(Units::default());
     deps.units = Arc::clone(&units) as Arc<dyn UnitControl>;
@@ -334,5 +344,32 @@ async fn a_logs_token_is_installed_once_per_distinct_token_and_both_shippers_con
         2.0
     );
     assert_eq!(units.restarted.lock().unwrap().len(), 2);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_configure_script_that_fails_restarts_no_shipper() {
+    use std::os::unix::fs::PermissionsExt;
+    let sb = Sandbox::start(None).await.unwrap();
+    let failing = sb.dir().join("vector-fails.sh");
+    std::fs::write(&failing, "#!/bin/sh\necho broken >&2\nexit 1\n").unwrap();
+    std::fs::set_permissions(&failing, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (cfg, shippers) = with_shippers(&sb, Some(failing));
+    let mut deps = sb.deps(&cfg).expect("deps");
+    let units = Arc::new(Units::default());
+    deps.units = Arc::clone(&units) as Arc<dyn UnitControl>;
+    sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
+    sb.mdma
+        .set_delivery("logs_token", Some("NEVER-LOGGED-TOKEN-fails".into()));
+    let d = spawn_loop(cfg, deps);
+    // vmagent's script runs after vector's: once it ran, vector's outcome is known.
+    eventually("vmagent configured", LIMIT, || {
+        !runs(&shippers, "vmagent").is_empty()
+    })
+    .await;
+    assert!(
+        units.restarted.lock().unwrap().is_empty() && units.asked.load(Ordering::SeqCst) == 0,
+        "vector's script failed: vector is not restarted"
+    );
     d.stop().await;
 }
