@@ -758,6 +758,19 @@ impl ToolConfig {
         let raw = parse_raw(text, path)?;
         check_file_path(path, "state_file", &raw.state_file)?;
         check_tdx(path, &raw.tdx)?;
+        check_absolute_paths(
+            path,
+            [
+                ("fleet_token_file", raw.fleet_token_file.as_deref()),
+                ("mdma_ca_file", raw.mdma_ca_file.as_deref()),
+                (
+                    "registration.token_file",
+                    raw.registration
+                        .as_ref()
+                        .and_then(|r| r.token_file.as_deref()),
+                ),
+            ],
+        )?;
         let mdma_url = match raw.mdma_url.as_deref().map(str::trim) {
             Some(s) if !s.is_empty() => Some(check_mdma_url(s, path, &mut Vec::new())?),
             _ => None,
@@ -846,8 +859,18 @@ impl MdmaClient {
     }
 }
 
-/// Checks `[tdx]` as the daemon does; errors name `tdx.sources`.
+/// Checks `[tdx]` as the daemon does; errors name `tdx.sources`, or the path key that is not
+/// absolute.
 fn check_tdx(path: &Path, tdx: &TdxConfig) -> Result<(), ConfigError> {
+    check_absolute_paths(
+        path,
+        [
+            ("tdx.mrtd_path", Some(tdx.mrtd_path.as_path())),
+            ("tdx.legacy_mrtd_path", Some(tdx.legacy_mrtd_path.as_path())),
+            ("tdx.device", Some(tdx.device.as_path())),
+            ("tdx.tsm_report_dir", Some(tdx.tsm_report_dir.as_path())),
+        ],
+    )?;
     tdx.validate().map_err(|e| {
         let names: Vec<&str> = tdx.sources.iter().map(|s| s.as_str()).collect();
         ConfigError::Invalid {
@@ -954,7 +977,21 @@ pub(crate) fn is_executable(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// A path key must name a file (not be empty or end in `..`/`/`).
+/// A path key must be absolute: a relative one would be taken from wherever the daemon (or
+/// a tool) happened to be started, and name another file each time.
+fn check_absolute(path: &Path, key: &'static str, value: &Path) -> Result<(), ConfigError> {
+    if value.is_absolute() {
+        return Ok(());
+    }
+    Err(ConfigError::Invalid {
+        path: path.to_owned(),
+        key,
+        value: value.display().to_string(),
+        reason: "must be an absolute path (a relative one would depend on the directory the daemon was started in)".to_owned(),
+    })
+}
+
+/// A path key must name a file (not be empty or end in `..`/`/`), by an absolute path.
 fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), ConfigError> {
     // `Path::file_name` ignores a final `/` (`/etc/vector/` names `vector`), so it is
     // looked for in the bytes: such a path names a directory.
@@ -969,6 +1006,20 @@ fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), C
             value: value.display().to_string(),
             reason: "must be a file path".to_owned(),
         });
+    }
+    check_absolute(path, key, value)
+}
+
+/// The keys that name files or directories beside those [`check_file_path`] checks where
+/// they are read: each must be absolute. `None` values are not set.
+fn check_absolute_paths<'a>(
+    path: &Path,
+    keys: impl IntoIterator<Item = (&'static str, Option<&'a Path>)>,
+) -> Result<(), ConfigError> {
+    for (key, value) in keys {
+        if let Some(value) = value {
+            check_absolute(path, key, value)?;
+        }
     }
     Ok(())
 }
@@ -998,6 +1049,7 @@ impl RawMerod {
                 Some(url)
             }
         };
+        check_absolute(path, "merod.home", &self.home)?;
         if self.node.is_empty() || self.node.contains('/') {
             return Err(invalid(
                 "merod.node",
@@ -1058,6 +1110,31 @@ impl RawConfig {
                 ));
             }
         }
+        // Before anything is read from them.
+        check_absolute_paths(
+            path,
+            [
+                ("fleet_token_file", self.fleet_token_file.as_deref()),
+                ("mdma_ca_file", self.mdma_ca_file.as_deref()),
+                ("tls.dir", Some(self.tls.dir.as_path())),
+                (
+                    "logs_token.vector_script",
+                    Some(self.logs_token.vector_script.as_path()),
+                ),
+                (
+                    "logs_token.vector_config",
+                    Some(self.logs_token.vector_config.as_path()),
+                ),
+                (
+                    "logs_token.vmagent_script",
+                    Some(self.logs_token.vmagent_script.as_path()),
+                ),
+                (
+                    "logs_token.vmagent_config",
+                    Some(self.logs_token.vmagent_config.as_path()),
+                ),
+            ],
+        )?;
         let fleet_token = resolve_token(self.fleet_token, self.fleet_token_file.as_deref(), path)?;
         let status_listen = match &self.status_listen {
             None => None,
@@ -1089,6 +1166,7 @@ impl RawConfig {
                 "must be a directory path".to_owned(),
             ));
         }
+
         if !is_unit_name(&self.logs_token.vector_unit) {
             return Err(invalid(
                 "logs_token.vector_unit",

@@ -165,6 +165,65 @@ fn check_config_exits_78_on_an_unusable_config() {
     assert_eq!(out.status.code(), Some(78));
 }
 
+/// A relative path would be taken from wherever the daemon was started: refused, naming
+/// the key, for every file and directory key.
+#[test]
+fn check_config_refuses_a_relative_path_naming_its_key() {
+    for (extra, key) in [
+        ("state_file = \"fleet/state.json\"", "state_file"),
+        ("log_file = \"fleet.log\"", "log_file"),
+        ("fleet_token_file = \"token\"", "fleet_token_file"),
+        ("mdma_ca_file = \"./ca.pem\"", "mdma_ca_file"),
+        ("[tls]\ndir = \"tls\"", "tls.dir"),
+        ("[logs_token]\nfile = \"provided_token\"", "logs_token.file"),
+        (
+            "[logs_token]\nvector_script = \"configure_vector.sh\"",
+            "logs_token.vector_script",
+        ),
+        (
+            "[logs_token]\nvmagent_config = \"scrape.yml\"",
+            "logs_token.vmagent_config",
+        ),
+        ("[device_login]\nkey_file = \"k\"", "device_login.key_file"),
+        (
+            "[registration]\ntoken_file = \"t\"",
+            "registration.token_file",
+        ),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        // The table keys go last, after the node's own tables.
+        let cfg = node(dir.path(), "");
+        let mut written = std::fs::read_to_string(&cfg).unwrap();
+        if extra.starts_with('[') {
+            written.push_str(extra);
+        } else {
+            written.insert_str(0, &format!("{extra}\n"));
+        }
+        std::fs::write(&cfg, written).unwrap();
+        let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+        let (stdout, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(78), "{key}: {stdout}{stderr}");
+        assert!(
+            stderr.contains(&format!("{key} = ")) && stderr.contains("must be an absolute path"),
+            "{key}: {stderr}"
+        );
+    }
+    // merod.home and a [tdx] path, in the tables node() writes.
+    for (from, to, key) in [
+        ("home = \"", "home = \"rel", "merod.home"),
+        ("mrtd_path = \"", "mrtd_path = \"rel", "tdx.mrtd_path"),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = node(dir.path(), "");
+        let written = std::fs::read_to_string(&cfg).unwrap().replacen(from, to, 1);
+        std::fs::write(&cfg, written).unwrap();
+        let out = run(&["--config", cfg.to_str().unwrap(), "check-config"]);
+        let (_, stderr) = text(&out);
+        assert_eq!(out.status.code(), Some(78), "{key}: {stderr}");
+        assert!(stderr.contains(&format!("{key} = ")), "{key}: {stderr}");
+    }
+}
+
 /// The image-build gate on the config the package ships: refused (exit 78, naming
 /// mdma_url) as shipped and with its placeholder uncommented, by `check-config` and by the
 /// daemon alike; accepted once a real URL is put there.
