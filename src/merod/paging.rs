@@ -1,10 +1,24 @@
 //! Reading one of merod's offset-paged lists whole, or not at all. Offset paging can lie
-//! in two ways: a server that ignores `offset` answers the first page for ever (a loop that
-//! ends only on a short page never ends), and a row removed before the offset between two
-//! page reads shifts the rest, so a row held throughout is skipped and the list looks whole.
+//! in three ways: a server that ignores `offset` answers the first page for ever (a loop that
+//! ends only on a short page never ends); a row removed before the offset between two page
+//! reads shifts the rest, so a row held throughout is skipped and the list looks whole; and a
+//! server that serves fewer rows a page than asked (500 where 1,000 were asked) makes its
+//! first page look like the last.
+//!
 //! Pages therefore overlap by one row (the anchor): each page after the first must start with
 //! the previous page's last row, must add at least one row, and there are at most so many
-//! pages. Every paged read of merod goes through [`PageWalk`].
+//! pages. A page shorter than asked ends the list only where that agrees with merod's
+//! documented paging: merod serves at least its default page ([`PAGE_FLOOR`] rows) whenever
+//! that many remain, so a page under it is the last. A short page of [`PAGE_FLOOR`] rows or
+//! more, before any full page of this walk, may be merod's own cap: the next offset is read
+//! to tell (one extra read, only for lists that long and shorter than a page asked). When it brings rows, merod's cap is learned and the walk goes on in
+//! pages of that size; when it brings none, the list is whole; when it cannot be read as the
+//! continuation, the list is not read whole. Every paged read of merod goes through
+//! [`PageWalk`].
+
+/// merod's default page (`limit` unset: 100 rows), which it serves whenever that many rows
+/// remain, whatever cap it puts on larger pages: a page shorter than this is the last one.
+pub(crate) const PAGE_FLOOR: usize = 100;
 
 /// Why a paged read cannot be taken as whole.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -39,8 +53,8 @@ pub(crate) enum Step {
     Done,
 }
 
-/// One walk through an offset-paged list of `size` rows a page, at most `max_pages` pages
-/// (see the module docs).
+/// One walk through an offset-paged list, asking `size` rows a page, at most `max_pages`
+/// pages (see the module docs).
 #[derive(Debug)]
 pub(crate) struct PageWalk {
     size: usize,
@@ -49,6 +63,13 @@ pub(crate) struct PageWalk {
     offset: usize,
     /// The previous page's first and last row.
     previous: Option<(String, String)>,
+    /// The rows a page merod serves at most, once known: a page as long as asked, or a
+    /// short page followed by more rows. A page shorter than it is the last.
+    cap: Option<usize>,
+    /// The page before was short but not surely the last: this one tells.
+    confirming: bool,
+    /// How many rows the page before held.
+    last_len: usize,
 }
 
 impl PageWalk {
@@ -60,6 +81,9 @@ impl PageWalk {
             pages: 0,
             offset: 0,
             previous: None,
+            cap: None,
+            confirming: false,
+            last_len: 0,
         }
     }
 
@@ -106,13 +130,34 @@ impl PageWalk {
                 }
             }
         }
-        if keys.len() < self.size {
-            return Ok(Step::Done);
+        let len = keys.len();
+        if self.confirming {
+            self.confirming = false;
+            if len <= 1 {
+                // Only the anchor: the short page before was the last.
+                return Ok(Step::Done);
+            }
+            // More rows: the short page before was merod's cap.
+            self.cap = Some(self.last_len);
+        }
+        // A full page: as asked, or as merod's learned cap serves them.
+        let full = self.cap.map_or(self.size, |cap| cap.min(self.size));
+        if len >= self.size {
+            // merod served all that was asked: it puts no cap below it.
+            self.cap = Some(self.size);
+        }
+        if len < full {
+            if len < PAGE_FLOOR || self.cap.is_some() {
+                return Ok(Step::Done);
+            }
+            // Short, yet long enough to be merod's cap: the next offset tells.
+            self.confirming = true;
         }
         if let (Some(first), Some(last)) = (keys.first(), keys.last()) {
             self.previous = Some(((*first).to_owned(), (*last).to_owned()));
         }
-        self.offset += self.size - 1;
+        self.last_len = len;
+        self.offset += len - 1;
         Ok(Step::More)
     }
 }
@@ -206,5 +251,76 @@ mod tests {
         let all = rows(45);
         let got = walk(10, 5, |o, l| all.iter().skip(o).take(l).cloned().collect());
         assert_eq!(got.unwrap(), all);
+    }
+
+    /// Reads `rows(n)` from a server that serves at most `cap` rows a page: the rows read,
+    /// and how many pages.
+    fn capped(n: usize, size: usize, cap: usize) -> (Result<Vec<String>, PageFault>, usize) {
+        let all = rows(n);
+        let mut served = 0;
+        let got = walk(size, 1000, |o, l| {
+            served += 1;
+            all.iter().skip(o).take(l.min(cap)).cloned().collect()
+        });
+        (got, served)
+    }
+
+    #[test]
+    fn a_server_capping_pages_below_the_size_asked_is_read_whole() {
+        for n in [0, 1, 99, 100, 499, 500, 501, 998, 999, 1000, 1499, 2500] {
+            let (got, served) = capped(n, 1000, 500);
+            assert_eq!(got.unwrap(), rows(n), "{n} rows");
+            // One page per 499 new rows after the first 500, and one more read where a
+            // page of 500 could be the last.
+            assert!(served <= 2 + n / 499, "{n} rows: {served} pages");
+        }
+        // A cap at merod's default page, as when `limit` is ignored.
+        for n in [100, 101, 250, 1000] {
+            let (got, _) = capped(n, 1000, PAGE_FLOOR);
+            assert_eq!(got.unwrap(), rows(n), "{n} rows");
+        }
+    }
+
+    #[test]
+    fn only_a_short_page_that_could_be_a_cap_costs_a_read_more() {
+        // Under merod's default page: the last, no read more.
+        for n in [0, 1, 3, 99] {
+            assert_eq!(capped(n, 1000, 1000).1, 1, "{n} rows");
+        }
+        // 100 rows or more, fewer than asked: one read more, which finds only the anchor.
+        for n in [100, 150, 999] {
+            let (got, served) = capped(n, 1000, 1000);
+            assert_eq!(got.unwrap(), rows(n));
+            assert_eq!(served, 2, "{n} rows");
+        }
+        // Once merod's cap is learned, a page under it ends the list at once.
+        let (got, served) = capped(1200, 1000, 500);
+        assert_eq!(got.unwrap(), rows(1200));
+        assert_eq!(served, 3, "500, 499 new, 201 new");
+        // After a full page, merod puts no cap below the size asked: no read more.
+        let (got, served) = capped(2500, 1000, 1000);
+        assert_eq!(got.unwrap(), rows(2500));
+        assert_eq!(served, 3, "1000, 999 new, 501 new");
+    }
+
+    #[test]
+    fn a_read_past_a_short_page_that_does_not_continue_it_is_an_error() {
+        // The list shifted between the short page and the read past it.
+        let mut all = rows(300);
+        let mut pages = 0;
+        let got = walk(1000, 100, |o, l| {
+            pages += 1;
+            if pages == 2 {
+                all.remove(0);
+            }
+            all.iter().skip(o).take(l.min(200)).cloned().collect()
+        });
+        assert_eq!(got, Err(PageFault::Shifted { offset: 199 }));
+        // A server ignoring `offset` and capping: the read past repeats the first page.
+        let all = rows(300);
+        let got = walk(1000, 100, |_, l| {
+            all.iter().take(l.min(200)).cloned().collect()
+        });
+        assert_eq!(got, Err(PageFault::NotAdvancing { offset: 199 }));
     }
 }

@@ -39,7 +39,8 @@
 //!   a group; `GET /usage` (a row of zeros per held namespace, or
 //!   [`MerodEmulator::set_usage_total`]'s; 500 with [`MerodEmulator::set_usage_failing`]);
 //!   [`MerodEmulator::set_ignores_offset`] makes the paged lists answer the first page for
-//!   any offset, as a server ignoring `offset` would;
+//!   any offset, as a server ignoring `offset` would; [`MerodEmulator::set_page_cap`] makes
+//!   them serve fewer rows a page than asked;
 //! - the recovery envelopes' routes: `GET /groups/{id}/member-devices` (`?offset=&limit=`;
 //!   what [`MerodEmulator::set_member_devices`] gave, else the recorded row of the node's own
 //!   account) for a group of a held namespace's tree, else 500; `POST
@@ -443,6 +444,8 @@ struct Inner {
     usage_failing: bool,
     /// The paged group lists answer their first page whatever the offset.
     ignores_offset: bool,
+    /// Most rows a page of a group list holds, whatever `limit` asked.
+    page_cap: Option<usize>,
     /// How long the inventory's routes (usage, subgroups, contexts, capabilities) wait
     /// before answering.
     inventory_delay: Duration,
@@ -531,6 +534,7 @@ impl MerodEmulator {
                 usage_total: HashMap::new(),
                 usage_failing: false,
                 ignores_offset: false,
+                page_cap: None,
                 inventory_delay: Duration::ZERO,
                 inventory_calls: HashMap::new(),
                 group_members: HashMap::new(),
@@ -721,6 +725,13 @@ impl MerodEmulator {
     /// Makes the paged group lists (contexts, members) ignore `offset`.
     pub fn set_ignores_offset(&self, ignores: bool) {
         lock(&self.shared.inner).ignores_offset = ignores;
+    }
+
+    /// Makes the paged group lists (contexts, members, member devices) serve at most `cap`
+    /// rows a page whatever `limit` asks, as a merod capping pages below the size asked
+    /// would (`None`: as asked, contexts and devices at most 1,000).
+    pub fn set_page_cap(&self, cap: Option<usize>) {
+        lock(&self.shared.inner).page_cap = cap;
     }
 
     /// How many requests the inventory's routes got: `subgroups`, `contexts`, `members`,
@@ -1039,6 +1050,11 @@ fn count_call<'s>(shared: &'s Shared, route: &'static str) -> std::sync::MutexGu
     inner
 }
 
+/// `limit` under the page cap [`MerodEmulator::set_page_cap`] set.
+fn capped(inner: &Inner, limit: usize) -> usize {
+    inner.page_cap.map_or(limit, |cap| limit.min(cap))
+}
+
 fn group_subgroups(shared: &Shared, raw: &str) -> Answer {
     let Ok(id) = parse_id(raw) else {
         return shared.fixtures.leave_bad_id.respond();
@@ -1066,13 +1082,14 @@ fn group_contexts(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
         return fixtures.contexts_not_held.respond();
     }
     let offset = if inner.ignores_offset { 0 } else { offset };
+    let limit = capped(&inner, limit.min(1000));
     let rows: Vec<Value> = inner
         .contexts
         .get(&id)
         .map(|c| {
             c.iter()
                 .skip(offset)
-                .take(limit.min(1000))
+                .take(limit)
                 .map(|c| json!({ "contextId": c }))
                 .collect()
         })
@@ -1109,11 +1126,8 @@ fn group_member_devices(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
             vec![row]
         }
     };
-    let rows: Vec<Value> = rows
-        .into_iter()
-        .skip(offset)
-        .take(limit.min(1000))
-        .collect();
+    let limit = capped(&inner, limit.min(1000));
+    let rows: Vec<Value> = rows.into_iter().skip(offset).take(limit).collect();
     json_response(fixtures.member_devices.status, json!({ "members": rows }))
 }
 
@@ -1238,6 +1252,7 @@ fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
             given,
         )
     };
+    let limit = capped(&lock(&shared.inner), limit);
     if let Some(given) = given {
         let rows: Vec<Value> = given
             .iter()

@@ -883,3 +883,45 @@ async fn group_lists_are_read_whole_past_one_page_and_a_non_advancing_page_fails
         Err(MerodError::Refused { status: 500, .. })
     ));
 }
+
+/// A merod that serves fewer rows a page than asked (500 where 1,000 were asked): every
+/// group list is still read whole, never its first page taken as all of it; a list of 100
+/// rows or more shorter than a page asked costs one read more, a shorter one none.
+#[tokio::test]
+async fn group_lists_of_a_merod_capping_its_pages_are_read_whole() {
+    use fleet_sidecar::testing::merod::MerodEmulator;
+    let merod = MerodEmulator::start().await.unwrap();
+    let ns = "c".repeat(64);
+    merod.hold(&ns);
+    let contexts: Vec<String> = (0..1200).map(|i| format!("ctx{i:05}")).collect();
+    merod.set_contexts(&ns, &contexts);
+    merod.set_extra_members(700);
+    let accounts: Vec<String> = (0..600).map(|i| format!("{i:064x}")).collect();
+    let rows: Vec<(&str, &[(&str, &str)])> =
+        accounts.iter().map(|a| (a.as_str(), &[][..])).collect();
+    merod.set_member_devices(&ns, &rows);
+    merod.set_page_cap(Some(500));
+    let client = MerodClient::new(&merod.url()).unwrap();
+    let id: GroupId = ns.parse().unwrap();
+    assert_eq!(client.group_contexts(id).await.unwrap(), contexts);
+    assert_eq!(
+        merod.inventory_calls("contexts"),
+        3,
+        "500, then 499 new, then the last 201"
+    );
+    // The extra rows, then the owner and the node.
+    assert_eq!(client.group_members(id).await.unwrap().len(), 702);
+    assert_eq!(client.member_devices(id).await.unwrap().len(), 600);
+    // No cap: a list of 150 rows costs one read more (its page could have been a cap),
+    // one of 3 rows none.
+    merod.set_page_cap(None);
+    let short: Vec<String> = (0..150).map(|i| format!("ctx{i:05}")).collect();
+    merod.set_contexts(&ns, &short);
+    let before = merod.inventory_calls("contexts");
+    assert_eq!(client.group_contexts(id).await.unwrap(), short);
+    assert_eq!(merod.inventory_calls("contexts") - before, 2);
+    merod.set_contexts(&ns, &short[..3]);
+    let before = merod.inventory_calls("contexts");
+    assert_eq!(client.group_contexts(id).await.unwrap(), short[..3]);
+    assert_eq!(merod.inventory_calls("contexts") - before, 1);
+}
