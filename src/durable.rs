@@ -8,11 +8,14 @@
 //! start-up sweep ([`remove_stale_temp_files`]) finds what a crash left in a directory: a
 //! crash during the token write then leaves no copy of the token behind for good.
 //!
+//! A record that changes a little at a time keeps its changes in a [`Journal`] beside it
+//! (lines appended, fsynced once a batch) and is written whole only now and then.
+//!
 //! [`read_capped`] is the matching read of a node file the daemon only looks at: bounded in
 //! size, never blocked on a FIFO.
 
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// The name every temp file of [`write_atomically`] and [`check_writable`] starts with.
@@ -64,6 +67,89 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<(
         .and_then(|d| d.sync_all())
         .map_err(failed(path, "fsync directory"))?;
     Ok(())
+}
+
+/// An append-only file of lines beside a record written whole with [`write_atomically`]:
+/// each change since the record was last written is one line, so what a change costs on
+/// disk is its own size, not the record's. Lines are appended as they come; [`Journal::sync`]
+/// makes what was appended durable (one fsync, whatever the number of lines). The owner
+/// writes the record whole now and then and [`Journal::clear`]s the journal after it.
+/// Blocks: run it on the blocking pool from async code.
+#[derive(Debug)]
+pub(crate) struct Journal {
+    path: PathBuf,
+    file: std::fs::File,
+    len: u64,
+}
+
+impl Journal {
+    /// Opens `path` for appending, created with `mode` (its directory as
+    /// [`write_atomically`] creates one) and made durable in its directory when new.
+    ///
+    /// Errors: [`WriteError`] naming `path` and the failed step.
+    pub(crate) fn open(path: &Path, mode: u32) -> Result<Self, WriteError> {
+        let existed = path.exists();
+        if !existed {
+            // The directory, as a record's write would make it.
+            drop(temp_file_beside(path, mode)?);
+        }
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .mode(mode)
+            .open(path)
+            .map_err(failed(path, "open journal"))?;
+        if !existed {
+            std::fs::File::open(parent_dir(path))
+                .and_then(|d| d.sync_all())
+                .map_err(failed(path, "fsync directory"))?;
+        }
+        let len = file.metadata().map_err(failed(path, "stat journal"))?.len();
+        Ok(Self {
+            path: path.to_owned(),
+            file,
+            len,
+        })
+    }
+
+    /// Appends `line` and a newline (not yet durable: see [`Journal::sync`]).
+    ///
+    /// Errors: [`WriteError`] naming the journal.
+    pub(crate) fn append(&mut self, line: &[u8]) -> Result<(), WriteError> {
+        let mut bytes = Vec::with_capacity(line.len() + 1);
+        bytes.extend_from_slice(line);
+        bytes.push(b'\n');
+        self.file
+            .write_all(&bytes)
+            .map_err(failed(&self.path, "append to journal"))?;
+        self.len += bytes.len() as u64;
+        Ok(())
+    }
+
+    /// Makes every line appended so far durable (fdatasync).
+    ///
+    /// Errors: [`WriteError`] naming the journal.
+    pub(crate) fn sync(&mut self) -> Result<(), WriteError> {
+        self.file
+            .sync_data()
+            .map_err(failed(&self.path, "fsync journal"))
+    }
+
+    /// Empties the journal, durably: call it once the record holding its lines is written.
+    ///
+    /// Errors: [`WriteError`] naming the journal.
+    pub(crate) fn clear(&mut self) -> Result<(), WriteError> {
+        self.file
+            .set_len(0)
+            .map_err(failed(&self.path, "truncate journal"))?;
+        self.len = 0;
+        self.sync()
+    }
+
+    /// Bytes in the journal.
+    pub(crate) fn len(&self) -> u64 {
+        self.len
+    }
 }
 
 /// Checks that [`write_atomically`] can write beside `path`: its directory exists (created

@@ -18,7 +18,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -51,8 +51,15 @@ pub(crate) const PASS_EVERY: Duration = Duration::from_secs(300);
 pub(crate) const FULL_EVERY: Duration = Duration::from_secs(86_400);
 /// The state file, in the state directory (the Bash sidecar's name and format).
 pub(crate) const RECORD_FILE: &str = "fleet-recovery.json";
-/// Largest record read back (an entry is ~200 bytes).
+/// The journal beside the record: the changes since it was last written whole, one
+/// [`Change`] a line.
+pub(crate) const JOURNAL_FILE: &str = "fleet-recovery.journal";
+/// Largest record (or journal) read back (an entry is ~200 bytes).
 const MAX_RECORD: u64 = 64 * 1024 * 1024;
+/// How large the journal may grow during a pass before the record is written whole.
+const COMPACT_DURING_PASS: u64 = 8 * 1024 * 1024;
+/// The record and the journal name member accounts: nobody else reads them.
+const RECORD_MODE: u32 = 0o600;
 /// How long an account must have been missing from complete reads of its namespace (the
 /// first such read and a later one at least this far apart) before its envelope is deleted:
 /// one odd answer (`200 {"members": []}`) deletes nothing.
@@ -89,6 +96,34 @@ pub(crate) struct RecoveryRecord {
     /// When the last full pass started, Unix seconds (0: never).
     #[serde(default)]
     pub(crate) last_full: u64,
+    /// The highest version offered to MDMA of each envelope that may have landed without
+    /// being recorded (a crash or a lost answer after the offer): never offered again.
+    /// Not in the Bash sidecar's file; absent when empty.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub(crate) offered: BTreeMap<String, u64>,
+}
+
+/// One change to the [`RecoveryRecord`], a line of [`JOURNAL_FILE`]:
+/// `{"offer": {"<ns>/<account>": version, …}}`, `{"landed": {"key", "version", "sha256"}}`,
+/// `{"removed": "<ns>/<account>"}` or `{"full": <Unix s>}`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum Change {
+    /// Versions about to be offered (durable before the first of them goes out).
+    Offer(BTreeMap<String, u64>),
+    /// What MDMA took.
+    Landed {
+        /// `<namespace>/<account>`.
+        key: String,
+        /// The version taken.
+        version: u64,
+        /// Hex SHA-256 of the plaintext sealed.
+        sha256: String,
+    },
+    /// An envelope MDMA deleted.
+    Removed(String),
+    /// A full pass started then (Unix seconds).
+    Full(u64),
 }
 
 /// `<namespace>/<account>`, the record's key.
@@ -124,11 +159,39 @@ impl RecoveryRecord {
     }
 
     /// The version to write next for `account` in `namespace`: one above the recorded one
-    /// (1 for a new envelope).
+    /// and above any offered since (1 for a new envelope).
     pub(crate) fn next_version(&self, namespace: GroupId, account: &str) -> u64 {
-        self.envelopes
-            .get(&entry_key(namespace, account))
-            .map_or(1, |w| w.version.saturating_add(1))
+        let key = entry_key(namespace, account);
+        let recorded = self.envelopes.get(&key).map_or(0, |w| w.version);
+        let offered = self.offered.get(&key).copied().unwrap_or(0);
+        recorded.max(offered).saturating_add(1)
+    }
+
+    /// The record after `change`.
+    pub(crate) fn apply(&mut self, change: Change) {
+        match change {
+            Change::Offer(versions) => {
+                for (key, version) in versions {
+                    let at = self.offered.entry(key).or_insert(0);
+                    *at = (*at).max(version);
+                }
+            }
+            Change::Landed {
+                key,
+                version,
+                sha256,
+            } => {
+                if self.offered.get(&key).is_some_and(|v| *v <= version) {
+                    self.offered.remove(&key);
+                }
+                self.envelopes.insert(key, Written { version, sha256 });
+            }
+            Change::Removed(key) => {
+                self.envelopes.remove(&key);
+                self.offered.remove(&key);
+            }
+            Change::Full(at) => self.last_full = at,
+        }
     }
 }
 
@@ -430,10 +493,10 @@ impl RecoveryView {
         }
         let (confirmed, feed) = NamespacesOffer::channel();
         let (recorded, recorded_feed) = NamespacesOffer::channel();
-        let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
+        let kept = Kept::at(durable::parent_dir(&cfg.state_file).join(RECORD_FILE));
         let job = PassJob {
-            record: load_record(&path),
-            path,
+            record: kept.load(),
+            kept,
             deps,
             peer_id,
             confirmed: feed,
@@ -459,18 +522,38 @@ impl RecoveryView {
     }
 }
 
-/// The record at `path`; an empty one when there is none or it cannot be read (said: MDMA
-/// may then hold versions this node no longer knows, and answer 409 until they are passed).
-fn load_record(path: &Path) -> RecoveryRecord {
+/// The record at `path` with the changes of the journal at `journal` applied in order; an
+/// empty one when there is none or it cannot be read (said: MDMA may then hold versions this
+/// node no longer knows, and answer 409 until they are passed). A journal line that does not
+/// parse ends the replay there (a crash in the middle of an append tears only the last).
+fn load_record(path: &Path, journal: &Path) -> RecoveryRecord {
     let lost = |why: String| {
         warn!(path = %path.display(), "the recovery record is lost ({why}): envelopes start again at version 1, and where MDMA holds a newer one (409) the job looks for a version above it");
         RecoveryRecord::default()
     };
-    match durable::read_capped(path, MAX_RECORD) {
+    let mut record = match durable::read_capped(path, MAX_RECORD) {
         Ok(None) => RecoveryRecord::default(),
         Ok(Some(bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| lost(e.to_string())),
         Err(e) => lost(e.to_string()),
+    };
+    let bytes = match durable::read_capped(journal, MAX_RECORD) {
+        Ok(bytes) => bytes.unwrap_or_default(),
+        Err(e) => {
+            warn!(path = %journal.display(), "the recovery journal cannot be read ({e}): the changes since the record was last written are lost");
+            Vec::new()
+        }
+    };
+    let mut lines = bytes.split(|b| *b == b'\n').filter(|l| !l.is_empty());
+    for line in lines.by_ref() {
+        match serde_json::from_slice::<Change>(line) {
+            Ok(change) => record.apply(change),
+            Err(e) => {
+                warn!(path = %journal.display(), "the recovery journal ends in a line that does not parse ({e}): the changes from there on are lost");
+                break;
+            }
+        }
     }
+    record
 }
 
 struct PassJob {
@@ -482,7 +565,8 @@ struct PassJob {
     /// The set changed since a full pass last started: the next pass is full.
     pending_full: bool,
     record: RecoveryRecord,
-    path: PathBuf,
+    /// Where the record is kept.
+    kept: Kept,
     /// The node's own account: a member list without it proves no one left.
     account: AccountSource,
     /// Record keys missing from a complete read, and the start of the pass that first saw
@@ -532,18 +616,112 @@ impl Tally {
     }
 }
 
+/// Where the record is kept: written whole ([`RECORD_FILE`]) now and then, its changes since
+/// in the journal ([`JOURNAL_FILE`]) beside it.
+struct Kept {
+    path: PathBuf,
+    journal_path: PathBuf,
+    /// Opened at the first change.
+    journal: Arc<std::sync::Mutex<Option<durable::Journal>>>,
+    /// Bytes of the record as last written whole (read at start).
+    written_len: u64,
+}
+
+impl Kept {
+    /// The record at `path` and its journal beside it.
+    fn at(path: PathBuf) -> Self {
+        let journal_path = path.with_file_name(JOURNAL_FILE);
+        let written_len = std::fs::metadata(&path).map_or(0, |m| m.len());
+        Self {
+            path,
+            journal_path,
+            journal: Arc::new(std::sync::Mutex::new(None)),
+            written_len,
+        }
+    }
+
+    /// The record and its journal as they are on disk.
+    fn load(&self) -> RecoveryRecord {
+        load_record(&self.path, &self.journal_path)
+    }
+}
+
 impl PassJob {
-    /// Writes the record.
+    /// Appends `changes` to the journal (durable before it returns when `sync`), then
+    /// applies them to the record. An offer is synced before the `PUT`s it covers go out;
+    /// what landed, a delete or a full pass's start need not be: lost to a crash, the offer
+    /// still keeps the versions from being offered again, and a delete or a full pass is
+    /// merely done again.
     ///
-    /// Errors: [`PassError::Record`] when it could not be written.
-    async fn keep(&self) -> Result<(), PassError> {
+    /// Errors: [`PassError::Record`] when the journal cannot be written.
+    async fn change(&mut self, changes: Vec<Change>, sync: bool) -> Result<(), PassError> {
+        let lines = changes
+            .iter()
+            .map(serde_json::to_vec)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| PassError::Record(e.to_string()))?;
+        let (journal, path) = (
+            Arc::clone(&self.kept.journal),
+            self.kept.journal_path.clone(),
+        );
+        tokio::task::spawn_blocking(move || {
+            let mut journal = journal.lock().unwrap_or_else(PoisonError::into_inner);
+            if journal.is_none() {
+                *journal = Some(durable::Journal::open(&path, RECORD_MODE)?);
+            }
+            let Some(journal) = journal.as_mut() else {
+                return Ok(());
+            };
+            for line in &lines {
+                journal.append(line)?;
+            }
+            if sync {
+                journal.sync()?;
+            }
+            Ok::<(), durable::WriteError>(())
+        })
+        .await
+        .map_err(|e| PassError::Record(e.to_string()))?
+        .map_err(|e| PassError::Record(e.to_string()))?;
+        for change in changes {
+            self.record.apply(change);
+        }
+        Ok(())
+    }
+
+    /// Writes the record whole and empties the journal once the journal holds at least
+    /// `floor` bytes and half the record's size: the record's writes then cost at most twice
+    /// its changes, whatever its size.
+    ///
+    /// Errors: [`PassError::Record`] when the record cannot be written (the journal then
+    /// still holds every change).
+    async fn compact(&mut self, floor: u64) -> Result<(), PassError> {
+        let journal = Arc::clone(&self.kept.journal);
+        let pending = journal
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .map_or(0, durable::Journal::len);
+        if pending == 0 || pending < floor || pending.saturating_mul(2) < self.kept.written_len {
+            return Ok(());
+        }
         let bytes =
             serde_json::to_vec(&self.record).map_err(|e| PassError::Record(e.to_string()))?;
-        let path = self.path.clone();
-        tokio::task::spawn_blocking(move || durable::write_atomically(&path, &bytes, 0o600))
-            .await
-            .map_err(|e| PassError::Record(e.to_string()))?
-            .map_err(|e| PassError::Record(e.to_string()))
+        let len = bytes.len() as u64;
+        let path = self.kept.path.clone();
+        tokio::task::spawn_blocking(move || {
+            durable::write_atomically(&path, &bytes, RECORD_MODE)?;
+            let mut journal = journal.lock().unwrap_or_else(PoisonError::into_inner);
+            match journal.as_mut() {
+                Some(journal) => journal.clear(),
+                None => Ok(()),
+            }
+        })
+        .await
+        .map_err(|e| PassError::Record(e.to_string()))?
+        .map_err(|e| PassError::Record(e.to_string()))?;
+        self.kept.written_len = len;
+        Ok(())
     }
 
     fn key(&self, namespace: GroupId, account: &str) -> RecoveryKey {
@@ -575,10 +753,29 @@ impl PassJob {
             }
         };
         let plan = plaintexts(namespace, &groups);
+        // The versions about to be offered, durable before the first goes out: one fsync
+        // for the namespace, and no version that may land is ever offered again.
+        let offers: BTreeMap<String, u64> = plan
+            .iter()
+            .filter(|(account, p)| self.record.due(namespace, account, &p.sha256, full))
+            .map(|(account, _)| {
+                let key = entry_key(namespace, account);
+                let version = self
+                    .searching
+                    .get(&key)
+                    .map_or_else(|| self.record.next_version(namespace, account), |s| s.0);
+                (key, version)
+            })
+            .collect();
+        if offers.is_empty() {
+            return self.remove_left(namespace, &plan, tally).await;
+        }
+        self.change(vec![Change::Offer(offers.clone())], true)
+            .await?;
         for (account, plaintext) in &plan {
-            if !self.record.due(namespace, account, &plaintext.sha256, full) {
+            let Some(&version) = offers.get(&entry_key(namespace, account)) else {
                 continue;
-            }
+            };
             let sealed = match self
                 .deps
                 .merod
@@ -595,10 +792,22 @@ impl PassJob {
             let envelope = RecoveryEnvelope {
                 key: self.key(namespace, account),
                 ciphertext: sealed.to_json_string(),
-                version: 0,
+                version,
             };
             self.put(envelope, &plaintext.sha256, tally).await?;
         }
+        self.remove_left(namespace, &plan, tally).await
+    }
+
+    /// Removes the envelopes of the members of `namespace` no longer in `plan` (its complete
+    /// read) once proven gone ([`PassJob::proven_missing`]), unless the member list is empty
+    /// or lacks the node's own account.
+    async fn remove_left(
+        &mut self,
+        namespace: GroupId,
+        plan: &BTreeMap<String, Plaintext>,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
         let own = (self.account)().map(|a| a.trim().to_ascii_lowercase());
         let trusted = match &own {
             Some(own) => plan.contains_key(own),
@@ -660,11 +869,8 @@ impl PassJob {
         let namespace = envelope.key.namespace_id;
         let account = envelope.key.account_id.clone();
         let key = entry_key(namespace, &account);
-        let (mut version, mut refusals) = self
-            .searching
-            .get(&key)
-            .copied()
-            .unwrap_or((self.record.next_version(namespace, &account), 0));
+        let mut version = envelope.version;
+        let mut refusals = self.searching.get(&key).map_or(0, |s| s.1);
         let mut puts = 0;
         loop {
             envelope.version = version;
@@ -672,14 +878,12 @@ impl PassJob {
             match self.deps.mdma.put(&envelope).await {
                 Ok(()) => {
                     self.searching.remove(&key);
-                    self.record.envelopes.insert(
+                    let landed = Change::Landed {
                         key,
-                        Written {
-                            version,
-                            sha256: sha256.to_owned(),
-                        },
-                    );
-                    self.keep().await?;
+                        version,
+                        sha256: sha256.to_owned(),
+                    };
+                    self.change(vec![landed], false).await?;
                     tally.done.written += 1;
                     if refusals > 0 {
                         info!(namespace_id = %namespace, "Recovery envelope written for {account} in {namespace} (v{version}, above the {refusals} version(s) MDMA refused as held)");
@@ -709,6 +913,11 @@ impl PassJob {
                         ));
                         return Ok(());
                     }
+                    self.change(
+                        vec![Change::Offer(BTreeMap::from([(key.clone(), next)]))],
+                        true,
+                    )
+                    .await?;
                     version = next;
                 }
             }
@@ -726,10 +935,9 @@ impl PassJob {
         match self.deps.mdma.delete(&self.key(namespace, account)).await {
             Ok(()) => {
                 let key = entry_key(namespace, account);
-                self.record.envelopes.remove(&key);
                 self.missing.remove(&key);
                 self.searching.remove(&key);
-                self.keep().await?;
+                self.change(vec![Change::Removed(key)], false).await?;
                 tally.done.removed += 1;
                 info!(namespace_id = %namespace, "Recovery envelope removed for {account} in {namespace}: {why}");
             }
@@ -865,15 +1073,17 @@ impl Job for PassJob {
         let full = want_full(self.pending_full, self.record.last_full, now);
         if full {
             // Stamped at the start: a pass cut short is not begun again in full.
-            self.record.last_full = now;
             self.pending_full = false;
-            self.keep().await?;
+            self.change(vec![Change::Full(now)], false).await?;
         }
         let mut tally = Tally::new(Instant::now());
         for namespace in confirmed.iter() {
             self.pass_namespace(*namespace, full, &mut tally).await?;
+            // A long first pass keeps its journal bounded.
+            self.compact(COMPACT_DURING_PASS).await?;
         }
         self.remove_gone(&confirmed, &mut tally).await?;
+        self.compact(0).await?;
         // Sightings of entries since removed (a leave, a delete) go with them.
         let record = &self.record;
         self.missing.retain(|k, _| record.envelopes.contains_key(k));
@@ -1130,7 +1340,7 @@ mod tests {
         let (tx, feed) = NamespacesOffer::channel();
         let (_, recorded) = NamespacesOffer::channel();
         tx.offer(&confirmed.iter().copied().collect());
-        let path = dir.path().join(RECORD_FILE);
+        let kept = Kept::at(dir.path().join(RECORD_FILE));
         let job = PassJob {
             deps: RecoveryDeps {
                 merod: Arc::clone(&merod) as _,
@@ -1140,8 +1350,8 @@ mod tests {
             confirmed: feed,
             recorded,
             pending_full: false,
-            record: load_record(&path),
-            path,
+            record: kept.load(),
+            kept,
             account: Arc::new(|| Some(acct("alice"))),
             missing: BTreeMap::new(),
             searching: BTreeMap::new(),
@@ -1274,7 +1484,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_refused_put_spends_no_version_and_is_retried_at_the_same_version() {
+    async fn a_refused_put_records_nothing_and_is_offered_again_above_its_version() {
         let mut r = rig(three_members(), &[gid(1)]);
         *r.mdma.status.lock().unwrap() = Some(503);
         let err = r.job.run().await.unwrap_err();
@@ -1287,7 +1497,89 @@ mod tests {
         );
         *r.mdma.status.lock().unwrap() = None;
         assert_eq!(r.job.run().await.unwrap().written, 3);
-        assert!(r.puts().iter().all(|p| p.version == 1));
+        // v1 went out once and could have landed unanswered: never offered again.
+        assert!(r.puts().iter().all(|p| p.version == 2));
+    }
+
+    #[tokio::test]
+    async fn a_version_offered_is_never_offered_again_after_a_restart() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.job.run().await.unwrap();
+        // A crash after alice's v7 went out and before MDMA's answer was recorded.
+        let key = entry_key(gid(1), &acct("alice"));
+        r.job
+            .change(vec![Change::Offer(BTreeMap::from([(key, 7)]))], true)
+            .await
+            .unwrap();
+        let mut changed = three_members();
+        changed.contexts.insert(gid(1), vec!["ctx2".into()]);
+        let mut r = r.restarted(changed, &[gid(1)]);
+        r.job.run().await.unwrap();
+        let versions: BTreeMap<String, u64> = r
+            .puts()
+            .iter()
+            .map(|p| (p.key.account_id.clone(), p.version))
+            .collect();
+        assert_eq!(versions[&acct("alice")], 8);
+        assert_eq!(versions[&acct("bob")], 2);
+    }
+
+    #[tokio::test]
+    async fn the_record_s_disk_writes_follow_what_changed_not_its_size() {
+        let names: Vec<String> = (0..300).map(|i| format!("m{i:03}")).collect();
+        let mut m = three_members();
+        let mut all = vec![acct("alice")];
+        all.extend(names.iter().map(|n| acct(n)));
+        m.members.insert(gid(1), all.clone());
+        let mut r = rig(m, &[gid(1)]);
+        assert_eq!(r.job.run().await.unwrap().written, 301);
+        let record = r.job.kept.path.clone();
+        let journal = r.job.kept.journal_path.clone();
+        // The first pass ends in the record written whole and the journal emptied.
+        let whole = std::fs::read(&record).unwrap();
+        assert!(whole.len() > 301 * 100, "{}", whole.len());
+        assert_eq!(std::fs::metadata(&journal).unwrap().len(), 0);
+        // One member's envelope changes: the record is not written again, the journal
+        // gains its offer and its landing, a few hundred bytes.
+        let mut m = three_members();
+        m.members.insert(gid(1), all);
+        m.devices.entry(gid(1)).or_default().push(MemberDevices {
+            account: acct("m007"),
+            devices: vec![device("d9")],
+        });
+        r.merod_now(m);
+        assert_eq!(r.job.run().await.unwrap().written, 1);
+        assert_eq!(std::fs::read(&record).unwrap(), whole, "not rewritten");
+        let journal_len = std::fs::metadata(&journal).unwrap().len();
+        assert!(journal_len > 0 && journal_len < 512, "{journal_len}");
+        // Nothing changed: nothing written at all.
+        r.job.run().await.unwrap();
+        assert_eq!(std::fs::metadata(&journal).unwrap().len(), journal_len);
+        // What the journal holds is read back on a restart.
+        let reloaded = r.job.kept.load();
+        assert_eq!(reloaded, r.job.record);
+        assert_eq!(reloaded.next_version(gid(1), &acct("m007")), 3);
+    }
+
+    #[test]
+    fn a_journal_torn_at_its_end_is_read_up_to_the_tear() {
+        let dir = tempfile::tempdir().unwrap();
+        let kept = Kept::at(dir.path().join(RECORD_FILE));
+        let key = entry_key(gid(1), &acct("alice"));
+        let landed = serde_json::to_string(&Change::Landed {
+            key: key.clone(),
+            version: 4,
+            sha256: "ab".into(),
+        })
+        .unwrap();
+        std::fs::write(
+            &kept.journal_path,
+            format!("{landed}\n{{\"offer\":{{\"{key}\":"),
+        )
+        .unwrap();
+        let record = kept.load();
+        assert_eq!(record.next_version(gid(1), &acct("alice")), 5);
+        assert!(record.offered.is_empty());
     }
 
     #[tokio::test]

@@ -1,0 +1,65 @@
+//! The loopback emulators holding N namespaces already confirmed, each with three member
+//! accounts (the node's own and two others, one device each) and a context, merod with its
+//! seal route, for measuring the recovery envelopes' first full pass and the steady state
+//! after it. Writes the config (the inventory off, so the disk writes measured are the
+//! recovery job's and the log's), prints `CONFIG=` and `STATE=`, and serves until killed.
+//! Used by `scripts/recovery-writes.sh`.
+//!
+//! ```text
+//! cargo run --release --example recovery-sandbox -- 1000
+//! ```
+
+use std::collections::BTreeSet;
+
+use fleet_sidecar::testing::mdma::PollReply;
+use fleet_sidecar::testing::merod::ACCOUNT_ID;
+use fleet_sidecar::testing::sandbox::Sandbox;
+use fleet_sidecar::{GroupId, State, StateStore};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let n: usize = std::env::args()
+        .nth(1)
+        .as_deref()
+        .unwrap_or("1000")
+        .parse()?;
+    let sb = Sandbox::start(None).await?;
+    let ids: Vec<String> = (0..n).map(|i| format!("{:064x}", i + 1)).collect();
+    for (i, id) in ids.iter().enumerate() {
+        let (a, b) = (format!("{:064x}", 2 * i + 1), format!("{:064x}", 2 * i + 2));
+        sb.merod.hold(id);
+        sb.merod.set_group_members(
+            id,
+            &[(ACCOUNT_ID, "ReadOnlyTee"), (&a, "Member"), (&b, "Member")],
+        );
+        sb.merod.set_contexts(id, &[format!("ctx{i}")]);
+        sb.merod.set_member_devices(
+            id,
+            &[
+                (ACCOUNT_ID, &[("d0", "k0")]),
+                (&a, &[("d1", "k1")]),
+                (&b, &[("d2", "k2")]),
+            ],
+        );
+    }
+    sb.merod.set_seal_route(true);
+    let confirmed: BTreeSet<GroupId> = ids.iter().map(|i| i.parse()).collect::<Result<_, _>>()?;
+    StateStore::new(sb.state_file()).save(&State {
+        admitted: confirmed.clone(),
+        confirmed,
+        ..State::default()
+    })?;
+    sb.mdma.set_reply(PollReply::assign(ids));
+    let config = sb.write_config("")?;
+    std::fs::write(
+        &config,
+        format!(
+            "{}\n[inventory]\nenabled = false\n",
+            std::fs::read_to_string(&config)?
+        ),
+    )?;
+    println!("CONFIG={}", config.display());
+    println!("STATE={}", sb.state_file().display());
+    tokio::signal::ctrl_c().await?;
+    Ok(())
+}
