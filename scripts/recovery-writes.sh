@@ -39,7 +39,11 @@ figures() {
     w=$(awk '/^write_bytes/ {print $2}' /proc/"$pid"/io)
     echo "$(( (u + s) * 1000 / tck )) $w"
 }
-written() { grep -c 'Recovery envelope written' "$log" 2>/dev/null || true; }
+written() {
+    local c
+    c=$(grep -c 'Recovery envelope written' "$log" 2>/dev/null || true)
+    echo "${c:-0}"
+}
 size() { stat -c %s "$1" 2>/dev/null || echo 0; }
 deadline=$(( $(date +%s) + limit ))
 while [ "$(written)" -lt "$want" ] && [ "$(date +%s)" -lt "$deadline" ]; do sleep 0.5; done
@@ -50,7 +54,7 @@ sleep "$steady"
 read -r cpu2 w2 < <(figures)
 n2=$(written)
 kill -TERM "$pid"; wait "$pid" || true
-echo "$n namespaces x 3 members ($want envelopes), $(basename "$bin") $( "$bin" --version 2>/dev/null | head -1 )"
+echo "$n namespaces x 3 members ($want envelopes), $bin"
 awk -v t0="$start" -v t1="$t1" -v c="$cpu1" -v w="$w1" -v e="$n1" 'BEGIN {
     printf "  first full pass: %.1f s, CPU %d ms, %.2f MB written to disk, %d envelopes written (%.0f bytes an envelope)\n",
         t1 - t0, c, w / 1e6, e, (e ? w / e : 0) }'
