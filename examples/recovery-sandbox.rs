@@ -1,12 +1,14 @@
 //! The loopback emulators holding N namespaces already confirmed, each with three member
 //! accounts (the node's own and two others, one device each) and a context, merod with its
 //! seal route, for measuring the recovery envelopes' first full pass and the steady state
-//! after it. Writes the config (the inventory off, so the disk writes measured are the
-//! recovery job's and the log's), prints `CONFIG=` and `STATE=`, and serves until killed.
-//! Used by `scripts/recovery-writes.sh`.
+//! after it. Writes the config (the inventory off unless the second argument is `all`, so
+//! the disk writes measured are the recovery job's and the log's), prints `CONFIG=` and
+//! `STATE=`, then every 100 ms `REQUESTS merod=M mdma=N` (the requests each emulator got
+//! so far), and serves until killed. Used by `scripts/recovery-writes.sh` and
+//! `scripts/node-cost.sh`.
 //!
 //! ```text
-//! cargo run --release --example recovery-sandbox -- 1000
+//! cargo run --release --example recovery-sandbox -- 1000 [all]
 //! ```
 
 use std::collections::BTreeSet;
@@ -18,11 +20,9 @@ use fleet_sidecar::{GroupId, State, StateStore};
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let n: usize = std::env::args()
-        .nth(1)
-        .as_deref()
-        .unwrap_or("1000")
-        .parse()?;
+    let mut args = std::env::args().skip(1);
+    let n: usize = args.next().as_deref().unwrap_or("1000").parse()?;
+    let every_job = args.next().as_deref() == Some("all");
     let sb = Sandbox::start(None).await?;
     let ids: Vec<String> = (0..n).map(|i| format!("{:064x}", i + 1)).collect();
     for (i, id) in ids.iter().enumerate() {
@@ -54,12 +54,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     std::fs::write(
         &config,
         format!(
-            "{}\n[inventory]\nenabled = false\n",
+            "{}\n[inventory]\nenabled = {every_job}\n",
             std::fs::read_to_string(&config)?
         ),
     )?;
     println!("CONFIG={}", config.display());
     println!("STATE={}", sb.state_file().display());
-    tokio::signal::ctrl_c().await?;
-    Ok(())
+    let mut every = tokio::time::interval(std::time::Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            _ = every.tick() => {
+                println!(
+                    "REQUESTS merod={} mdma={}",
+                    sb.merod.call_count(),
+                    sb.mdma.received()
+                );
+            }
+            done = tokio::signal::ctrl_c() => return Ok(done?),
+        }
+    }
 }

@@ -301,6 +301,8 @@ struct Inner {
     recovery_envelopes: HeldEnvelopes,
     /// The status recovery-envelope requests are answered with, when set.
     recovery_status: Option<u16>,
+    /// Requests received, to every path.
+    received: usize,
     standing: PollReply,
     queue: VecDeque<PollReply>,
     /// Remaining scripted confirm failures, keyed by lowercase group id.
@@ -361,6 +363,7 @@ impl MdmaEmulator {
                 recovery_calls: Vec::new(),
                 recovery_envelopes: HeldEnvelopes::new(),
                 recovery_status: None,
+                received: 0,
                 standing: PollReply::default(),
                 queue: VecDeque::new(),
                 confirm_failures: HashMap::new(),
@@ -486,6 +489,11 @@ impl MdmaEmulator {
     /// Every request to a path other than should-join and confirm, in arrival order.
     pub fn requests(&self) -> Vec<RequestRecord> {
         lock(&self.shared.inner).requests.clone()
+    }
+
+    /// How many requests came so far, to every path.
+    pub fn received(&self) -> usize {
+        lock(&self.shared.inner).received
     }
 
     /// The `admitter_addrs` sent with the assignment of `group_id` from now on.
@@ -657,6 +665,7 @@ impl Planned {
 
 /// should-join and confirm (POST), then any scripted path.
 async fn route(shared: Arc<Shared>, request: Received) -> Answer {
+    lock(&shared.inner).received += 1;
     let mut answer = answer(&shared, request).await;
     if !answer.status().is_success() {
         let retry_after = lock(&shared.inner).retry_after.clone();

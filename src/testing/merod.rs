@@ -656,6 +656,12 @@ impl MerodEmulator {
         lock(&self.shared.inner).calls.clone()
     }
 
+    /// How many requests came so far (as [`MerodEmulator::calls`] would count them, without
+    /// copying them).
+    pub fn call_count(&self) -> usize {
+        lock(&self.shared.inner).calls.len()
+    }
+
     /// Well-formed fleet-join calls for this namespace so far (refused 400s not counted).
     pub fn joins(&self, group_id: &str) -> usize {
         lock(&self.shared.inner)
