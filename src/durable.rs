@@ -15,7 +15,7 @@
 //! size, never blocked on a FIFO.
 
 use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 /// The name every temp file of [`write_atomically`] and [`check_writable`] starts with.
@@ -75,6 +75,7 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8], mode: u32) -> Result<(
 /// makes what was appended durable (one fsync, whatever the number of lines). The owner
 /// writes the record whole now and then and [`Journal::clear`]s the journal after it.
 /// Blocks: run it on the blocking pool from async code.
+#[cfg(feature = "daemon")] // the recovery job's alone: a tool's build leaves it out
 #[derive(Debug)]
 pub(crate) struct Journal {
     path: PathBuf,
@@ -82,12 +83,14 @@ pub(crate) struct Journal {
     len: u64,
 }
 
+#[cfg(feature = "daemon")]
 impl Journal {
     /// Opens `path` for appending, created with `mode` (its directory as
     /// [`write_atomically`] creates one) and made durable in its directory when new.
     ///
     /// Errors: [`WriteError`] naming `path` and the failed step.
     pub(crate) fn open(path: &Path, mode: u32) -> Result<Self, WriteError> {
+        use std::os::unix::fs::OpenOptionsExt;
         let existed = path.exists();
         if !existed {
             // The directory, as a record's write would make it.
