@@ -55,6 +55,7 @@ mod startup;
 mod swarm;
 mod tasks;
 mod tls_install;
+mod trees;
 mod units;
 
 pub use crate::telemetry::serve as serve_status;

@@ -40,7 +40,7 @@ mod node_key;
 mod paging;
 mod seal;
 
-pub use groups::{GroupMember, StorageBytes, GROUP_PAGE, GROUP_PAGES};
+pub use groups::{GroupMember, NamespaceUsage, StorageBytes, GROUP_PAGE, GROUP_PAGES};
 #[cfg(feature = "daemon")]
 pub(crate) use listen::ListenCandidates;
 pub use node_key::{NodeKey, NodeKeyError};

@@ -122,6 +122,7 @@ fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
 /// holds the entry points and re-exports, and a file below it names neither `daemon.rs`'s
 /// own items (an arrow back up) nor a module on its own floor or above.
 const DAEMON_FLOORS: &[&[&str]] = &[
+    &["trees"],
     &[
         "held",
         "inventory",

@@ -1,17 +1,20 @@
 //! The context inventory MDMA keeps of each node: what to report and when (pure: [`want_full`],
-//! [`plan`], [`InventoryRecord`]) and the walk of one namespace through merod
-//! ([`walk_namespace`], over [`GroupReader`]).
+//! [`plan`], [`InventoryRecord`], [`scanned_of`]) and the job that walks the confirmed
+//! namespaces (through `trees`) and reports them.
 //!
-//! A scan walks every confirmed namespace: its groups breadth-first from the namespace (at most
-//! [`MAX_GROUPS`]), each group's contexts, whether the node can author there, its role and the
-//! member count, and once per scan the storage of every namespace. Namespaces read whole go in
-//! the `full` batch; partial ones are added without pruning (`full: false`). Nothing is posted
-//! unless something other than `bytes` changed or a full report is due (every
-//! [`FULL_EVERY`], and when the confirmed set changed). What was posted is kept in
-//! `fleet-inventory.json` ([`InventoryRecord`]); a failed post keeps nothing, so the next scan
-//! posts again.
+//! A scan reads merod's usage of every namespace once, then walks the namespaces the
+//! [`WalkBook`] picks: every one when a full report is due (every [`FULL_EVERY`], and when
+//! the confirmed set changed), else those whose usage signal moved, those not read whole
+//! before and those the recovery envelopes asked for. Each walk reads the tree's groups,
+//! contexts, whether the node can author there, its role and the member count (and, for the
+//! envelopes, every group's members and devices: the walk goes on to them through a
+//! [`Handoff`], so no tree is read twice). Namespaces read whole go in the `full` batch;
+//! partial ones are added without pruning (`full: false`). Nothing is posted unless
+//! something other than `bytes` changed or a full report is due. What was posted is kept in
+//! `fleet-inventory.json` ([`InventoryRecord`]); a failed post keeps nothing, so the next
+//! scan posts again.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,16 +32,18 @@ use crate::durable;
 use crate::ids::{GroupId, PeerId};
 use crate::jobs::{self, Job, Schedule};
 use crate::mdma::{CallError, GroupInventory, InventoryReport, MdmaClient, NamespaceInventory};
-use crate::merod::{GroupMember, ListenCandidates, MerodClient, MerodError, StorageBytes, TeeRole};
+use crate::merod::{NamespaceUsage, TeeRole};
 use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
+use super::trees::{
+    walk_tree, GroupReader, Handoff, Needs, TreeRead, WalkBook, HANDOFF_WAIT, WHOLE_EVERY,
+};
+
 /// How often the confirmed namespaces are walked (and at once when the set changes).
 pub(crate) const SCAN_EVERY: Duration = Duration::from_secs(60);
-/// How often a full report is sent at the latest.
-pub(crate) const FULL_EVERY: Duration = Duration::from_secs(900);
-/// Most groups of one namespace walked; a tree left over makes the read partial.
-pub(crate) const MAX_GROUPS: usize = 512;
+/// How often a full report is sent at the latest (every namespace is walked whole then).
+pub(crate) const FULL_EVERY: Duration = WHOLE_EVERY;
 /// Bound of the walk of one namespace (its member list, subgroups, contexts, capabilities).
 pub(crate) const WALK_BUDGET: Duration = Duration::from_secs(20);
 /// The state file, in the state directory.
@@ -242,60 +247,6 @@ pub(crate) fn plan(scanned: &[Scanned], record: &InventoryRecord, want_full: boo
     posts
 }
 
-/// The merod reads a walk needs ([`MerodClient`]'s; a fake in tests).
-#[async_trait]
-pub(crate) trait GroupReader: Send + Sync {
-    /// [`MerodClient::subgroups`].
-    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError>;
-    /// [`MerodClient::group_contexts`].
-    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError>;
-    /// [`MerodClient::group_members`].
-    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError>;
-    /// [`MerodClient::member_capabilities`].
-    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError>;
-    /// [`MerodClient::usage`].
-    async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError>;
-}
-
-#[async_trait]
-impl GroupReader for MerodClient {
-    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
-        MerodClient::subgroups(self, group).await
-    }
-    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
-        self.group_contexts(group).await
-    }
-    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
-        self.group_members(group).await
-    }
-    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
-        self.member_capabilities(group, account).await
-    }
-    async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
-        MerodClient::usage(self).await
-    }
-}
-
-/// merod at the `[server].listen` address the loop chose.
-#[async_trait]
-impl GroupReader for ListenCandidates {
-    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
-        self.current().subgroups(group).await
-    }
-    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
-        self.current().group_contexts(group).await
-    }
-    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
-        self.current().group_members(group).await
-    }
-    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
-        self.current().member_capabilities(group, account).await
-    }
-    async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
-        self.current().usage().await
-    }
-}
-
 /// Where an inventory report goes ([`MdmaClient::report_inventory`]; a fake in tests).
 #[async_trait]
 pub(crate) trait InventorySink: Send + Sync {
@@ -408,31 +359,30 @@ pub(crate) struct InventoryView {
 }
 
 impl InventoryView {
+    /// Whether [`InventoryView::start`] starts the job.
+    pub(crate) fn starts(cfg: &Config, deps: Option<&InventoryDeps>) -> bool {
+        deps.is_some() && cfg.inventory.enabled && !cfg.dry_run
+    }
+
     /// Starts the job for the node `peer_id` when `[inventory] enabled` (not in a dry run,
-    /// not without `deps`), its record kept beside the state file.
+    /// not without `deps`), its record kept beside the state file. With `recovery`, each
+    /// walk also reads what the recovery envelopes need and is handed to them there.
     pub(crate) fn start(
         cfg: &Config,
         deps: Option<InventoryDeps>,
         peer_id: PeerId,
         account: AccountSource,
+        recovery: Option<Arc<Handoff>>,
         telemetry: Arc<Telemetry>,
         shutdown: CancellationToken,
     ) -> Option<Self> {
-        let deps = deps?;
-        if !cfg.inventory.enabled || cfg.dry_run {
+        if !Self::starts(cfg, deps.as_ref()) {
             return None;
         }
+        let deps = deps?;
         let (confirmed, feed) = NamespacesOffer::channel();
         let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
-        let job = ScanJob {
-            record: load_record(&path),
-            path,
-            deps,
-            peer_id,
-            account,
-            confirmed: feed,
-            pending_full: false,
-        };
+        let job = ScanJob::new(deps, peer_id, account, feed, path, recovery);
         jobs::spawn(job, telemetry, shutdown);
         Some(Self { confirmed })
     }
@@ -463,7 +413,8 @@ fn load_record(path: &Path) -> InventoryRecord {
 /// The node's account once known (the loop's account cache), read at each scan.
 pub(crate) type AccountSource = Arc<dyn Fn() -> Option<String> + Send + Sync>;
 
-struct ScanJob {
+/// The inventory job: one scan a run.
+pub(crate) struct ScanJob {
     deps: InventoryDeps,
     peer_id: PeerId,
     account: AccountSource,
@@ -472,9 +423,36 @@ struct ScanJob {
     pending_full: bool,
     record: InventoryRecord,
     path: PathBuf,
+    /// Which namespaces were read whole, with what signal.
+    book: WalkBook,
+    /// Where each walk goes on to the recovery envelopes (when they are kept).
+    recovery: Option<Arc<Handoff>>,
 }
 
 impl ScanJob {
+    /// The job reporting for `peer_id` the namespaces `confirmed` hands it, its record at
+    /// `path` (read now), each walk handed on to `recovery` when given.
+    pub(crate) fn new(
+        deps: InventoryDeps,
+        peer_id: PeerId,
+        account: AccountSource,
+        confirmed: NamespacesFeed,
+        path: PathBuf,
+        recovery: Option<Arc<Handoff>>,
+    ) -> Self {
+        Self {
+            record: load_record(&path),
+            path,
+            deps,
+            peer_id,
+            account,
+            confirmed,
+            pending_full: false,
+            book: WalkBook::default(),
+            recovery,
+        }
+    }
+
     /// Writes the record (a failure is said: the next scan may post again what landed).
     async fn keep(&self) {
         let (path, bytes) = match serde_json::to_vec(&self.record) {
@@ -526,26 +504,44 @@ impl Job for ScanJob {
         let usage = match self.deps.merod.usage().await {
             Ok(u) => Some(u),
             Err(e) => {
-                warn!("merod's usage did not answer ({e}); reporting the inventory without bytes");
+                warn!("merod's usage did not answer ({e}); reporting the inventory without bytes and walking every namespace");
                 None
             }
         };
+        let started = Instant::now();
+        let whole = full || self.book.whole_due(started);
+        let mut to_walk = self.book.pick(&confirmed, usage.as_ref(), whole, started);
+        if let Some(handoff) = &self.recovery {
+            handoff.retain(&confirmed);
+            let asked = handoff.wanted(started, handoff.room());
+            to_walk.extend(asked);
+            to_walk.sort_unstable();
+            to_walk.dedup();
+        }
         let account = (self.account)();
-        let mut scanned = Vec::with_capacity(confirmed.len());
-        for id in confirmed.iter() {
-            match walk_namespace(
-                self.deps.merod.as_ref(),
-                *id,
-                account.as_deref(),
-                usage.as_ref(),
-                WALK_BUDGET,
-            )
-            .await
-            {
+        let needs = Needs {
+            account: account.as_deref(),
+            devices: self.recovery.is_some(),
+            capabilities: true,
+        };
+        let mut wait_left = HANDOFF_WAIT;
+        let mut scanned = Vec::with_capacity(to_walk.len());
+        for id in to_walk {
+            let read = walk_tree(self.deps.merod.as_ref(), id, needs, WALK_BUDGET).await;
+            self.book.walked(id, usage.as_ref(), read.complete());
+            match scanned_of(&read, usage.as_ref()) {
                 Some(s) => scanned.push(s),
                 None => {
                     warn!(namespace_id = %id, "could not read the context inventory; leaving MDMA's copy untouched")
                 }
+            }
+            if let Some(handoff) = &self.recovery {
+                if handoff.room() == 0 && !wait_left.is_zero() {
+                    let waited = Instant::now();
+                    handoff.room_within(wait_left).await;
+                    wait_left = wait_left.saturating_sub(waited.elapsed());
+                }
+                handoff.deliver(read);
             }
         }
         drop(usage);
@@ -595,140 +591,33 @@ impl Job for ScanJob {
     }
 }
 
-/// The groups of a namespace's tree, breadth-first from the namespace, each once, at most
-/// [`MAX_GROUPS`]: the walk the inventory and the recovery envelopes share.
-pub(crate) struct TreeWalk {
-    queue: VecDeque<GroupId>,
-    seen: BTreeSet<GroupId>,
-    walked: usize,
-}
-
-/// The tree has more than [`MAX_GROUPS`] groups: what was walked is not all of it.
-#[derive(Debug)]
-pub(crate) struct TreeTooLarge;
-
-impl TreeWalk {
-    /// A walk from `root`.
-    pub(crate) fn new(root: GroupId) -> Self {
-        Self {
-            queue: VecDeque::from([root]),
-            seen: BTreeSet::from([root]),
-            walked: 0,
-        }
-    }
-
-    /// The next group to read; `None` when the tree is walked.
-    ///
-    /// Errors: [`TreeTooLarge`] when [`MAX_GROUPS`] were walked and more are left.
-    pub(crate) fn next_group(&mut self) -> Result<Option<GroupId>, TreeTooLarge> {
-        if self.queue.is_empty() {
-            return Ok(None);
-        }
-        if self.walked == MAX_GROUPS {
-            return Err(TreeTooLarge);
-        }
-        self.walked += 1;
-        Ok(self.queue.pop_front())
-    }
-
-    /// The subgroups of the group last handed out (one seen before is not walked again).
-    pub(crate) fn found(&mut self, children: Vec<GroupId>) {
-        let seen = &mut self.seen;
-        self.queue
-            .extend(children.into_iter().filter(|c| seen.insert(*c)));
-    }
-}
-
-/// `call`, unless `deadline` passed first (`None`: out of budget).
-pub(crate) async fn within<T>(
-    deadline: Instant,
-    call: impl std::future::Future<Output = Result<T, MerodError>>,
-) -> Option<Result<T, MerodError>> {
-    tokio::time::timeout_at(deadline, call).await.ok()
-}
-
-/// Walks `namespace` through `merod` within `budget`: the member list (the node's role, by
-/// `account`, and the count), the groups breadth-first (at most [`MAX_GROUPS`]), each
-/// group's contexts (a group without any is left out) and, for a `RelayTee`, whether merod
-/// answers the node's capabilities there (`authorship_ready`). `bytes` comes from `usage`.
+/// The report of a walk of its namespace ([`walk_tree`]), `bytes` from `usage`: the groups
+/// whose contexts were read, each group without any left out, its contexts sorted once;
+/// the member count and the node's role from the namespace's member list (left out when it
+/// failed); `authorship_ready` where merod answered a `RelayTee`'s capabilities.
 ///
 /// Partial (not `complete`): a subgroup list or a context list that could not be read (that
-/// group is left out), a tree larger than [`MAX_GROUPS`], the budget spent. A failed member
+/// group is left out), a tree larger than `MAX_GROUPS`, the budget spent. A failed member
 /// list or capabilities read only leaves its fields out (or `false`). `None` when nothing
 /// usable was read (no group, and the read was partial): MDMA's copy is left as it is.
-pub(crate) async fn walk_namespace(
-    merod: &dyn GroupReader,
-    namespace: GroupId,
-    account: Option<&str>,
-    usage: Option<&BTreeMap<GroupId, StorageBytes>>,
-    budget: Duration,
+pub(crate) fn scanned_of(
+    read: &TreeRead,
+    usage: Option<&BTreeMap<GroupId, NamespaceUsage>>,
 ) -> Option<Scanned> {
-    let deadline = Instant::now() + budget;
-    let members = within(deadline, merod.members(namespace)).await;
-    let (member_count, tee_role) = match (&members, account) {
-        (Some(Ok(rows)), Some(account)) => {
-            let account = account.to_ascii_lowercase();
-            let role = rows
-                .iter()
-                .find(|m| m.identity == account)
-                .and_then(|m| TeeRole::from_merod(&m.role));
-            (Some(rows.len() as u64), Some(role))
-        }
-        (Some(Ok(rows)), None) => (Some(rows.len() as u64), None),
-        _ => (None, None),
-    };
-    let relay_account = match (tee_role, account) {
-        (Some(Some(TeeRole::RelayTee)), Some(a)) => Some(a),
-        _ => None,
-    };
-
-    let mut complete = true;
+    let mut complete = read.tree_whole;
     let mut groups = Vec::new();
-    let mut tree = TreeWalk::new(namespace);
-    loop {
-        let group = match tree.next_group() {
-            Ok(Some(group)) => group,
-            Ok(None) => break,
-            Err(TreeTooLarge) => {
-                complete = false;
-                break;
-            }
-        };
-        match within(deadline, merod.subgroups(group)).await {
-            Some(Ok(children)) => tree.found(children),
-            Some(Err(_)) => complete = false,
-            None => {
-                complete = false;
-                break;
-            }
-        }
-        let mut contexts = match within(deadline, merod.contexts(group)).await {
-            Some(Ok(c)) => c,
-            Some(Err(_)) => {
-                complete = false;
-                continue;
-            }
-            None => {
-                complete = false;
-                break;
-            }
+    for node in &read.groups {
+        let Some(contexts) = &node.contexts else {
+            complete = false;
+            continue;
         };
         if contexts.is_empty() {
             continue;
         }
-        contexts.sort_unstable();
-        contexts.dedup();
-        let authorship_ready = match relay_account {
-            Some(a) => matches!(
-                within(deadline, merod.capabilities(group, a)).await,
-                Some(Ok(_))
-            ),
-            None => false,
-        };
         groups.push(GroupInventory {
-            group_id: group,
-            context_ids: contexts,
-            authorship_ready,
+            group_id: node.id,
+            context_ids: contexts.clone(),
+            authorship_ready: node.authorship_ready,
         });
     }
     if groups.is_empty() && !complete {
@@ -743,12 +632,12 @@ pub(crate) async fn walk_namespace(
     });
     Some(Scanned {
         inventory: NamespaceInventory {
-            namespace_id: namespace,
+            namespace_id: read.namespace,
             groups,
-            member_count,
-            tee_role,
+            member_count: read.members.as_ref().map(|m| m.len() as u64),
+            tee_role: read.role,
             context_count,
-            bytes: usage.and_then(|u| u.get(&namespace)).copied(),
+            bytes: usage.and_then(|u| u.get(&read.namespace)).map(|u| u.bytes),
         },
         complete,
     })
@@ -757,8 +646,26 @@ pub(crate) async fn walk_namespace(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::daemon::trees::MAX_GROUPS;
+    use crate::merod::{GroupMember, MemberDevices, MerodError, StorageBytes};
     use std::collections::HashMap;
     use std::sync::Mutex;
+
+    /// One walk as the inventory alone makes it, and its report.
+    async fn walk_namespace(
+        merod: &dyn GroupReader,
+        namespace: GroupId,
+        account: Option<&str>,
+        usage: Option<&BTreeMap<GroupId, NamespaceUsage>>,
+        budget: Duration,
+    ) -> Option<Scanned> {
+        let needs = Needs {
+            account,
+            devices: false,
+            capabilities: true,
+        };
+        scanned_of(&walk_tree(merod, namespace, needs, budget).await, usage)
+    }
 
     const ACCOUNT: &str = "4ff91b6ee8c12aec3a9a2106452ccf87fae3f7cce0bfd0630f77fcca73813d38";
 
@@ -808,7 +715,10 @@ mod tests {
                 Err(fail())
             }
         }
-        async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+        async fn member_devices(&self, _: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
+            Err(fail())
+        }
+        async fn usage(&self) -> Result<BTreeMap<GroupId, NamespaceUsage>, MerodError> {
             Ok(BTreeMap::new())
         }
     }
@@ -927,17 +837,17 @@ mod tests {
         let usage = BTreeMap::from([
             (
                 gid(1),
-                StorageBytes {
+                NamespaceUsage::of_bytes(StorageBytes {
                     total: 9,
                     ..StorageBytes::default()
-                },
+                }),
             ),
             (
                 gid(9),
-                StorageBytes {
+                NamespaceUsage::of_bytes(StorageBytes {
                     total: 1,
                     ..StorageBytes::default()
-                },
+                }),
             ),
         ]);
         let s = walk_namespace(

@@ -1,20 +1,25 @@
 //! The recovery envelopes MDMA keeps of each member account of each confirmed namespace:
-//! what to seal and when (pure: [`want_full`], [`plaintexts`], [`RecoveryRecord`]), the read
-//! of one namespace through merod ([`read_namespace`]), and the job that seals and writes
+//! what to seal and when (pure: [`want_full`], [`plaintexts`], [`RecoveryRecord`]), what
+//! of a walk of one namespace they need ([`groups_of`]), and the job that seals and writes
 //! them beside the loop.
 //!
-//! A pass reads each confirmed namespace whole (its groups breadth-first, at most
-//! `MAX_GROUPS`, each group's members, contexts and member devices, every list paged),
-//! builds per member account the v2 plaintext (its groups, the union of their contexts, its
-//! own devices), and for each whose SHA-256 differs from the one recorded (or all of them on
-//! a full pass) seals it through merod to the account's root key and `PUT`s it to MDMA at
-//! the recorded version + 1; on a 409 at a version above it that MDMA takes ([`next_offer`]).
-//! A namespace not read whole writes and deletes nothing. Members no longer listed, and every
-//! entry of a namespace neither confirmed nor held by merod, are `DELETE`d once proven gone:
-//! missing from two complete reads at least [`MISSING_FOR`] apart, never on a member list
-//! that is empty or lacks the node's own account, at most [`MAX_DELETES_PER_PASS`] a pass.
-//! What landed is kept in `fleet-recovery.json` (the Bash sidecar's format), written after
-//! each change, before the next call: a version MDMA took is never offered again.
+//! The job takes the walks of the namespaces' trees (`trees::walk_tree`: their groups
+//! breadth-first, at most `MAX_GROUPS`, each group's members, contexts and member devices,
+//! every list paged) that the inventory hands over, or makes them itself when the inventory
+//! is off, walking the namespaces merod's usage signal shows changed and every one at least
+//! every `WHOLE_EVERY`. Of each walk read whole it builds per member account the v2
+//! plaintext (its groups, the union of their contexts, its own devices), and for each whose
+//! SHA-256 differs from the one recorded (or all of them on a full pass) seals it through
+//! merod to the account's root key and `PUT`s it to MDMA at the recorded version + 1; on a
+//! 409 at a version above it that MDMA takes ([`next_offer`]). A namespace not read whole
+//! writes and deletes nothing. Members no longer listed, and every entry of a namespace
+//! neither confirmed nor held by merod, are `DELETE`d once proven gone: missing from two
+//! complete reads at least [`MISSING_FOR`] apart, never on a member list that is empty or
+//! lacks the node's own account, at most [`MAX_DELETES_PER_PASS`] a pass. A namespace left
+//! with something to do (a failure, a member seen missing once, a search for a version) is
+//! asked to be walked again a [`PASS_EVERY`] later. What landed is kept in
+//! `fleet-recovery.json` (the Bash sidecar's format) and its journal, written after each
+//! change, before the next call: a version MDMA took is never offered again.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -40,10 +45,8 @@ use crate::merod::{
 use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
-use super::inventory::{
-    within, AccountSource, GroupReader, NamespacesFeed, NamespacesOffer, TreeTooLarge, TreeWalk,
-    WALK_BUDGET,
-};
+use super::inventory::{AccountSource, NamespacesFeed, NamespacesOffer, WALK_BUDGET};
+use super::trees::{walk_tree, Gap, GroupReader, Handoff, Needs, TreeRead, WalkBook};
 
 /// How often the envelopes are checked (and at once when the confirmed set changes).
 pub(crate) const PASS_EVERY: Duration = Duration::from_secs(300);
@@ -280,8 +283,8 @@ pub(crate) fn plaintexts(namespace: GroupId, groups: &[GroupRead]) -> BTreeMap<S
 /// tests).
 #[async_trait]
 pub(crate) trait EnvelopeReader: GroupReader {
-    /// [`MerodClient::member_devices`].
-    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError>;
+    /// Itself as the reads of a walk.
+    fn reader(&self) -> &dyn GroupReader;
     /// [`MerodClient::seal_to_account`].
     async fn seal(
         &self,
@@ -297,8 +300,8 @@ pub(crate) trait EnvelopeReader: GroupReader {
 
 #[async_trait]
 impl EnvelopeReader for MerodClient {
-    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
-        MerodClient::member_devices(self, group).await
+    fn reader(&self) -> &dyn GroupReader {
+        self
     }
     async fn seal(
         &self,
@@ -319,8 +322,8 @@ impl EnvelopeReader for MerodClient {
 /// merod at the `[server].listen` address the loop chose.
 #[async_trait]
 impl EnvelopeReader for ListenCandidates {
-    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
-        self.current().member_devices(group).await
+    fn reader(&self) -> &dyn GroupReader {
+        self
     }
     async fn seal(
         &self,
@@ -368,63 +371,35 @@ pub(crate) struct RecoveryDeps {
     pub(crate) mdma: Arc<dyn EnvelopeSink>,
 }
 
-/// Why a namespace was not read whole (nothing is written for it).
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum Incomplete {
-    /// A read failed.
-    #[error("{0}")]
-    Read(#[from] MerodError),
-    /// The walk's budget ran out.
-    #[error("no whole read within {0:?}")]
-    Budget(Duration),
-    /// The tree is larger than the walk takes.
-    #[error("more than {} groups", super::inventory::MAX_GROUPS)]
-    TooLarge,
-}
-
-impl From<TreeTooLarge> for Incomplete {
-    fn from(_: TreeTooLarge) -> Self {
-        Incomplete::TooLarge
-    }
-}
-
-/// Reads `namespace` whole through `merod` within `budget`: every group of its tree
-/// (breadth-first, at most `MAX_GROUPS`) with its members, contexts and member devices.
+/// The groups of a walk as the envelopes need them: each group's member accounts,
+/// contexts and member devices.
 ///
-/// Errors: [`Incomplete`] for any failed read, the budget spent or a tree too large:
-/// nothing read is used then.
-pub(crate) async fn read_namespace(
-    merod: &dyn EnvelopeReader,
-    namespace: GroupId,
-    budget: Duration,
-) -> Result<Vec<GroupRead>, Incomplete> {
-    let deadline = Instant::now() + budget;
-    let out_of_time = || Incomplete::Budget(budget);
-    let mut tree = TreeWalk::new(namespace);
-    let mut groups = Vec::new();
-    while let Some(id) = tree.next_group()? {
-        tree.found(
-            within(deadline, merod.subgroups(id))
-                .await
-                .ok_or_else(out_of_time)??,
-        );
-        let members = within(deadline, merod.members(id))
-            .await
-            .ok_or_else(out_of_time)??;
-        let contexts = within(deadline, merod.contexts(id))
-            .await
-            .ok_or_else(out_of_time)??;
-        let devices = within(deadline, merod.member_devices(id))
-            .await
-            .ok_or_else(out_of_time)??;
-        groups.push(GroupRead {
-            id,
-            members: members.into_iter().map(|m| m.identity).collect(),
-            contexts,
-            devices,
-        });
+/// Errors: the walk's [`Gap`] (a failed read, the budget spent, a tree too large): nothing
+/// of a walk not read whole is used.
+pub(crate) fn groups_of(read: TreeRead) -> Result<Vec<GroupRead>, Gap> {
+    if let Some(gap) = read.gap {
+        return Err(gap);
     }
-    Ok(groups)
+    let mut own = read.members;
+    read.groups
+        .into_iter()
+        .map(|node| {
+            let members = if node.id == read.namespace {
+                own.take()
+            } else {
+                node.members
+            };
+            match (members, node.contexts, node.devices) {
+                (Some(members), Some(contexts), Some(devices)) => Ok(GroupRead {
+                    id: node.id,
+                    members: members.into_iter().map(|m| m.identity).collect(),
+                    contexts,
+                    devices,
+                }),
+                _ => Err(Gap::NotAsked),
+            }
+        })
+        .collect()
 }
 
 /// Why a pass did not do all it had to (the harness says each change once; the next pass
@@ -476,37 +451,33 @@ pub(crate) struct RecoveryView {
 }
 
 impl RecoveryView {
+    /// Whether [`RecoveryView::start`] starts the job.
+    pub(crate) fn starts(cfg: &Config, deps: Option<&RecoveryDeps>) -> bool {
+        deps.is_some() && cfg.recovery.enabled && !cfg.dry_run
+    }
+
     /// Starts the job for the node `peer_id` (its account read from `account` at each pass)
     /// when `[recovery] enabled` (not in a dry run, not without `deps`), its record kept
-    /// beside the state file.
+    /// beside the state file. With `walks`, it takes the walks the inventory hands over
+    /// there; without, it walks the namespaces itself.
     pub(crate) fn start(
         cfg: &Config,
         deps: Option<RecoveryDeps>,
         peer_id: PeerId,
         account: AccountSource,
+        walks: Option<Arc<Handoff>>,
         telemetry: Arc<Telemetry>,
         shutdown: CancellationToken,
     ) -> Option<Self> {
-        let deps = deps?;
-        if !cfg.recovery.enabled || cfg.dry_run {
+        if !Self::starts(cfg, deps.as_ref()) {
             return None;
         }
+        let deps = deps?;
         let (confirmed, feed) = NamespacesOffer::channel();
         let (recorded, recorded_feed) = NamespacesOffer::channel();
-        let kept = Kept::at(durable::parent_dir(&cfg.state_file).join(RECORD_FILE));
-        let job = PassJob {
-            record: kept.load(),
-            kept,
-            deps,
-            peer_id,
-            confirmed: feed,
-            recorded: recorded_feed,
-            pending_full: false,
-            account,
-            missing: BTreeMap::new(),
-            searching: BTreeMap::new(),
-            behind_said: false,
-        };
+        let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
+        let feeds = (feed, recorded_feed);
+        let job = PassJob::new(deps, peer_id, account, feeds, &path, walks);
         jobs::spawn(job, telemetry, shutdown);
         Some(Self {
             confirmed,
@@ -556,7 +527,8 @@ fn load_record(path: &Path, journal: &Path) -> RecoveryRecord {
     record
 }
 
-struct PassJob {
+/// The recovery envelopes' job: one pass a run.
+pub(crate) struct PassJob {
     deps: RecoveryDeps,
     peer_id: PeerId,
     confirmed: NamespacesFeed,
@@ -577,6 +549,15 @@ struct PassJob {
     searching: BTreeMap<String, (u64, u32)>,
     /// Whether MDMA holding newer versions than the record was said (once a run).
     behind_said: bool,
+    /// The walks to take (the inventory's), and the namespaces to walk again.
+    walks: Arc<Handoff>,
+    /// Which namespaces were read whole, with what signal, when the job walks them itself
+    /// (`None`: the inventory walks).
+    own_walk: Option<WalkBook>,
+    /// The namespaces whose next walk read whole a full pass writes in full.
+    full_left: BTreeSet<GroupId>,
+    /// When the envelopes of namespaces left were last removed.
+    swept: Option<Instant>,
 }
 
 /// What one pass did and may still do.
@@ -585,8 +566,6 @@ struct Tally {
     failed: usize,
     incomplete: usize,
     first: Option<String>,
-    /// When the pass started (the time a missing account is first seen at).
-    started: Instant,
     /// Deletes this pass may still make.
     deletes_left: usize,
     /// Deletes proven but left for a later pass (the bound was reached).
@@ -596,13 +575,12 @@ struct Tally {
 }
 
 impl Tally {
-    fn new(started: Instant) -> Self {
+    fn new() -> Self {
         Self {
             done: PassDone::default(),
             failed: 0,
             incomplete: 0,
             first: None,
-            started,
             deletes_left: MAX_DELETES_PER_PASS,
             deferred: 0,
             conflicts_left: MAX_CONFLICTS_PER_PASS,
@@ -647,6 +625,37 @@ impl Kept {
 }
 
 impl PassJob {
+    /// The job writing for `peer_id` the envelopes of the namespaces the first feed hands
+    /// it (the second: those the node may hold), its record at `path` (read now), taking
+    /// the walks `walks` hands over, or walking itself without.
+    pub(crate) fn new(
+        deps: RecoveryDeps,
+        peer_id: PeerId,
+        account: AccountSource,
+        (confirmed, recorded): (NamespacesFeed, NamespacesFeed),
+        path: &Path,
+        walks: Option<Arc<Handoff>>,
+    ) -> Self {
+        let kept = Kept::at(path.to_path_buf());
+        Self {
+            record: kept.load(),
+            kept,
+            deps,
+            peer_id,
+            confirmed,
+            recorded,
+            pending_full: false,
+            account,
+            missing: BTreeMap::new(),
+            searching: BTreeMap::new(),
+            behind_said: false,
+            own_walk: walks.is_none().then(WalkBook::default),
+            walks: walks.unwrap_or_default(),
+            full_left: BTreeSet::new(),
+            swept: None,
+        }
+    }
+
     /// Appends `changes` to the journal (durable before it returns when `sync`), then
     /// applies them to the record. An offer is synced before the `PUT`s it covers go out;
     /// what landed, a delete or a full pass's start need not be: lost to a crash, the offer
@@ -732,27 +741,118 @@ impl PassJob {
         }
     }
 
-    /// Seals and writes the due envelopes of `namespace`, then removes those of members
-    /// proven gone ([`PassJob::proven_missing`]), unless the member list is empty or lacks
-    /// the node's own account (then the read is not trusted to say who left).
-    async fn pass_namespace(
+    /// Takes the walks the inventory handed over until none waits.
+    async fn take_walks(
         &mut self,
-        namespace: GroupId,
-        full: bool,
+        confirmed: &BTreeSet<GroupId>,
         tally: &mut Tally,
     ) -> Result<(), PassError> {
-        let groups = match read_namespace(self.deps.merod.as_ref(), namespace, WALK_BUDGET).await {
-            Ok(groups) => groups,
+        loop {
+            let walks = self.walks.take();
+            if walks.is_empty() {
+                return Ok(());
+            }
+            for (namespace, read) in walks {
+                // This walk answers what was asked of it (a full pass's included).
+                self.walks.walked(namespace);
+                self.take_walk(read, confirmed, tally).await?;
+                // A long first pass keeps its journal bounded.
+                self.compact(COMPACT_DURING_PASS).await?;
+            }
+        }
+    }
+
+    /// Walks, with the inventory off, the namespaces `book` picks by merod's usage signal
+    /// (every one when a whole walk is due) and those asked for by `now`, taking each walk
+    /// as it is read.
+    async fn walk_own(
+        &mut self,
+        book: &mut WalkBook,
+        confirmed: &BTreeSet<GroupId>,
+        now: Instant,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        let usage = match self.deps.merod.usage().await {
+            Ok(usage) => Some(usage),
+            Err(e) => {
+                debug!("merod's usage did not answer ({e}): walking every namespace");
+                None
+            }
+        };
+        let whole = book.whole_due(now);
+        let mut to_walk = book.pick(confirmed, usage.as_ref(), whole, now);
+        to_walk.extend(self.walks.wanted(now, usize::MAX));
+        to_walk.sort_unstable();
+        to_walk.dedup();
+        let account = (self.account)();
+        let needs = Needs {
+            account: account.as_deref(),
+            devices: true,
+            capabilities: false,
+        };
+        for namespace in to_walk {
+            let read = walk_tree(self.deps.merod.reader(), namespace, needs, WALK_BUDGET).await;
+            book.walked(namespace, usage.as_ref(), read.complete());
+            self.walks.walked(namespace);
+            self.take_walk(read, confirmed, tally).await?;
+            self.compact(COMPACT_DURING_PASS).await?;
+        }
+        Ok(())
+    }
+
+    /// Takes one walk: for a confirmed namespace read whole, its envelopes
+    /// ([`PassJob::pass_namespace`], in full when a full pass still owes it one); a walk not
+    /// read whole writes nothing. A namespace left with something to do is asked to be
+    /// walked again a [`PASS_EVERY`] later.
+    async fn take_walk(
+        &mut self,
+        read: TreeRead,
+        confirmed: &BTreeSet<GroupId>,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        let namespace = read.namespace;
+        if !confirmed.contains(&namespace) {
+            return Ok(());
+        }
+        let before = (tally.failed, tally.incomplete, tally.deferred);
+        match groups_of(read) {
+            Ok(groups) => {
+                let full = self.full_left.remove(&namespace);
+                self.pass_namespace(namespace, &groups, full, tally).await?;
+            }
             Err(why) => {
                 warn!(namespace_id = %namespace, "Recovery plan for {namespace} is incomplete ({why}); writing nothing rather than a partial list");
                 tally.incomplete += 1;
                 tally
                     .first
                     .get_or_insert_with(|| format!("{namespace}: {why}"));
-                return Ok(());
             }
+        }
+        let prefix = format!("{namespace}/");
+        let pending = |keys: &mut dyn Iterator<Item = &String>| {
+            keys.next().is_some_and(|k| k.starts_with(&prefix))
         };
-        let plan = plaintexts(namespace, &groups);
+        let unsettled = before != (tally.failed, tally.incomplete, tally.deferred)
+            || pending(&mut self.missing.range(prefix.clone()..).map(|(k, _)| k))
+            || pending(&mut self.searching.range(prefix.clone()..).map(|(k, _)| k));
+        if unsettled {
+            self.walks.want(namespace, Instant::now() + PASS_EVERY);
+        }
+        Ok(())
+    }
+
+    /// Seals and writes the due envelopes of `namespace` as read whole (`groups`), then
+    /// removes those of members proven gone ([`PassJob::proven_missing`]), unless the member
+    /// list is empty or lacks the node's own account (then the read is not trusted to say
+    /// who left).
+    async fn pass_namespace(
+        &mut self,
+        namespace: GroupId,
+        groups: &[GroupRead],
+        full: bool,
+        tally: &mut Tally,
+    ) -> Result<(), PassError> {
+        let plan = plaintexts(namespace, groups);
         // The versions about to be offered, durable before the first goes out: one fsync
         // for the namespace, and no version that may land is ever offered again.
         let offers: BTreeMap<String, u64> = plan
@@ -833,16 +933,17 @@ impl PassJob {
         Ok(())
     }
 
-    /// Whether the envelope of `account` in `namespace`, missing from this pass's complete
-    /// read, may be deleted: it was missing from an earlier complete read at least
-    /// [`MISSING_FOR`] before this pass started, and this pass's deletes are not spent.
-    /// Otherwise the first sighting is kept (or noted now) and `false`.
+    /// Whether the envelope of `account` in `namespace`, missing from a complete read taken
+    /// now, may be deleted: it was missing from an earlier complete read taken at least
+    /// [`MISSING_FOR`] before, and this pass's deletes are not spent. Otherwise the first
+    /// sighting is kept (or noted now) and `false`.
     fn proven_missing(&mut self, namespace: GroupId, account: &str, tally: &mut Tally) -> bool {
+        let now = Instant::now();
         let since = *self
             .missing
             .entry(entry_key(namespace, account))
-            .or_insert(tally.started);
-        if tally.started.saturating_duration_since(since) < MISSING_FOR {
+            .or_insert(now);
+        if now.saturating_duration_since(since) < MISSING_FOR {
             return false;
         }
         if tally.deletes_left == 0 {
@@ -1071,18 +1172,37 @@ impl Job for PassJob {
         // Whole seconds; a clock before 1970 reads as 0 (a full pass is then due).
         let now = unix_now().max(0.0) as u64;
         let full = want_full(self.pending_full, self.record.last_full, now);
+        let started = Instant::now();
+        self.walks.retain(&confirmed);
+        self.full_left.retain(|ns| confirmed.contains(ns));
         if full {
             // Stamped at the start: a pass cut short is not begun again in full.
             self.pending_full = false;
             self.change(vec![Change::Full(now)], false).await?;
+            self.full_left = (*confirmed).clone();
+            for namespace in confirmed.iter() {
+                self.walks.want(*namespace, started);
+            }
         }
-        let mut tally = Tally::new(Instant::now());
-        for namespace in confirmed.iter() {
-            self.pass_namespace(*namespace, full, &mut tally).await?;
-            // A long first pass keeps its journal bounded.
-            self.compact(COMPACT_DURING_PASS).await?;
+        let mut tally = Tally::new();
+        match self.own_walk.take() {
+            Some(mut book) => {
+                let walked = self
+                    .walk_own(&mut book, &confirmed, started, &mut tally)
+                    .await;
+                self.own_walk = Some(book);
+                walked?;
+            }
+            None => self.take_walks(&confirmed, &mut tally).await?,
         }
-        self.remove_gone(&confirmed, &mut tally).await?;
+        let recorded_changed = self.recorded.take().is_some_and(|(_, changed)| changed);
+        let sweep_due = self
+            .swept
+            .is_none_or(|at| started.saturating_duration_since(at) >= PASS_EVERY);
+        if recorded_changed || sweep_due {
+            self.swept = Some(started);
+            self.remove_gone(&confirmed, &mut tally).await?;
+        }
         self.compact(0).await?;
         // Sightings of entries since removed (a leave, a delete) go with them.
         let record = &self.record;
@@ -1111,6 +1231,7 @@ impl Job for PassJob {
         tokio::select! {
             () = self.confirmed.changed() => {}
             () = self.recorded.changed() => {}
+            () = self.walks.delivered() => {}
         }
     }
 }
@@ -1118,9 +1239,18 @@ impl Job for PassJob {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::merod::{GroupMember, MerodOp, StorageBytes};
+    use crate::merod::{GroupMember, MemberDevices, MerodError, MerodOp, NamespaceUsage};
     use std::collections::HashMap;
     use std::sync::Mutex;
+
+    /// What the envelopes ask of a walk.
+    fn needs() -> Needs<'static> {
+        Needs {
+            account: None,
+            devices: true,
+            capabilities: false,
+        }
+    }
 
     const PEER: &str = "12D3KooWNXNMakaAKyWpBemRiWWqusgQCrxvwjtJdRQMzLScTJDT";
 
@@ -1181,15 +1311,18 @@ mod tests {
         async fn capabilities(&self, _: GroupId, _: &str) -> Result<u32, MerodError> {
             Err(fail(MerodOp::Capabilities))
         }
-        async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+        async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
+            Ok(self.devices.get(&group).cloned().unwrap_or_default())
+        }
+        async fn usage(&self) -> Result<BTreeMap<GroupId, NamespaceUsage>, MerodError> {
             Ok(BTreeMap::new())
         }
     }
 
     #[async_trait]
     impl EnvelopeReader for Merod {
-        async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
-            Ok(self.devices.get(&group).cloned().unwrap_or_default())
+        fn reader(&self) -> &dyn GroupReader {
+            self
         }
         async fn seal(
             &self,
@@ -1340,23 +1473,17 @@ mod tests {
         let (tx, feed) = NamespacesOffer::channel();
         let (_, recorded) = NamespacesOffer::channel();
         tx.offer(&confirmed.iter().copied().collect());
-        let kept = Kept::at(dir.path().join(RECORD_FILE));
-        let job = PassJob {
-            deps: RecoveryDeps {
+        let job = PassJob::new(
+            RecoveryDeps {
                 merod: Arc::clone(&merod) as _,
                 mdma: Arc::clone(&mdma) as _,
             },
-            peer_id: PEER.parse().unwrap(),
-            confirmed: feed,
-            recorded,
-            pending_full: false,
-            record: kept.load(),
-            kept,
-            account: Arc::new(|| Some(acct("alice"))),
-            missing: BTreeMap::new(),
-            searching: BTreeMap::new(),
-            behind_said: false,
-        };
+            PEER.parse().unwrap(),
+            Arc::new(|| Some(acct("alice"))),
+            (feed, recorded),
+            &dir.path().join(RECORD_FILE),
+            None,
+        );
         Rig {
             job,
             merod,
@@ -1698,7 +1825,7 @@ mod tests {
         );
         let plan = plaintexts(
             gid(1),
-            &read_namespace(&m, gid(1), WALK_BUDGET).await.unwrap(),
+            &groups_of(walk_tree(&m, gid(1), needs(), WALK_BUDGET).await).unwrap(),
         );
         let text = |a: &str| String::from_utf8(plan[&acct(a)].bytes.clone()).unwrap();
         let (g1, g2) = (gid(1).to_string(), gid(2).to_string());
@@ -1837,8 +1964,11 @@ mod tests {
         r.job.run().await.unwrap();
         tokio::time::advance(MISSING_FOR).await;
         assert_eq!(r.job.run().await.unwrap().removed, 0);
-        // merod no longer lists it: deleted on the second read a pass apart, not the first.
+        // merod no longer lists it: deleted on the second read a pass apart, not the first
+        // (merod's list is read once a pass).
         r.merod_now(three_members());
+        assert_eq!(r.job.run().await.unwrap().removed, 0);
+        tokio::time::advance(PASS_EVERY).await;
         assert_eq!(r.job.run().await.unwrap().removed, 0);
         tokio::time::advance(MISSING_FOR).await;
         assert_eq!(r.job.run().await.unwrap().removed, 1);

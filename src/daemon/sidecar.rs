@@ -36,6 +36,7 @@ use super::relay::RelayView;
 use super::startup::{self, Identity};
 use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
 use super::tls_install::CertInstaller;
+use super::trees::Handoff;
 
 /// How one cycle went.
 #[derive(Debug)]
@@ -169,6 +170,11 @@ impl Sidecar {
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
+        // With both jobs on, the inventory's walks go on to the envelopes: each tree is
+        // read once for both.
+        let walks = (InventoryView::starts(&cfg, deps.inventory.as_ref())
+            && RecoveryView::starts(&cfg, deps.recovery.as_ref()))
+        .then(|| Arc::new(Handoff::default()));
         let inventory = InventoryView::start(
             &cfg,
             deps.inventory.clone(),
@@ -177,6 +183,7 @@ impl Sidecar {
                 let account = Arc::clone(&view.account);
                 Arc::new(move || account.get())
             },
+            walks.clone(),
             Arc::clone(&telemetry),
             shutdown.clone(),
         );
@@ -195,6 +202,7 @@ impl Sidecar {
                 let account = Arc::clone(&view.account);
                 Arc::new(move || account.get())
             },
+            walks,
             Arc::clone(&telemetry),
             shutdown.clone(),
         );

@@ -46,6 +46,33 @@ pub struct StorageBytes {
     pub total: u64,
 }
 
+/// One row of `GET /admin-api/usage`: the storage a namespace takes and the counts of its
+/// tree merod gives beside it (`contextCount`, `memberCount`, `subgroupCount`; `None` when
+/// the row has no such whole number, as older cores answer). The counts are what the jobs
+/// compare between walks to tell which namespaces changed.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NamespaceUsage {
+    /// `bytes`.
+    pub bytes: StorageBytes,
+    /// `contextCount`.
+    pub contexts: Option<u64>,
+    /// `memberCount`.
+    pub members: Option<u64>,
+    /// `subgroupCount`.
+    pub subgroups: Option<u64>,
+}
+
+impl NamespaceUsage {
+    /// A row of `bytes` with no counts.
+    pub fn of_bytes(bytes: StorageBytes) -> Self {
+        Self {
+            bytes,
+            ..Self::default()
+        }
+    }
+}
+
 impl MerodClient {
     /// The direct subgroups of `group` (`GET /admin-api/groups/{id}/subgroups`, unpaged:
     /// `{"subgroups": [{"groupId"}]}`, flat or under `data`; `group_id` is read too), in
@@ -129,11 +156,21 @@ impl MerodClient {
     /// `{"namespaces": [{"namespaceId", "bytes": {"state", "privateState", "delta",
     /// "governance", "total"}}]}`, flat or under `data`), by namespace, bounded by the check
     /// deadline (default 10 s). A row without a 64-hex id or any of the five counts is
-    /// left out.
+    /// left out. [`MerodClient::namespace_usage`] gives the tree's counts beside it.
     ///
     /// Errors: [`MerodError::Refused`] or [`MerodError::Status`] for a non-2xx,
     /// [`MerodError::Answer`] without a `namespaces` array; transport and timeout.
     pub async fn usage(&self) -> Result<BTreeMap<GroupId, StorageBytes>, MerodError> {
+        let rows = self.namespace_usage().await?;
+        Ok(rows.into_iter().map(|(id, row)| (id, row.bytes)).collect())
+    }
+
+    /// Every row of `GET /admin-api/usage` (see [`MerodClient::usage`]) with the counts of
+    /// the namespace's tree beside its storage ([`NamespaceUsage`]), by namespace, in one
+    /// call bounded by the check deadline (default 10 s).
+    ///
+    /// Errors: as [`MerodClient::usage`].
+    pub async fn namespace_usage(&self) -> Result<BTreeMap<GroupId, NamespaceUsage>, MerodError> {
         let (op, path) = (MerodOp::Usage, "admin-api/usage");
         let url = self.url(path);
         self.bounded(op, path, self.deadlines.check, async {
@@ -314,7 +351,7 @@ mod usage {
     use serde::Deserialize;
     use serde_json::Value;
 
-    use super::StorageBytes;
+    use super::{NamespaceUsage, StorageBytes};
     use crate::ids::GroupId;
 
     /// The storage of each namespace in `body` (`{"data": {"namespaces": [...]}}`, or the
@@ -323,7 +360,7 @@ mod usage {
     ///
     /// Errors: why it is not such an answer (not JSON, a repeated key, no `namespaces`
     /// array).
-    pub(super) fn parse(body: &[u8]) -> Result<BTreeMap<GroupId, StorageBytes>, String> {
+    pub(super) fn parse(body: &[u8]) -> Result<BTreeMap<GroupId, NamespaceUsage>, String> {
         crate::strict_json::reject_duplicate_keys(body).map_err(|e| e.to_string())?;
         let doc: Doc = serde_json::from_slice(body).map_err(|e| e.to_string())?;
         let rows = match doc.data {
@@ -395,7 +432,7 @@ mod usage {
 
     /// `namespaces`: the rows read one at a time into the map when it is an array (`None`
     /// for any other value).
-    struct Rows(Option<BTreeMap<GroupId, StorageBytes>>);
+    struct Rows(Option<BTreeMap<GroupId, NamespaceUsage>>);
 
     impl<'de> Deserialize<'de> for Rows {
         fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -414,8 +451,8 @@ mod usage {
             let mut out = BTreeMap::new();
             // Each row is small: built, read and dropped before the next.
             while let Some(row) = seq.next_element::<Value>()? {
-                if let Some((id, bytes)) = row_of(&row) {
-                    out.insert(id, bytes);
+                if let Some((id, usage)) = row_of(&row) {
+                    out.insert(id, usage);
                 }
             }
             Ok(Rows(Some(out)))
@@ -443,19 +480,26 @@ mod usage {
         }
     }
 
-    /// One row: its namespace and its five counts, or `None` when one is missing.
-    fn row_of(row: &Value) -> Option<(GroupId, StorageBytes)> {
+    /// One row: its namespace, its five byte counts (`None` when one is missing) and the
+    /// tree's counts it has.
+    fn row_of(row: &Value) -> Option<(GroupId, NamespaceUsage)> {
         let id = row.get("namespaceId")?.as_str()?.parse::<GroupId>().ok()?;
         let bytes = row.get("bytes")?;
         let count = |name: &str| bytes.get(name).and_then(Value::as_u64);
+        let tree = |name: &str| row.get(name).and_then(Value::as_u64);
         Some((
             id,
-            StorageBytes {
-                state: count("state")?,
-                private_state: count("privateState")?,
-                delta: count("delta")?,
-                governance: count("governance")?,
-                total: count("total")?,
+            NamespaceUsage {
+                bytes: StorageBytes {
+                    state: count("state")?,
+                    private_state: count("privateState")?,
+                    delta: count("delta")?,
+                    governance: count("governance")?,
+                    total: count("total")?,
+                },
+                contexts: tree("contextCount"),
+                members: tree("memberCount"),
+                subgroups: tree("subgroupCount"),
             },
         ))
     }
@@ -505,7 +549,13 @@ mod tests {
         ]});
         let usage = usage::parse(body.to_string().as_bytes()).unwrap();
         assert_eq!(usage.len(), 1);
-        let got = usage[&G.parse::<GroupId>().unwrap()];
+        let row = usage[&G.parse::<GroupId>().unwrap()];
+        // The tree's counts it has; those it lacks are unknown, not zero.
+        assert_eq!(
+            (row.contexts, row.members, row.subgroups),
+            (Some(1), None, None)
+        );
+        let got = row.bytes;
         assert_eq!(
             got,
             StorageBytes {

@@ -36,8 +36,10 @@
 //!   [`MerodEmulator::set_contexts`] gave, else none) for a group of a held namespace's tree,
 //!   else 500 as for a namespace not joined; `GET /groups/{id}/members/{account}/capabilities`
 //!   (the recorded 4, or what [`MerodEmulator::set_capabilities`] gave; `None`: 500) for such
-//!   a group; `GET /usage` (a row of zeros per held namespace, or
-//!   [`MerodEmulator::set_usage_total`]'s; 500 with [`MerodEmulator::set_usage_failing`]);
+//!   a group; `GET /usage` (a row per held namespace: zero bytes, or
+//!   [`MerodEmulator::set_usage_total`]'s, and the counts of its tree as the routes above
+//!   answer it: contexts and subgroups of the whole tree, the namespace's own members; 500
+//!   with [`MerodEmulator::set_usage_failing`]);
 //!   [`MerodEmulator::set_ignores_offset`] makes the paged lists answer the first page for
 //!   any offset, as a server ignoring `offset` would; [`MerodEmulator::set_page_cap`] makes
 //!   them serve fewer rows a page than asked;
@@ -1222,19 +1224,46 @@ fn usage(shared: &Shared) -> Answer {
         return json_response(500, json!({ "error": "Internal server error" }));
     }
     let template = fixtures.usage.body["namespaces"][0].clone();
+    let recorded_members = fixtures.members.body["members"]
+        .as_array()
+        .map_or(0, Vec::len);
     let rows: Vec<Value> = inner
         .held
         .iter()
         .map(|ns| {
             let mut row = template.clone();
             let total = inner.usage_total.get(ns).copied().unwrap_or(0);
+            let (contexts, subgroups) = tree_counts(&inner, ns);
+            let members = match inner.group_members.get(ns) {
+                Some(rows) => rows.len(),
+                None => inner.extra_members + recorded_members,
+            };
             row["namespaceId"] = json!(ns);
+            row["contextCount"] = json!(contexts);
+            row["memberCount"] = json!(members);
+            row["subgroupCount"] = json!(subgroups);
             row["bytes"]["state"] = json!(total);
             row["bytes"]["total"] = json!(total);
             row
         })
         .collect();
     json_response(fixtures.usage.status, json!({ "namespaces": rows }))
+}
+
+/// The contexts and the subgroups of the tree under `namespace` (each group once).
+fn tree_counts(inner: &Inner, namespace: &str) -> (usize, usize) {
+    let mut seen = BTreeSet::from([namespace.to_owned()]);
+    let mut queue = vec![namespace.to_owned()];
+    let mut contexts = 0;
+    while let Some(group) = queue.pop() {
+        contexts += inner.contexts.get(&group).map_or(0, Vec::len);
+        for child in inner.subgroups.get(&group).into_iter().flatten() {
+            if seen.insert(child.clone()) {
+                queue.push(child.clone());
+            }
+        }
+    }
+    (contexts, seen.len() - 1)
 }
 
 fn group_members(shared: &Shared, raw: &str, uri: &Uri) -> Answer {
