@@ -7,9 +7,16 @@
 //!   addresses each (about 9.5 MB), MDMA repeating the same answer: the fleet's real idle poll;
 //! - `accept-10000x8`: a cycle whose answer differs from the one before (two answers of the
 //!   same 10,000 assignments with 8 admitter addresses each, taking turns: each is read and
-//!   validated whole), the fleet's real answer.
+//!   validated whole), the fleet's real answer;
+//! - `walk-1000`: the jobs that walk merod (the context inventory and the recovery
+//!   envelopes, one walk for both: `TreeJobs`) at 1,000 namespaces of 3 members and a
+//!   context each, nothing changed: a whole walk (every 15 minutes) and the pass taking it;
+//! - `scan-1000`: the same between whole walks, nothing changed: one scan (merod's usage,
+//!   nothing walked) and one pass;
+//! - `scan-1000-one`: one namespace gained a context before the scan: it alone is walked
+//!   and reported, and its 3 envelopes sealed and written.
 //!
-//! The daemon runs on the main thread (a current-thread runtime: its loop and the jobs it
+//! The daemon (or the jobs) runs on the main thread (a current-thread runtime: its loop and the jobs it
 //! spawns), the in-process emulators on a runtime of their own on another thread, so only the
 //! daemon's side of each HTTP call is counted (callgrind counts a thread only while it is
 //! inside `measured`; work the daemon hands to blocking threads, file writes, is not). It is
@@ -20,9 +27,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fleet_sidecar::daemon::{Sidecar, Telemetry};
+use fleet_sidecar::daemon::{Sidecar, Telemetry, TreeJobs};
 use fleet_sidecar::testing::mdma::{fleet_answer_for, PollReply};
-use fleet_sidecar::testing::sandbox::Sandbox;
+use fleet_sidecar::testing::merod::ACCOUNT_ID;
+use fleet_sidecar::testing::sandbox::{Sandbox, PEER_ID};
 use fleet_sidecar::{GroupId, State, StateStore};
 use tokio_util::sync::CancellationToken;
 
@@ -52,6 +60,90 @@ fn measured(
             std::hint::black_box(sidecar.cycle().await);
         }
     });
+}
+
+/// What is counted of the jobs that walk merod, each round.
+#[derive(Clone, Copy)]
+enum Walk {
+    /// A whole walk, nothing changed.
+    Whole,
+    /// A scan between whole walks, nothing changed.
+    Quiet,
+    /// A scan after one namespace gained a context.
+    OneChanged,
+}
+
+/// The rounds of the jobs counted: kept out of line so callgrind can toggle collection on
+/// its name.
+#[inline(never)]
+fn measured_jobs(
+    rt: &tokio::runtime::Runtime,
+    sb: &Sandbox,
+    jobs: &mut TreeJobs,
+    ids: &[String],
+    walk: Walk,
+    rounds: usize,
+) -> Result<(), Error> {
+    rt.block_on(async {
+        for (round, id) in ids.iter().enumerate().take(rounds) {
+            match walk {
+                Walk::Whole => jobs.walk_whole_next(),
+                Walk::Quiet => {}
+                Walk::OneChanged => {
+                    let contexts = [format!("ctx{round}"), format!("new{round}")];
+                    sb.merod.set_contexts(id, &contexts);
+                }
+            }
+            std::hint::black_box(jobs.scan().await?);
+            std::hint::black_box(jobs.pass().await?);
+        }
+        Ok(())
+    })
+}
+
+/// The emulators on a runtime of their own (another thread), their sandbox, and the
+/// current-thread runtime the counted side runs on.
+fn runtimes() -> Result<(tokio::runtime::Runtime, Sandbox, tokio::runtime::Runtime), Error> {
+    let emulators = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()?;
+    let sb = emulators.block_on(Sandbox::start(None))?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    Ok((emulators, sb, rt))
+}
+
+/// The walking jobs at `n` namespaces of 3 members: set up, first pass done (every
+/// envelope written, the inventory reported in full), then `rounds` counted.
+fn jobs_cost(n: usize, walk: Walk, rounds: usize) -> Result<(), Error> {
+    // The emulators serve as long as their runtime lives.
+    let (_emulators, sb, rt) = runtimes()?;
+    let ids = sb.hold_with_members(n);
+    let confirmed: BTreeSet<GroupId> = ids.iter().map(|id| id.parse()).collect::<Result<_, _>>()?;
+    let cfg = sb.config("")?;
+    let deps = sb.deps(&cfg)?;
+    let mut jobs = TreeJobs::new(
+        &cfg,
+        &deps,
+        PEER_ID.parse()?,
+        ACCOUNT_ID.to_owned(),
+        &confirmed,
+    )
+    .ok_or("the sandbox's deps have no inventory or recovery clients")?;
+    rt.block_on(async {
+        jobs.scan().await?;
+        let written = jobs.pass().await?;
+        if written != 3 * n {
+            return Err(format!("the first pass wrote {written} envelopes, not {}", 3 * n).into());
+        }
+        // Warm: a quiet scan and pass, as in the steady state.
+        jobs.scan().await?;
+        jobs.pass().await?;
+        Ok::<_, Error>(())
+    })?;
+    measured_jobs(&rt, &sb, &mut jobs, &ids, walk, rounds)
 }
 
 /// Waits (at most 3 minutes) until merod's namespaces have been read whole and no read
@@ -89,8 +181,19 @@ fn main() -> Result<(), Error> {
     let mut args = std::env::args().skip(1);
     let scenario = args
         .next()
-        .ok_or("usage: cycle-cost idle-3|idle-10000|idle-10000x8|accept-10000x8 [ROUNDS]")?;
+        .ok_or("usage: cycle-cost idle-3|idle-10000|idle-10000x8|accept-10000x8|walk-1000|scan-1000|scan-1000-one [ROUNDS]")?;
     let rounds: usize = args.next().map(|r| r.parse()).transpose()?.unwrap_or(5);
+    let walk = match scenario.as_str() {
+        "walk-1000" => Some(Walk::Whole),
+        "scan-1000" => Some(Walk::Quiet),
+        "scan-1000-one" => Some(Walk::OneChanged),
+        _ => None,
+    };
+    if let Some(walk) = walk {
+        jobs_cost(1000, walk, rounds)?;
+        println!("{scenario}: {rounds} rounds");
+        return Ok(());
+    }
     let (n, admitters, alternate) = match scenario.as_str() {
         "idle-3" => (3, 0, false),
         "idle-10000" => (10_000, 0, false),
@@ -113,14 +216,8 @@ fn main() -> Result<(), Error> {
         let other = body.replacen(r#""retain":[]"#, r#""retain":[],"note":1"#, 1);
         Answers::Alternating([body, other])
     };
-    let emulators = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()?;
-    let sb = emulators.block_on(Sandbox::start(None))?;
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
+    // The emulators serve as long as their runtime lives.
+    let (_emulators, sb, rt) = runtimes()?;
     let mut sidecar = rt.block_on(async {
         for id in &ids {
             sb.merod.hold(id);

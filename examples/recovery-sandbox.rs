@@ -14,7 +14,6 @@
 use std::collections::BTreeSet;
 
 use fleet_sidecar::testing::mdma::PollReply;
-use fleet_sidecar::testing::merod::ACCOUNT_ID;
 use fleet_sidecar::testing::sandbox::Sandbox;
 use fleet_sidecar::{GroupId, State, StateStore};
 
@@ -24,25 +23,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let n: usize = args.next().as_deref().unwrap_or("1000").parse()?;
     let every_job = args.next().as_deref() == Some("all");
     let sb = Sandbox::start(None).await?;
-    let ids: Vec<String> = (0..n).map(|i| format!("{:064x}", i + 1)).collect();
-    for (i, id) in ids.iter().enumerate() {
-        let (a, b) = (format!("{:064x}", 2 * i + 1), format!("{:064x}", 2 * i + 2));
-        sb.merod.hold(id);
-        sb.merod.set_group_members(
-            id,
-            &[(ACCOUNT_ID, "ReadOnlyTee"), (&a, "Member"), (&b, "Member")],
-        );
-        sb.merod.set_contexts(id, &[format!("ctx{i}")]);
-        sb.merod.set_member_devices(
-            id,
-            &[
-                (ACCOUNT_ID, &[("d0", "k0")]),
-                (&a, &[("d1", "k1")]),
-                (&b, &[("d2", "k2")]),
-            ],
-        );
-    }
-    sb.merod.set_seal_route(true);
+    let ids = sb.hold_with_members(n);
     let confirmed: BTreeSet<GroupId> = ids.iter().map(|i| i.parse()).collect::<Result<_, _>>()?;
     StateStore::new(sb.state_file()).save(&State {
         admitted: confirmed.clone(),

@@ -30,6 +30,10 @@
 //!   (what merod holds), `limits` (the loop's bounds), `poll` (the poll's cadence), `roles`
 //!   (the roles MDMA was told).
 //!
+//! The jobs beside the loop sit on the same floors: `trees` (the walk of a namespace the
+//! inventory and the recovery envelopes share) under `inventory`, `recovery` and the other
+//! jobs. [`TreeJobs`] runs those two one run at a time, for the instruction-count check.
+//!
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 
 mod account;
@@ -65,11 +69,15 @@ pub use readiness::{wait_for_merod, ProbeFailed, Readiness};
 pub use sidecar::{CycleOutcome, Sidecar};
 pub use units::{SystemdUnits, UnitControl, UnitError, RESTART_TIMEOUT};
 
+use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
+use crate::ids::{GroupId, PeerId};
+use crate::jobs::Job;
 
 /// How long `once` waits for merod's admin API before giving up.
 pub const ONCE_MEROD_WAIT: Duration = Duration::from_secs(60);
@@ -107,4 +115,80 @@ pub async fn once(
         return Ok(None);
     };
     sidecar.once_cycle().await
+}
+
+/// The context inventory and the recovery envelopes as the daemon runs them (one walk of a
+/// tree for both, through the same handoff), one run at a time, without the harness: for
+/// the instruction-count check, which counts one scan or one pass (`examples/cycle-cost.rs`).
+pub struct TreeJobs {
+    scan: inventory::ScanJob,
+    pass: recovery::PassJob,
+    /// The confirmed set handed to each, and the admitted one to the envelopes.
+    _offers: [inventory::NamespacesOffer; 3],
+}
+
+/// Why a run of a [`TreeJobs`] job did not do all it had to (the job's own typed error).
+pub type TreeJobError = Box<dyn std::error::Error + Send + Sync>;
+
+impl TreeJobs {
+    /// The two jobs over `deps`'s clients, for the node `peer_id` whose account is
+    /// `account` (lowercase hex), handed `confirmed`, their records beside `cfg`'s state
+    /// file. `None` when `deps` has not their clients (a test's own merod and MDMA).
+    pub fn new(
+        cfg: &Config,
+        deps: &Deps,
+        peer_id: PeerId,
+        account: String,
+        confirmed: &BTreeSet<GroupId>,
+    ) -> Option<Self> {
+        let offers = [(); 3].map(|()| inventory::NamespacesOffer::channel());
+        let [(inv, inv_feed), (rec, rec_feed), (adm, adm_feed)] = offers;
+        for offer in [&inv, &rec, &adm] {
+            offer.offer(confirmed);
+        }
+        let account: inventory::AccountSource = Arc::new(move || Some(account.clone()));
+        let walks = Arc::new(trees::Handoff::default());
+        let dir = crate::durable::parent_dir(&cfg.state_file);
+        let scan = inventory::ScanJob::new(
+            deps.inventory.clone()?,
+            peer_id.clone(),
+            Arc::clone(&account),
+            inv_feed,
+            dir.join(inventory::RECORD_FILE),
+            Some(Arc::clone(&walks)),
+        );
+        let pass = recovery::PassJob::new(
+            deps.recovery.clone()?,
+            peer_id,
+            account,
+            (rec_feed, adm_feed),
+            &dir.join(recovery::RECORD_FILE),
+            Some(walks),
+        );
+        Some(Self {
+            scan,
+            pass,
+            _offers: [inv, rec, adm],
+        })
+    }
+
+    /// One scan: merod's usage, the walks it picks, handed on, the report if any. The
+    /// namespaces reported.
+    ///
+    /// Errors: the post did not land.
+    pub async fn scan(&mut self) -> Result<usize, TreeJobError> {
+        Ok(self.scan.run().await?)
+    }
+
+    /// Makes the next scan walk every namespace, as every 15 minutes.
+    pub fn walk_whole_next(&mut self) {
+        self.scan.walk_whole_next();
+    }
+
+    /// One pass of the envelopes over the walks handed over. The envelopes written.
+    ///
+    /// Errors: some envelopes were not written or removed.
+    pub async fn pass(&mut self) -> Result<usize, TreeJobError> {
+        Ok(self.pass.run().await?.written)
+    }
 }

@@ -453,6 +453,11 @@ impl ScanJob {
         }
     }
 
+    /// Makes the next scan walk every namespace (the [`WalkBook`]'s whole walk is due).
+    pub(crate) fn walk_whole_next(&mut self) {
+        self.book.whole_now();
+    }
+
     /// Writes the record (a failure is said: the next scan may post again what landed).
     async fn keep(&self) {
         let (path, bytes) = match serde_json::to_vec(&self.record) {

@@ -413,6 +413,11 @@ impl WalkBook {
             .is_none_or(|at| now.saturating_duration_since(at) >= WHOLE_EVERY)
     }
 
+    /// Makes the next whole walk due now.
+    pub(crate) fn whole_now(&mut self) {
+        self.whole_at = None;
+    }
+
     /// The namespaces of `confirmed` to walk: all of them when `whole` (stamped at `now`),
     /// else those never read whole, those whose signal in `usage` moved since, those with
     /// no row, and all of them when `usage` is `None` (it could not be read).

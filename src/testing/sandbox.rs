@@ -131,6 +131,34 @@ impl Sandbox {
         Config::load(&path)
     }
 
+    /// Makes merod hold `n` namespaces (ids `1`, `2`, … as 64 hex), each one group with
+    /// three member accounts (the node's own, [`super::merod::ACCOUNT_ID`], a `ReadOnlyTee`,
+    /// and two `Member`s, one device each) and one context, merod with its seal route: a
+    /// node at fleet scale for the jobs that walk the namespaces. Returns the ids.
+    pub fn hold_with_members(&self, n: usize) -> Vec<String> {
+        use super::merod::ACCOUNT_ID;
+        let ids: Vec<String> = (0..n).map(|i| format!("{:064x}", i + 1)).collect();
+        for (i, id) in ids.iter().enumerate() {
+            let (a, b) = (format!("{:064x}", 2 * i + 1), format!("{:064x}", 2 * i + 2));
+            self.merod.hold(id);
+            self.merod.set_group_members(
+                id,
+                &[(ACCOUNT_ID, "ReadOnlyTee"), (&a, "Member"), (&b, "Member")],
+            );
+            self.merod.set_contexts(id, &[format!("ctx{i}")]);
+            self.merod.set_member_devices(
+                id,
+                &[
+                    (ACCOUNT_ID, &[("d0", "k0")]),
+                    (&a, &[("d1", "k1")]),
+                    (&b, &[("d2", "k2")]),
+                ],
+            );
+        }
+        self.merod.set_seal_route(true);
+        ids
+    }
+
     /// The real MDMA and merod clients, pointed at the emulators as `cfg` says.
     ///
     /// Errors: a client that cannot be built.
