@@ -853,8 +853,6 @@ impl PassJob {
         tally: &mut Tally,
     ) -> Result<(), PassError> {
         let plan = plaintexts(namespace, groups);
-        // The versions about to be offered, durable before the first goes out: one fsync
-        // for the namespace, and no version that may land is ever offered again.
         let offers: BTreeMap<String, u64> = plan
             .iter()
             .filter(|(account, p)| self.record.due(namespace, account, &p.sha256, full))
@@ -867,31 +865,38 @@ impl PassJob {
                 (key, version)
             })
             .collect();
-        if offers.is_empty() {
-            return self.remove_left(namespace, &plan, tally).await;
-        }
-        self.change(vec![Change::Offer(offers.clone())], true)
-            .await?;
+        // Sealed first: a seal that fails spends no version and writes nothing.
+        let mut sealed = Vec::with_capacity(offers.len());
         for (account, plaintext) in &plan {
-            let Some(&version) = offers.get(&entry_key(namespace, account)) else {
+            let key = entry_key(namespace, account);
+            let Some(&version) = offers.get(&key) else {
                 continue;
             };
-            let sealed = match self
+            match self
                 .deps
                 .merod
                 .seal(namespace, account, &plaintext.bytes)
                 .await
             {
-                Ok(Some(sealed)) => sealed,
+                Ok(Some(envelope)) => sealed.push((key, version, account, plaintext, envelope)),
                 Ok(None) => return Err(PassError::NoSealRoute),
-                Err(e) => {
-                    tally.failed(format!("sealing for {account} in {namespace}: {e}"));
-                    continue;
-                }
-            };
+                Err(e) => tally.failed(format!("sealing for {account} in {namespace}: {e}")),
+            }
+        }
+        if sealed.is_empty() {
+            return self.remove_left(namespace, &plan, tally).await;
+        }
+        // The versions about to be offered, durable before the first goes out: one fsync
+        // for the namespace, and no version that may land is ever offered again.
+        let offered = sealed
+            .iter()
+            .map(|(key, v, ..)| (key.clone(), *v))
+            .collect();
+        self.change(vec![Change::Offer(offered)], true).await?;
+        for (_, version, account, plaintext, envelope) in sealed {
             let envelope = RecoveryEnvelope {
                 key: self.key(namespace, account),
-                ciphertext: sealed.to_json_string(),
+                ciphertext: envelope.to_json_string(),
                 version,
             };
             self.put(envelope, &plaintext.sha256, tally).await?;
@@ -1282,6 +1287,8 @@ mod tests {
         no_route: bool,
         lacks: bool,
         seals: Mutex<Vec<(GroupId, String, String)>>,
+        /// Accounts sealing to which fails.
+        refused: Mutex<BTreeSet<String>>,
     }
 
     #[async_trait]
@@ -1332,6 +1339,9 @@ mod tests {
         ) -> Result<Option<SealedEnvelope>, MerodError> {
             if self.no_route {
                 return Ok(None);
+            }
+            if self.refused.lock().unwrap().contains(account) {
+                return Err(fail(MerodOp::Seal));
             }
             let mut seals = self.seals.lock().unwrap();
             seals.push((
@@ -1626,6 +1636,26 @@ mod tests {
         assert_eq!(r.job.run().await.unwrap().written, 3);
         // v1 went out once and could have landed unanswered: never offered again.
         assert!(r.puts().iter().all(|p| p.version == 2));
+    }
+
+    #[tokio::test]
+    async fn a_seal_that_fails_spends_no_version_and_writes_nothing() {
+        let mut r = rig(three_members(), &[gid(1)]);
+        r.merod.refused.lock().unwrap().insert(acct("carol"));
+        assert!(r.job.run().await.is_err());
+        assert_eq!(r.puts().len(), 2);
+        let carol = entry_key(gid(1), &acct("carol"));
+        assert!(
+            !r.job.record.offered.contains_key(&carol),
+            "nothing offered"
+        );
+        let journal = std::fs::read_to_string(r._dir.path().join(JOURNAL_FILE)).unwrap();
+        assert!(!journal.contains(&acct("carol")), "{journal}");
+        // Its seal works again: its first version goes out.
+        r.merod.refused.lock().unwrap().clear();
+        assert_eq!(r.job.run().await.unwrap().written, 1);
+        let last = r.puts().pop().unwrap();
+        assert_eq!((last.key.account_id, last.version), (acct("carol"), 1));
     }
 
     #[tokio::test]
