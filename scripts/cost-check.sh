@@ -28,7 +28,10 @@ trap 'rm -rf "$out"' EXIT
 scenarios="idle-3 10
 idle-10000 5
 idle-10000x8 3
-accept-10000x8 3"
+accept-10000x8 3
+walk-1000 1
+scan-1000 5
+scan-1000-one 3"
 
 count() {
   valgrind --tool=callgrind --collect-atstart=no '--toggle-collect=*cycle_cost::measured*' \
