@@ -79,31 +79,164 @@ pub(crate) const MAX_CONFLICTS_PER_PASS: u32 = 256;
 /// one takes up the rest, as their digests still differ.
 const PASS_DEADLINE: Duration = Duration::from_secs(3600);
 
-/// One envelope MDMA took: its version and the SHA-256 (hex) of its plaintext.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// One envelope MDMA took: its version and the SHA-256 of its plaintext (in the file:
+/// `{"version", "sha256": "<hex>"}`).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Written {
     /// The version MDMA took.
     pub(crate) version: u64,
-    /// Hex SHA-256 of the plaintext sealed.
-    pub(crate) sha256: String,
+    /// SHA-256 of the plaintext sealed.
+    pub(crate) sha256: Compact,
+}
+
+/// A string the record keeps many of (an account, a digest): 64 lowercase hex in 32 bytes
+/// with no block of its own, anything else as read. At 30,000 envelopes the record is then
+/// a few MB in the map's own nodes, not 60,000 small blocks.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum Compact {
+    /// 64 lowercase hex.
+    Hex([u8; 32]),
+    /// Anything else, verbatim.
+    Text(Box<str>),
+}
+
+impl Compact {
+    /// `text`, in 32 bytes when it is 64 lowercase hex.
+    pub(crate) fn new(text: &str) -> Self {
+        let mut bytes = [0u8; 32];
+        let lowercase = !text.bytes().any(|b| b.is_ascii_uppercase());
+        if text.len() == 64 && lowercase && hex::decode_to_slice(text, &mut bytes).is_ok() {
+            Self::Hex(bytes)
+        } else {
+            Self::Text(text.into())
+        }
+    }
+
+    /// Whether it is `text`.
+    pub(crate) fn is(&self, text: &str) -> bool {
+        *self == Self::new(text)
+    }
+}
+
+impl std::fmt::Display for Compact {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Hex(bytes) => f.write_str(&hex::encode(bytes)),
+            Self::Text(text) => f.write_str(text),
+        }
+    }
+}
+
+/// A record key, `<namespace>/<account>` in the file: the namespace's id and the account.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct EntryKey {
+    namespace: GroupId,
+    account: Compact,
+}
+
+impl EntryKey {
+    /// The key of `account` in `namespace`.
+    fn new(namespace: GroupId, account: &str) -> Self {
+        Self {
+            namespace,
+            account: Compact::new(account),
+        }
+    }
+
+    /// `<namespace>/<account>` read back; `None` unless it starts with a namespace id
+    /// spelled as this daemon spells it (such an entry is kept aside, as read).
+    fn parse(key: &str) -> Option<Self> {
+        let (namespace, account) = key.split_once('/')?;
+        let id: GroupId = namespace.parse().ok()?;
+        (id.to_string() == namespace).then(|| Self::new(id, account))
+    }
+}
+
+impl std::fmt::Display for EntryKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.account)
+    }
 }
 
 /// What was written, kept as `fleet-recovery.json`: `{"envelopes": {"<ns>/<account>":
 /// {"version", "sha256"}}, "last_full": <Unix s>}`, as the Bash sidecar keeps it (a node
 /// switching over goes on from the versions MDMA holds).
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(from = "RecordFile")]
 pub(crate) struct RecoveryRecord {
-    /// Each envelope this node wrote, by `<namespace>/<account>`.
-    #[serde(default)]
-    pub(crate) envelopes: BTreeMap<String, Written>,
+    /// Each envelope this node wrote.
+    pub(crate) envelopes: BTreeMap<EntryKey, Written>,
+    /// Entries whose key does not start with a namespace id: kept as read, written back.
+    pub(crate) foreign: BTreeMap<String, Written>,
     /// When the last full pass started, Unix seconds (0: never).
-    #[serde(default)]
     pub(crate) last_full: u64,
     /// The highest version offered to MDMA of each envelope that may have landed without
-    /// being recorded (a crash or a lost answer after the offer): never offered again.
-    /// Not in the Bash sidecar's file; absent when empty.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    /// being recorded (a crash or a lost answer after the offer), by `<ns>/<account>`:
+    /// never offered again. Not in the Bash sidecar's file; absent when empty.
     pub(crate) offered: BTreeMap<String, u64>,
+}
+
+/// [`RecoveryRecord`] as its file has it.
+#[derive(Serialize, Deserialize)]
+struct RecordFile {
+    #[serde(default)]
+    envelopes: BTreeMap<String, WrittenFile>,
+    #[serde(default)]
+    last_full: u64,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    offered: BTreeMap<String, u64>,
+}
+
+/// [`Written`] as its file has it.
+#[derive(Serialize, Deserialize)]
+struct WrittenFile {
+    version: u64,
+    sha256: String,
+}
+
+impl From<RecordFile> for RecoveryRecord {
+    fn from(file: RecordFile) -> Self {
+        let mut record = Self {
+            last_full: file.last_full,
+            offered: file.offered,
+            ..Self::default()
+        };
+        for (key, written) in file.envelopes {
+            record.insert(key, written.version, &written.sha256);
+        }
+        record
+    }
+}
+
+impl Serialize for RecoveryRecord {
+    /// As [`RecordFile`]: `envelopes` rendered entry by entry, never copied whole.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+        struct Entries<'a>(&'a RecoveryRecord);
+        impl Serialize for Entries<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let file = |w: &Written| WrittenFile {
+                    version: w.version,
+                    sha256: w.sha256.to_string(),
+                };
+                let ours = self
+                    .0
+                    .envelopes
+                    .iter()
+                    .map(|(k, w)| (k.to_string(), file(w)));
+                let foreign = self.0.foreign.iter().map(|(k, w)| (k.clone(), file(w)));
+                s.collect_map(ours.chain(foreign))
+            }
+        }
+        let fields = if self.offered.is_empty() { 2 } else { 3 };
+        let mut out = s.serialize_struct("RecordFile", fields)?;
+        out.serialize_field("envelopes", &Entries(self))?;
+        out.serialize_field("last_full", &self.last_full)?;
+        if !self.offered.is_empty() {
+            out.serialize_field("offered", &self.offered)?;
+        }
+        out.end()
+    }
 }
 
 /// One change to the [`RecoveryRecord`], a line of [`JOURNAL_FILE`]:
@@ -135,21 +268,53 @@ fn entry_key(namespace: GroupId, account: &str) -> String {
 }
 
 impl RecoveryRecord {
+    /// Records `version` of `key` with the plaintext's `sha256` (hex).
+    fn insert(&mut self, key: String, version: u64, sha256: &str) {
+        let written = Written {
+            version,
+            sha256: Compact::new(sha256),
+        };
+        match EntryKey::parse(&key) {
+            Some(entry) => {
+                self.envelopes.insert(entry, written);
+            }
+            None => {
+                self.foreign.insert(key, written);
+            }
+        }
+    }
+
+    /// Forgets `key`.
+    fn remove(&mut self, key: &str) {
+        match EntryKey::parse(key) {
+            Some(entry) => self.envelopes.remove(&entry),
+            None => self.foreign.remove(key),
+        };
+        self.offered.remove(key);
+    }
+
+    /// Whether `key` (`<ns>/<account>`) is recorded.
+    pub(crate) fn contains(&self, key: &str) -> bool {
+        EntryKey::parse(key).is_some_and(|entry| self.envelopes.contains_key(&entry))
+            || self.foreign.contains_key(key)
+    }
+
     /// The accounts recorded for `namespace`.
     pub(crate) fn accounts(&self, namespace: GroupId) -> Vec<String> {
-        let prefix = format!("{namespace}/");
+        let first = EntryKey {
+            namespace,
+            account: Compact::Hex([0; 32]),
+        };
         self.envelopes
-            .keys()
-            .filter_map(|k| k.strip_prefix(&prefix).map(str::to_owned))
+            .range(first..)
+            .take_while(|(k, _)| k.namespace == namespace)
+            .map(|(k, _)| k.account.to_string())
             .collect()
     }
 
     /// The namespaces recorded (entries whose key does not start with an id are ignored).
     pub(crate) fn namespaces(&self) -> BTreeSet<GroupId> {
-        self.envelopes
-            .keys()
-            .filter_map(|k| k.split_once('/').and_then(|(ns, _)| ns.parse().ok()))
-            .collect()
+        self.envelopes.keys().map(|k| k.namespace).collect()
     }
 
     /// Whether the envelope of `account` in `namespace` is due: never written, its
@@ -157,15 +322,18 @@ impl RecoveryRecord {
     pub(crate) fn due(&self, namespace: GroupId, account: &str, sha256: &str, full: bool) -> bool {
         full || self
             .envelopes
-            .get(&entry_key(namespace, account))
-            .is_none_or(|w| w.sha256 != sha256)
+            .get(&EntryKey::new(namespace, account))
+            .is_none_or(|w| !w.sha256.is(sha256))
     }
 
     /// The version to write next for `account` in `namespace`: one above the recorded one
     /// and above any offered since (1 for a new envelope).
     pub(crate) fn next_version(&self, namespace: GroupId, account: &str) -> u64 {
+        let recorded = self
+            .envelopes
+            .get(&EntryKey::new(namespace, account))
+            .map_or(0, |w| w.version);
         let key = entry_key(namespace, account);
-        let recorded = self.envelopes.get(&key).map_or(0, |w| w.version);
         let offered = self.offered.get(&key).copied().unwrap_or(0);
         recorded.max(offered).saturating_add(1)
     }
@@ -187,12 +355,9 @@ impl RecoveryRecord {
                 if self.offered.get(&key).is_some_and(|v| *v <= version) {
                     self.offered.remove(&key);
                 }
-                self.envelopes.insert(key, Written { version, sha256 });
+                self.insert(key, version, &sha256);
             }
-            Change::Removed(key) => {
-                self.envelopes.remove(&key);
-                self.offered.remove(&key);
-            }
+            Change::Removed(key) => self.remove(&key),
             Change::Full(at) => self.last_full = at,
         }
     }
@@ -1211,7 +1376,7 @@ impl Job for PassJob {
         self.compact(0).await?;
         // Sightings of entries since removed (a leave, a delete) go with them.
         let record = &self.record;
-        self.missing.retain(|k, _| record.envelopes.contains_key(k));
+        self.missing.retain(|k, _| record.contains(k));
         if tally.deferred > 0 {
             info!(
                 "{} recovery envelope(s) to remove wait for the next pass (at most {MAX_DELETES_PER_PASS} a pass)",
@@ -2037,6 +2202,33 @@ mod tests {
         r.job.record.last_full -= FULL_EVERY.as_secs();
         assert_eq!(r.job.run().await.unwrap().written, 3);
         assert!(r.puts()[3..].iter().all(|p| p.version == 2));
+    }
+
+    #[test]
+    fn the_record_keeps_every_entry_as_read_in_its_compact_form() {
+        let upper = acct("bob").to_ascii_uppercase();
+        let (a, c) = ("a".repeat(64), "c".repeat(64));
+        let text = serde_json::json!({"envelopes": {
+            format!("{}/{}", gid(1), acct("alice")): {"version": 2, "sha256": a},
+            format!("{}/{}", gid(1), upper): {"version": 3, "sha256": "XY"},
+            "not-a-namespace/carol": {"version": 1, "sha256": c},
+            format!("{}/{}", "AB".repeat(32), acct("dave")): {"version": 1, "sha256": c},
+        }, "last_full": 5});
+        let record: RecoveryRecord = serde_json::from_value(text.clone()).unwrap();
+        assert_eq!(
+            serde_json::to_value(&record).unwrap(),
+            text,
+            "written back as read"
+        );
+        assert_eq!(record.accounts(gid(1)), [acct("alice"), upper.clone()]);
+        assert!(!record.due(gid(1), &acct("alice"), &a, false));
+        assert!(record.due(gid(1), &acct("alice"), &c, false));
+        assert!(!record.due(gid(1), &upper, "XY", false));
+        assert_eq!(record.next_version(gid(1), &upper), 4);
+        assert_eq!(record.namespaces(), BTreeSet::from([gid(1)]));
+        assert!(record.contains("not-a-namespace/carol"));
+        assert!(record.contains(&entry_key(gid(1), &acct("alice"))));
+        assert!(!record.contains(&entry_key(gid(1), &acct("carol"))));
     }
 
     #[test]
