@@ -231,29 +231,27 @@ pub(crate) fn want_full(set_changed: bool, last_full: u64, now_unix: u64) -> boo
 /// The posts for `scanned` given what was last posted: the whole namespaces (`full` =
 /// `want_full`) when a full report is due or something other than `bytes` changed, then the
 /// partial ones (`full: false`) when something changed. Empty when nothing is to be said.
-pub(crate) fn plan(scanned: &[Scanned], record: &InventoryRecord, want_full: bool) -> Vec<Post> {
+/// The scan moves into the posts: at 10,000 namespaces a copy of it is megabytes.
+pub(crate) fn plan(scanned: Vec<Scanned>, record: &InventoryRecord, want_full: bool) -> Vec<Post> {
     let changed = scanned
         .iter()
         .any(|s| record.get(&s.inventory.namespace_id) != Some(&ReportDigest::of(&s.inventory)));
-    let batch = |complete: bool| -> Vec<NamespaceInventory> {
-        scanned
-            .iter()
-            .filter(|s| s.complete == complete)
-            .map(|s| s.inventory.clone())
-            .collect()
+    let (whole, partial): (Vec<Scanned>, Vec<Scanned>) =
+        scanned.into_iter().partition(|s| s.complete);
+    let batch = |scans: Vec<Scanned>| -> Vec<NamespaceInventory> {
+        scans.into_iter().map(|s| s.inventory).collect()
     };
     let mut posts = Vec::new();
     if want_full || changed {
         posts.push(Post {
             full: want_full,
-            namespaces: batch(true),
+            namespaces: batch(whole),
         });
     }
-    let partial = batch(false);
     if changed && !partial.is_empty() {
         posts.push(Post {
             full: false,
-            namespaces: partial,
+            namespaces: batch(partial),
         });
     }
     posts
@@ -564,11 +562,9 @@ impl Job for ScanJob {
         drop(usage);
         let mut changed = self.record.prune(&confirmed);
         let reported = scanned.len();
-        // At 10,000 namespaces each copy of the inventory is megabytes: the scan is dropped
-        // once planned, and what a post carries moves into the report, then into the
-        // record.
-        let posts = plan(&scanned, &self.record, full);
-        drop(scanned);
+        // At 10,000 namespaces each copy of the inventory is megabytes: the scan moves into
+        // the posts, and what a post carries into the report.
+        let posts = plan(scanned, &self.record, full);
         for Post { full, namespaces } in posts {
             let report = InventoryReport {
                 peer_id: self.peer_id.clone(),
@@ -942,18 +938,21 @@ mod tests {
         let mut record = InventoryRecord::default();
         let scan = [scanned(1, true, 5)];
         assert!(want_full(false, record.last_full, 1_000_000));
-        let posts = plan(&scan, &record, true);
+        let posts = plan(scan.to_vec(), &record, true);
         assert_eq!(posts.len(), 1);
         assert!(posts[0].full);
         record.posted(&posts[0].namespaces, posts[0].full, 1_000_000);
         assert_eq!(record.last_full, 1_000_000);
         let want = want_full(false, record.last_full, 1_000_060);
         assert!(!want);
-        assert!(plan(&scan, &record, want).is_empty(), "nothing changed");
+        assert!(
+            plan(scan.to_vec(), &record, want).is_empty(),
+            "nothing changed"
+        );
         // Bytes alone do not post, but the next post carries them.
         let moved = [scanned(1, true, 99)];
-        assert!(plan(&moved, &record, false).is_empty());
-        let posts = plan(&moved, &record, true);
+        assert!(plan(moved.to_vec(), &record, false).is_empty());
+        let posts = plan(moved.to_vec(), &record, true);
         assert_eq!(posts[0].namespaces[0].bytes.unwrap().total, 99);
         // 900 s after the last full one, and a clock stepped back, are due.
         assert!(want_full(false, 1_000_000, 1_000_900));
@@ -965,7 +964,7 @@ mod tests {
     fn partial_namespaces_go_additively_and_only_on_a_change() {
         let record = InventoryRecord::default();
         let scan = [scanned(1, true, 0), scanned(2, false, 0)];
-        let posts = plan(&scan, &record, true);
+        let posts = plan(scan.to_vec(), &record, true);
         assert_eq!(posts.len(), 2);
         assert!(posts[0].full && posts[0].namespaces[0].namespace_id == gid(1));
         assert!(!posts[1].full && posts[1].namespaces[0].namespace_id == gid(2));
@@ -974,7 +973,7 @@ mod tests {
             record.posted(&p.namespaces, p.full, 10);
         }
         // Unchanged: a due full report carries the whole ones only.
-        let posts = plan(&scan, &record, true);
+        let posts = plan(scan.to_vec(), &record, true);
         assert_eq!(posts.len(), 1);
         assert!(posts[0].full);
         assert_eq!(posts[0].namespaces.len(), 1);
@@ -1099,10 +1098,10 @@ mod tests {
     fn a_failed_post_keeps_nothing_and_no_longer_confirmed_ones_are_pruned() {
         let mut record = InventoryRecord::default();
         let scan = [scanned(1, true, 0), scanned(2, true, 0)];
-        let posts = plan(&scan, &record, true);
+        let posts = plan(scan.to_vec(), &record, true);
         // The post failed: the record is not touched, so the next scan posts again.
         assert_eq!(
-            plan(&scan, &record, false),
+            plan(scan.to_vec(), &record, false),
             posts
                 .iter()
                 .map(|p| Post {
