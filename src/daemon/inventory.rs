@@ -536,7 +536,7 @@ impl Job for ScanJob {
         let account = (self.account)();
         let needs = Needs {
             account: account.as_deref(),
-            devices: self.recovery.is_some(),
+            devices: self.recovery.as_ref().is_some_and(|h| h.is_open()),
             capabilities: true,
         };
         let mut wait_left = HANDOFF_WAIT;

@@ -1332,12 +1332,39 @@ impl Job for PassJob {
     }
 
     async fn run(&mut self) -> Result<PassDone, PassError> {
+        let passed = self.pass().await;
+        if let Err(PassError::NoSealRoute) = passed {
+            // Nothing can be written: the inventory's walks stop reading devices for it.
+            self.walks.close();
+        }
+        passed
+    }
+
+    fn idle(&self) -> bool {
+        self.confirmed.is_empty() || self.deps.merod.lacks_seal_route()
+    }
+
+    async fn wake(&mut self) {
+        tokio::select! {
+            () = self.confirmed.changed() => {}
+            () = self.recorded.changed() => {}
+            () = self.walks.delivered() => {}
+        }
+    }
+}
+
+impl PassJob {
+    /// One pass (see the module docs).
+    ///
+    /// Errors: as [`Job::run`].
+    async fn pass(&mut self) -> Result<PassDone, PassError> {
         if self.deps.merod.lacks_seal_route() {
             return Err(PassError::NoSealRoute);
         }
         let Some((confirmed, changed)) = self.confirmed.take() else {
             return Ok(PassDone::default());
         };
+        self.walks.reopen(&confirmed, Instant::now());
         self.pending_full |= changed;
         // Whole seconds; a clock before 1970 reads as 0 (a full pass is then due).
         let now = unix_now().max(0.0) as u64;
@@ -1390,18 +1417,6 @@ impl Job for PassJob {
                 incomplete: tally.incomplete,
                 first,
             }),
-        }
-    }
-
-    fn idle(&self) -> bool {
-        self.confirmed.is_empty() || self.deps.merod.lacks_seal_route()
-    }
-
-    async fn wake(&mut self) {
-        tokio::select! {
-            () = self.confirmed.changed() => {}
-            () = self.recorded.changed() => {}
-            () = self.walks.delivered() => {}
         }
     }
 }

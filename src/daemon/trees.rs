@@ -478,6 +478,9 @@ pub(crate) struct Handoff {
 struct HandoffInner {
     reads: BTreeMap<GroupId, TreeRead>,
     wants: BTreeMap<GroupId, Instant>,
+    /// The envelopes cannot be written (merod has no seal route): nothing is handed over,
+    /// and the walks read no devices.
+    closed: bool,
 }
 
 impl Handoff {
@@ -490,6 +493,9 @@ impl Handoff {
     /// (the next scan walks it); `false` then.
     pub(crate) fn deliver(&self, read: TreeRead) -> bool {
         let mut inner = self.lock();
+        if inner.closed {
+            return false;
+        }
         let id = read.namespace;
         let fits = inner.reads.len() < HANDOFF_CAP || inner.reads.contains_key(&id);
         if fits {
@@ -536,13 +542,41 @@ impl Handoff {
     /// The namespaces asked for by `now`, at most `most` (the earliest asked first ones by
     /// id); they stay asked for until a walk of them is handed over.
     pub(crate) fn wanted(&self, now: Instant, most: usize) -> Vec<GroupId> {
-        self.lock()
+        let inner = self.lock();
+        if inner.closed {
+            return Vec::new();
+        }
+        inner
             .wants
             .iter()
             .filter(|(_, at)| **at <= now)
             .map(|(id, _)| *id)
             .take(most)
             .collect()
+    }
+
+    /// Whether walks are handed over (the envelopes can be written).
+    pub(crate) fn is_open(&self) -> bool {
+        !self.lock().closed
+    }
+
+    /// Stops handing walks over, dropping those waiting and what was asked for: the
+    /// envelopes cannot be written (merod has no seal route), so the walks read no devices.
+    pub(crate) fn close(&self) {
+        let mut inner = self.lock();
+        inner.closed = true;
+        inner.reads.clear();
+        inner.wants.clear();
+    }
+
+    /// Hands walks over again after [`Handoff::close`], asking for every namespace of
+    /// `confirmed` from `now` (none was handed over meanwhile); nothing when open.
+    pub(crate) fn reopen(&self, confirmed: &BTreeSet<GroupId>, now: Instant) {
+        let mut inner = self.lock();
+        if inner.closed {
+            inner.closed = false;
+            inner.wants = confirmed.iter().map(|id| (*id, now)).collect();
+        }
     }
 
     /// Forgets that `id` was asked for: a walk of it was just taken.
@@ -607,6 +641,8 @@ mod tests {
     struct Node {
         trees: Mutex<BTreeMap<GroupId, OneGroup>>,
         usage_fails: Mutex<bool>,
+        /// merod has no seal route.
+        no_route: Mutex<bool>,
         reads: Mutex<BTreeMap<GroupId, usize>>,
     }
 
@@ -719,6 +755,9 @@ mod tests {
             _: &str,
             _: &[u8],
         ) -> Result<Option<SealedEnvelope>, MerodError> {
+            if *self.no_route.lock().unwrap() {
+                return Ok(None);
+            }
             Ok(Some(SealedEnvelope {
                 account_root_epoch: 1,
                 ciphertext: "c".to_owned(),
@@ -768,6 +807,7 @@ mod tests {
         pass: PassJob,
         node: Arc<Node>,
         mdma: Arc<Mdma>,
+        walks: Arc<Handoff>,
         _offers: Vec<NamespacesOffer>,
         _dir: tempfile::TempDir,
     }
@@ -803,6 +843,7 @@ mod tests {
                 dir.path().join("fleet-inventory.json"),
                 Some(Arc::clone(&walks)),
             );
+            let handoff = Arc::clone(&walks);
             let pass = PassJob::new(
                 RecoveryDeps {
                     merod: Arc::clone(&node) as _,
@@ -819,6 +860,7 @@ mod tests {
                 pass,
                 node,
                 mdma,
+                walks: handoff,
                 _offers: senders,
                 _dir: dir,
             }
@@ -831,6 +873,9 @@ mod tests {
             self.pass.run().await.unwrap();
         }
 
+        fn scan_handoff_room(&self) -> usize {
+            self.walks.room()
+        }
         fn reports(&self) -> Vec<InventoryReport> {
             self.mdma.reports.lock().unwrap().clone()
         }
@@ -974,6 +1019,29 @@ mod tests {
         let reads = BTreeMap::from([(gid(1), 2 * ONE_WALK), (gid(2), 2 * ONE_WALK)]);
         assert_eq!(r.node.reads(), reads);
         assert_eq!(r.puts().len(), 6, "read again, nothing to write");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn without_a_seal_route_the_walks_read_no_devices_until_it_is_back() {
+        let node = two_namespaces();
+        *node.no_route.lock().unwrap() = true;
+        let mut r = Rig::new(node);
+        r.scan.run().await.unwrap();
+        assert!(r.pass.run().await.is_err(), "no seal route");
+        let first = BTreeMap::from([(gid(1), ONE_WALK), (gid(2), ONE_WALK)]);
+        assert_eq!(r.node.reads(), first);
+        // The next whole walk reads no member devices, and hands nothing over.
+        r.scan.walk_whole_next();
+        tokio::time::advance(SCAN_EVERY).await;
+        r.scan.run().await.unwrap();
+        let without = BTreeMap::from([(gid(1), 2 * ONE_WALK - 1), (gid(2), 2 * ONE_WALK - 1)]);
+        assert_eq!(r.node.reads(), without);
+        assert_eq!(r.scan_handoff_room(), HANDOFF_CAP);
+        // The route is back: every namespace is walked again for the envelopes.
+        *r.node.no_route.lock().unwrap() = false;
+        r.tick(Duration::ZERO).await;
+        r.tick(SCAN_EVERY).await;
+        assert_eq!(r.puts().len(), 6);
     }
 
     fn usage(rows: &[(u8, u64)]) -> BTreeMap<GroupId, NamespaceUsage> {
