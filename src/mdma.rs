@@ -1297,14 +1297,7 @@ impl MdmaClient {
         url: &Url,
         body: &B,
     ) -> reqwest::RequestBuilder {
-        let req = http.request(method.as_reqwest(), url.clone());
-        let req = match json_exact(body) {
-            Some(bytes) => req
-                .header(reqwest::header::CONTENT_TYPE, "application/json")
-                .body(bytes),
-            // Not representable as JSON: reqwest's own encoding fails the send, saying why.
-            None => req.json(body),
-        };
+        let req = http.request(method.as_reqwest(), url.clone()).json(body);
         match self.token.get() {
             Some(t) => req.header("X-Fleet-Token", t.expose()),
             None => req,
@@ -1837,40 +1830,9 @@ fn parse_two_step(body: &[u8]) -> Result<ShouldJoin, MalformedAnswer> {
     })
 }
 
-/// `body` as JSON in a buffer of exactly its size (`None` when it is not representable).
-/// Rendered twice, once to count: a full inventory report at 10,000 namespaces is megabytes,
-/// and a buffer grown by doubling would hold up to twice that while it is sent.
-fn json_exact<B: Serialize + ?Sized>(body: &B) -> Option<Vec<u8>> {
-    struct Count(usize);
-    impl std::io::Write for Count {
-        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
-            self.0 += bytes.len();
-            Ok(bytes.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let mut count = Count(0);
-    serde_json::to_writer(&mut count, body).ok()?;
-    let mut bytes = Vec::with_capacity(count.0);
-    serde_json::to_writer(&mut bytes, body).ok()?;
-    Some(bytes)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_request_body_is_rendered_into_a_buffer_of_its_size() {
-        let body = serde_json::json!({"peer_id": "p", "namespaces": vec!["x".repeat(100); 1000]});
-        let bytes = json_exact(&body).unwrap();
-        assert_eq!(bytes, serde_json::to_vec(&body).unwrap());
-        assert_eq!(bytes.capacity(), bytes.len());
-        let not_json = BTreeMap::from([((1, 2), 3)]);
-        assert_eq!(json_exact(&not_json), None);
-    }
 
     /// A rolling MDMA deploy: the old instances refuse the token, the restarting ones answer
     /// 503, interleaved (26 refusals and 13 unavailable answers in 60 s). The refusals
