@@ -292,6 +292,39 @@ pub enum MerodError {
     },
 }
 
+/// Why a 2xx answer's body is not what its route returns, said as [`MerodError::Answer`]'s
+/// `reason` (what the parse of one route's body returns; its caller adds the op and URL).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum AnswerFault {
+    /// A field or an array the route always has is missing or of another type: what, in
+    /// merod's field names.
+    #[error("{0}")]
+    Shape(&'static str),
+    /// A field that is not a short string (a device's `deviceId` or `signingKey`).
+    #[error("a device's {0} is not a short string")]
+    DeviceField(&'static str),
+    /// A field that is not a non-empty string within its bound (a sealed envelope's).
+    #[error("no non-empty string {0}")]
+    NoString(&'static str),
+    /// A group id that does not parse.
+    #[error("{what} {value:?}: {source}")]
+    BadGroupId {
+        /// Which field.
+        what: &'static str,
+        /// As merod gave it.
+        value: String,
+        /// Why.
+        #[source]
+        source: crate::ids::GroupIdError,
+    },
+    /// A context id that is not ASCII letters and digits within its bound.
+    #[error("contextId {0:?} is not an id")]
+    BadContextId(String),
+    /// Not JSON, or JSON with a repeated key.
+    #[error(transparent)]
+    Json(#[from] serde_json::Error),
+}
+
 /// Longest message of a [`MerodError::Refused`] kept, in chars.
 pub const MAX_REFUSAL_MESSAGE: usize = 512;
 /// Longest `type` of a [`MerodError::Refused`] kept, in chars.
@@ -504,8 +537,8 @@ impl NetworkStatus {
 
 /// Reads a `network/status` answer, flat or under `data`.
 ///
-/// Errors: why it is not one (no `externalAddrs` array).
-fn parse_network_status(body: &Value) -> Result<NetworkStatus, &'static str> {
+/// Errors: [`AnswerFault::Shape`], why it is not one (no `externalAddrs` array).
+fn parse_network_status(body: &Value) -> Result<NetworkStatus, AnswerFault> {
     let inner = match body.get("data") {
         Some(d) if d.is_object() => d,
         _ => body,
@@ -513,7 +546,7 @@ fn parse_network_status(body: &Value) -> Result<NetworkStatus, &'static str> {
     let addrs = inner
         .get("externalAddrs")
         .and_then(Value::as_array)
-        .ok_or("no externalAddrs array")?;
+        .ok_or(AnswerFault::Shape("no externalAddrs array"))?;
     Ok(NetworkStatus {
         local_peer_id: inner
             .get("localPeerId")
@@ -1167,7 +1200,7 @@ impl MerodClient {
     /// timeout.
     pub async fn network_status(&self) -> Result<NetworkStatus, MerodError> {
         self.get_parsed(MerodOp::NetworkStatus, "admin-api/network/status", |body| {
-            parse_network_status(body).map_err(str::to_owned)
+            parse_network_status(body)
         })
         .await
     }
@@ -1230,7 +1263,7 @@ pub const MEMBER_PAGES: usize = 10;
 
 /// The rows of a members page, `{"members": [{"identity", "role"}]}` (flat as core 0.11
 /// answers, or under `data`): `(identity lowercased, role)`.
-fn parse_members(body: &Value) -> Result<Vec<(String, String)>, &'static str> {
+fn parse_members(body: &Value) -> Result<Vec<(String, String)>, AnswerFault> {
     let inner = match body.get("data") {
         Some(d) if d.is_object() => d,
         _ => body,
@@ -1238,14 +1271,16 @@ fn parse_members(body: &Value) -> Result<Vec<(String, String)>, &'static str> {
     let rows = inner
         .get("members")
         .and_then(Value::as_array)
-        .ok_or("no members array")?;
+        .ok_or(AnswerFault::Shape("no members array"))?;
     rows.iter()
         .map(|row| {
             let identity = row.get("identity").and_then(Value::as_str);
             let role = row.get("role").and_then(Value::as_str);
             match (identity, role) {
                 (Some(i), Some(r)) => Ok((i.to_ascii_lowercase(), r.to_owned())),
-                _ => Err("a member row without string identity and role"),
+                _ => Err(AnswerFault::Shape(
+                    "a member row without string identity and role",
+                )),
             }
         })
         .collect()

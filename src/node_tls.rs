@@ -48,35 +48,92 @@ pub(crate) fn pem_block<'t>(text: &'t str, label: &str) -> Option<&'t str> {
     Some(&text[start..start + len + end.len()])
 }
 
+/// Why `key.pem` is not a P-256 private key (or its public key cannot be encoded); never
+/// holds the key's bytes.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum KeyError {
+    /// The file is not text.
+    #[error("not UTF-8")]
+    NotUtf8,
+    /// No `PRIVATE KEY` nor `EC PRIVATE KEY` block.
+    #[error("no PEM private key")]
+    NoPrivateKey,
+    /// A PKCS#8 block that is not a P-256 key.
+    #[error("not a P-256 key ({0})")]
+    Pkcs8(p256::pkcs8::Error),
+    /// A SEC1 block that is not a P-256 key.
+    #[error("not a P-256 key ({0})")]
+    Sec1(p256::elliptic_curve::Error),
+    /// Its SubjectPublicKeyInfo could not be encoded.
+    #[error("{0}")]
+    PublicKey(p256::pkcs8::spki::Error),
+}
+
 /// A P-256 private key from PEM: PKCS#8 (`PRIVATE KEY`) or SEC1 (`EC PRIVATE KEY`, after
 /// any `EC PARAMETERS` block, as `openssl ecparam` writes it).
 ///
-/// Errors: why it is not one, for the log (never the key's bytes).
-pub(crate) fn secret_key(pem: &[u8]) -> Result<p256::SecretKey, String> {
+/// Errors: [`KeyError`], why it is not one, for the log (never the key's bytes).
+pub(crate) fn secret_key(pem: &[u8]) -> Result<p256::SecretKey, KeyError> {
     use p256::pkcs8::DecodePrivateKey;
-    let text = std::str::from_utf8(pem).map_err(|_| "not UTF-8".to_owned())?;
+    let text = std::str::from_utf8(pem).map_err(|_| KeyError::NotUtf8)?;
     if let Some(block) = pem_block(text, "PRIVATE KEY") {
-        p256::SecretKey::from_pkcs8_pem(block).map_err(|e| format!("not a P-256 key ({e})"))
+        p256::SecretKey::from_pkcs8_pem(block).map_err(KeyError::Pkcs8)
     } else if let Some(block) = pem_block(text, "EC PRIVATE KEY") {
-        p256::SecretKey::from_sec1_pem(block).map_err(|e| format!("not a P-256 key ({e})"))
+        p256::SecretKey::from_sec1_pem(block).map_err(KeyError::Sec1)
     } else {
-        Err("no PEM private key".to_owned())
+        Err(KeyError::NoPrivateKey)
     }
 }
 
 /// The SubjectPublicKeyInfo (DER) of a P-256 private key in PEM (see [`secret_key`]).
 ///
-/// Errors: why it is not one.
-pub(crate) fn public_key_der(pem: &[u8]) -> Result<Vec<u8>, String> {
+/// Errors: [`KeyError`], why it is not one.
+pub(crate) fn public_key_der(pem: &[u8]) -> Result<Vec<u8>, KeyError> {
     spki_der(&secret_key(pem)?)
 }
 
-fn spki_der(key: &p256::SecretKey) -> Result<Vec<u8>, String> {
+fn spki_der(key: &p256::SecretKey) -> Result<Vec<u8>, KeyError> {
     use p256::pkcs8::EncodePublicKey;
     key.public_key()
         .to_public_key_der()
         .map(|der| der.as_bytes().to_vec())
-        .map_err(|e| e.to_string())
+        .map_err(KeyError::PublicKey)
+}
+
+/// Why a relay URL's host cannot be in a certificate: `host` is shown cut to 80
+/// characters.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum RelayHostError {
+    /// An IP literal (`[…]` around an IPv6 one).
+    #[error("the relay host {0} is an IP address, which no CA signs a certificate for")]
+    IpAddress(String),
+    /// Longer than [`MAX_HOST`] characters.
+    #[error("the relay host {host} is {len} characters long; a DNS name has at most {MAX_HOST}")]
+    TooLong {
+        /// The host, shown.
+        host: String,
+        /// Its length in characters.
+        len: usize,
+    },
+    /// `localhost` or a name under it.
+    #[error("the relay host {0} is local; no CA signs a certificate for it")]
+    Local(String),
+    /// A label with a character no DNS name has (or empty, or a `-` at an end).
+    #[error("the relay host {host} is not a DNS name (label {label:?})")]
+    NotDns {
+        /// The host, shown.
+        host: String,
+        /// The label.
+        label: String,
+    },
+    /// A label longer than [`MAX_LABEL`].
+    #[error("the relay host {host} has a label of {len} characters; a DNS label has at most {MAX_LABEL}")]
+    LabelTooLong {
+        /// The host, shown.
+        host: String,
+        /// The label's length.
+        len: usize,
+    },
 }
 
 /// The host a CSR is made for: the relay URL's host, lowercase, when it is a DNS name a CA
@@ -86,25 +143,18 @@ fn spki_der(key: &p256::SecretKey) -> Result<Vec<u8>, String> {
 /// Returns `Ok(None)` when there is no host to ask for (an empty URL, one that does not
 /// parse or has no host).
 ///
-/// Errors: why the host cannot be in a certificate (an IP literal, `localhost`, a label or
-/// a name too long, a character no DNS name has), for the one log line that says so.
-pub(crate) fn relay_host(relay_url: &str) -> Result<Option<String>, String> {
+/// Errors: [`RelayHostError`], why the host cannot be in a certificate (an IP literal,
+/// `localhost`, a label or a name too long, a character no DNS name has), for the one log
+/// line that says so.
+pub(crate) fn relay_host(relay_url: &str) -> Result<Option<String>, RelayHostError> {
     let Ok(url) = url::Url::parse(relay_url.trim()) else {
         return Ok(None);
     };
     let host = match url.host() {
         None => return Ok(None),
         Some(url::Host::Domain("")) => return Ok(None),
-        Some(url::Host::Ipv4(ip)) => {
-            return Err(format!(
-                "the relay host {ip} is an IP address, which no CA signs a certificate for"
-            ))
-        }
-        Some(url::Host::Ipv6(ip)) => {
-            return Err(format!(
-                "the relay host [{ip}] is an IP address, which no CA signs a certificate for"
-            ))
-        }
+        Some(url::Host::Ipv4(ip)) => return Err(RelayHostError::IpAddress(ip.to_string())),
+        Some(url::Host::Ipv6(ip)) => return Err(RelayHostError::IpAddress(format!("[{ip}]"))),
         Some(url::Host::Domain(d)) => d.to_ascii_lowercase(),
     };
     let shown = || {
@@ -115,16 +165,13 @@ pub(crate) fn relay_host(relay_url: &str) -> Result<Option<String>, String> {
         s
     };
     if host.len() > MAX_HOST {
-        return Err(format!(
-            "the relay host {} is {} characters long; a DNS name has at most {MAX_HOST}",
-            shown(),
-            host.len()
-        ));
+        return Err(RelayHostError::TooLong {
+            host: shown(),
+            len: host.len(),
+        });
     }
     if host == "localhost" || host.ends_with(".localhost") {
-        return Err(format!(
-            "the relay host {host} is local; no CA signs a certificate for it"
-        ));
+        return Err(RelayHostError::Local(host));
     }
     for label in host.split('.') {
         let fine = !label.is_empty()
@@ -134,17 +181,16 @@ pub(crate) fn relay_host(relay_url: &str) -> Result<Option<String>, String> {
                 .bytes()
                 .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
         if !fine {
-            return Err(format!(
-                "the relay host {} is not a DNS name (label {label:?})",
-                shown()
-            ));
+            return Err(RelayHostError::NotDns {
+                host: shown(),
+                label: label.to_owned(),
+            });
         }
         if label.len() > MAX_LABEL {
-            return Err(format!(
-                "the relay host {} has a label of {} characters; a DNS label has at most {MAX_LABEL}",
-                shown(),
-                label.len()
-            ));
+            return Err(RelayHostError::LabelTooLong {
+                host: shown(),
+                len: label.len(),
+            });
         }
     }
     Ok(Some(host))
@@ -155,24 +201,33 @@ pub(crate) fn relay_host(relay_url: &str) -> Result<Option<String>, String> {
 /// signed with `key` (ECDSA P-256 with SHA-256, deterministic: the same key and host give
 /// the same bytes).
 ///
-/// Errors: why the request cannot be built (not expected for a host [`relay_host`] gave).
-pub(crate) fn csr_der(key: &p256::SecretKey, host: &str) -> Result<Vec<u8>, String> {
+/// Errors: [`CsrError`], why the request cannot be built (not expected for a host
+/// [`relay_host`] gave).
+pub(crate) fn csr_der(key: &p256::SecretKey, host: &str) -> Result<Vec<u8>, CsrError> {
     let signer = p256::ecdsa::SigningKey::from(key);
     let subject = if host.len() <= MAX_CN {
-        Name::from_str(&format!("CN={host}")).map_err(|e| e.to_string())?
+        Name::from_str(&format!("CN={host}"))?
     } else {
         Name::default()
     };
-    let dns = Ia5String::new(host).map_err(|e| e.to_string())?;
-    let mut request = RequestBuilder::new(subject, &signer).map_err(|e| e.to_string())?;
-    request
-        .add_extension(&SubjectAltName(vec![GeneralName::DnsName(dns)]))
-        .map_err(|e| e.to_string())?;
-    request
-        .build::<p256::ecdsa::DerSignature>()
-        .map_err(|e| e.to_string())?
-        .to_der()
-        .map_err(|e| e.to_string())
+    let dns = Ia5String::new(host)?;
+    let mut request = RequestBuilder::new(subject, &signer)?;
+    request.add_extension(&SubjectAltName(vec![GeneralName::DnsName(dns)]))?;
+    Ok(request.build::<p256::ecdsa::DerSignature>()?.to_der()?)
+}
+
+/// Why a CSR could not be built.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CsrError {
+    /// A name or the request could not be encoded.
+    #[error("{0}")]
+    Der(#[from] x509_cert::der::Error),
+    /// The request could not be assembled or signed.
+    #[error("{0}")]
+    Builder(#[from] x509_cert::builder::Error),
+    /// The key's public key could not be encoded.
+    #[error(transparent)]
+    Key(#[from] KeyError),
 }
 
 /// `csr-<host>.b64` in `dir`: where the CSR for `host` is kept.
@@ -214,7 +269,7 @@ pub(crate) fn registration_csr(dir: &Path, relay_url: &str) -> Result<Csr, KeyUn
     let host = match relay_host(relay_url) {
         Ok(Some(host)) => host,
         Ok(None) => return Ok(Csr::NoHost),
-        Err(why) => return Ok(Csr::Without(why)),
+        Err(why) => return Ok(Csr::Without(why.to_string())),
     };
     let key_file = dir.join("key.pem");
     let key_pem = match durable::read_capped(&key_file, MAX_KEY_FILE) {
@@ -245,13 +300,13 @@ pub(crate) fn registration_csr(dir: &Path, relay_url: &str) -> Result<Csr, KeyUn
         Ok(k) => k,
         Err(why) => return Ok(Csr::Without(format!("{}: {why}", key_file.display()))),
     };
-    let made = match (spki_der(&key), csr_der(&key, &host)) {
-        (Ok(spki), Ok(der)) => (spki, der),
-        (Err(why), _) | (_, Err(why)) => {
-            return Ok(Csr::Without(format!("no CSR for {host}: {why}")))
-        }
+    let made = spki_der(&key)
+        .map_err(CsrError::from)
+        .and_then(|spki| Ok((spki, csr_der(&key, &host)?)));
+    let (spki, der) = match made {
+        Ok(made) => made,
+        Err(why) => return Ok(Csr::Without(format!("no CSR for {host}: {why}"))),
     };
-    let (spki, der) = made;
     let cache = cache_file(dir, &host);
     let text = match cached(&cache, &spki) {
         Some(text) => text,
@@ -388,7 +443,7 @@ mod tests {
             ("https://relay_1.example/".to_owned(), "not a DNS name"),
         ] {
             match relay_host(&url) {
-                Err(e) => assert!(e.contains(why), "{url}: {e}"),
+                Err(e) => assert!(e.to_string().contains(why), "{url}: {e}"),
                 Ok(h) => panic!("{url}: {h:?}"),
             }
         }

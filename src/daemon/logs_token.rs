@@ -208,10 +208,32 @@ impl InstallJob {
 /// then `KILL` after [`SCRIPT_GRACE`]: none of its processes outlives it. (A process that
 /// leaves the group on purpose, with `setsid`, is out of reach.)
 ///
-/// Errors: why it did not succeed (not started, killed at the bound, a non-zero exit with
-/// the end of its stderr).
-pub(crate) async fn run_script(script: &Path, args: &[&OsStr]) -> Result<(), String> {
+/// Errors: [`ScriptError`], why it did not succeed.
+pub(crate) async fn run_script(script: &Path, args: &[&OsStr]) -> Result<(), ScriptError> {
     run_bounded(script, args, SCRIPT_TIMEOUT, SCRIPT_GRACE).await
+}
+
+/// Why a configure script did not succeed.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ScriptError {
+    /// It could not be started.
+    #[error("cannot start it: {0}")]
+    Start(#[source] std::io::Error),
+    /// It did not end within its bound: its process group was killed.
+    #[error("no end within {0:?}: its process group was killed")]
+    NoEnd(Duration),
+    /// Its end could not be waited for.
+    #[error("cannot wait for it: {0}")]
+    Wait(#[source] std::io::Error),
+    /// It ended without success: its status and the end of its stderr (at most
+    /// [`MAX_SCRIPT_OUTPUT`] bytes, escaped).
+    #[error("{status}: {said}")]
+    Failed {
+        /// How it ended.
+        status: std::process::ExitStatus,
+        /// What it said on stderr.
+        said: String,
+    },
 }
 
 /// [`run_script`] within `limit`, its group given `grace` between `TERM` and `KILL`.
@@ -220,7 +242,7 @@ async fn run_bounded(
     args: &[&OsStr],
     limit: Duration,
     grace: Duration,
-) -> Result<(), String> {
+) -> Result<(), ScriptError> {
     let mut child = tokio::process::Command::new(script)
         .args(args)
         .env_clear()
@@ -233,7 +255,7 @@ async fn run_bounded(
         .process_group(0)
         .kill_on_drop(true)
         .spawn()
-        .map_err(|e| format!("cannot start it: {e}"))?;
+        .map_err(ScriptError::Start)?;
     let group = child
         .id()
         .and_then(|id| i32::try_from(id).ok())
@@ -259,14 +281,15 @@ async fn run_bounded(
         _ => Vec::new(),
     };
     match waited {
-        Err(_) => Err(format!(
-            "no end within {limit:?}: its process group was killed"
-        )),
-        Ok(Err(e)) => Err(format!("cannot wait for it: {e}")),
+        Err(_) => Err(ScriptError::NoEnd(limit)),
+        Ok(Err(e)) => Err(ScriptError::Wait(e)),
         Ok(Ok(status)) if status.success() => Ok(()),
         Ok(Ok(status)) => {
             let said = String::from_utf8_lossy(&said);
-            Err(format!("{status}: {}", said.trim().escape_debug()))
+            Err(ScriptError::Failed {
+                status,
+                said: said.trim().escape_debug().to_string(),
+            })
         }
     }
 }
@@ -439,7 +462,8 @@ mod tests {
         std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
         let err = run_script(&script, &[OsStr::new("a b"), OsStr::new("https://e")])
             .await
-            .unwrap_err();
+            .unwrap_err()
+            .to_string();
         assert!(err.starts_with("exit status: 3"), "{err}");
         assert!(
             err.len() < 4 * MAX_SCRIPT_OUTPUT as usize + 64,
@@ -512,7 +536,7 @@ mod tests {
         let err = run_bounded(&s, &[], Duration::from_secs(5), Duration::from_secs(1))
             .await
             .unwrap_err();
-        assert!(err.contains("process group was killed"), "{err}");
+        assert!(matches!(err, ScriptError::NoEnd(_)), "{err}");
         assert!(gone_soon(&pid).await, "the child ignoring TERM survived");
     }
 }

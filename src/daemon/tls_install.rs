@@ -71,50 +71,139 @@ pub(crate) enum Verdict {
     /// The same DER chain as the installed certificate: nothing to do.
     Unchanged,
     /// Not installed, and why.
-    Refused(String),
+    Refused(Refusal),
+}
+
+/// Why a delivered certificate is not installed (a block's label is named, never its
+/// content; certificates are counted from 1 in the order delivered).
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Refusal {
+    /// Something else than PEM blocks and whitespace.
+    #[error("it holds text outside PEM blocks")]
+    TextOutsidePem,
+    /// A `-----BEGIN ` with no closing dashes.
+    #[error("a PEM block's header is cut short")]
+    HeaderCut,
+    /// A block that is not a certificate (its label, cut to 40 characters).
+    #[error("it holds a {0:?} block (only certificates are installed)")]
+    OtherBlock(String),
+    /// A certificate block without its end line.
+    #[error("a certificate block has no end line")]
+    NoEndLine,
+    /// A certificate block that does not decode.
+    #[error("certificate {index} is not valid PEM ({why})")]
+    BadPem {
+        /// Which certificate.
+        index: usize,
+        /// Why (`pem`'s error is not a `std` error).
+        why: pem::Error,
+    },
+    /// A block that decodes to another label.
+    #[error("certificate {0} is not one")]
+    NotCertificate(usize),
+    /// More than [`MAX_CHAIN`] certificates.
+    #[error("it holds more than {MAX_CHAIN} certificates")]
+    TooMany,
+    /// No certificate at all.
+    #[error("it is not a PEM X.509 certificate")]
+    Empty,
+    /// A certificate whose DER is not X.509.
+    #[error("certificate {index} is not X.509 ({source})")]
+    NotX509 {
+        /// Which certificate.
+        index: usize,
+        /// Why.
+        source: x509_cert::der::Error,
+    },
+    /// `key.pem` is missing or blank.
+    #[error("the node has no TLS key (key.pem) to match it")]
+    NoKey,
+    /// `key.pem` is not a P-256 key.
+    #[error("key.pem: {0}")]
+    BadKey(String),
+    /// A certificate's public key could not be encoded to compare it.
+    #[error("certificate {index}'s public key cannot be encoded: {source}")]
+    KeyEncoding {
+        /// Which certificate.
+        index: usize,
+        /// Why.
+        source: x509_cert::der::Error,
+    },
+    /// No certificate is over `key.pem`'s key.
+    #[error("it certifies another key than key.pem's")]
+    OtherKey,
+    /// More than one certificate is over `key.pem`'s key.
+    #[error("{0} of its certificates certify key.pem's key: which is the leaf is ambiguous")]
+    AmbiguousLeaf(usize),
+    /// The leaf's `notBefore` is ahead of now (beyond [`NOT_YET_VALID_SKEW`]).
+    #[error("it is not valid until {}", rfc3339(*.0))]
+    NotYetValid(SystemTime),
+    /// The leaf's `notAfter` has passed.
+    #[error("it expired at {}", rfc3339(*.0))]
+    Expired(SystemTime),
+    /// The leaf is older than the installed (CA-issued) one.
+    #[error(
+        "it was issued before the installed certificate (notBefore {} < {}): a replay or a \
+         stale copy",
+        rfc3339(*.not_before),
+        rfc3339(*.installed_from)
+    )]
+    Replay {
+        /// The delivered leaf's `notBefore`.
+        not_before: SystemTime,
+        /// The installed leaf's.
+        installed_from: SystemTime,
+    },
+    /// The chain could not be written as PEM.
+    #[error("cannot be encoded as PEM ({0})")]
+    PemEncoding(pem::Error),
+    /// The chain as PEM is larger than [`MAX_FILE`].
+    #[error("it is larger than {MAX_FILE} bytes")]
+    TooLarge,
 }
 
 /// The DER of every certificate in `text`, in order: PEM `CERTIFICATE` blocks with nothing
 /// but whitespace around them (LF or CRLF line endings).
 ///
-/// Errors: why it is not only certificates (a block's label is named, never its content).
-pub(crate) fn certificate_chain(text: &str) -> Result<Vec<Vec<u8>>, String> {
+/// Errors: [`Refusal`], why it is not only certificates.
+pub(crate) fn certificate_chain(text: &str) -> Result<Vec<Vec<u8>>, Refusal> {
     const BEGIN: &str = "-----BEGIN ";
     let mut chain = Vec::new();
     let mut rest = text.trim_start();
     while !rest.is_empty() {
         if !rest.starts_with(BEGIN) {
-            return Err("it holds text outside PEM blocks".to_owned());
+            return Err(Refusal::TextOutsidePem);
         }
         let label_end = rest[BEGIN.len()..]
             .find("-----")
             .map(|i| BEGIN.len() + i)
-            .ok_or("a PEM block's header is cut short")?;
+            .ok_or(Refusal::HeaderCut)?;
         let label = &rest[BEGIN.len()..label_end];
         if label != "CERTIFICATE" {
             let shown: String = label.chars().take(40).filter(|c| !c.is_control()).collect();
-            return Err(format!(
-                "it holds a {shown:?} block (only certificates are installed)"
-            ));
+            return Err(Refusal::OtherBlock(shown));
         }
         let end = "-----END CERTIFICATE-----";
         let block_end = rest
             .find(end)
             .map(|i| i + end.len())
-            .ok_or("a certificate block has no end line")?;
-        let (label, der) = pem::decode_vec(&rest.as_bytes()[..block_end])
-            .map_err(|e| format!("certificate {} is not valid PEM ({e})", chain.len() + 1))?;
+            .ok_or(Refusal::NoEndLine)?;
+        let (label, der) =
+            pem::decode_vec(&rest.as_bytes()[..block_end]).map_err(|why| Refusal::BadPem {
+                index: chain.len() + 1,
+                why,
+            })?;
         if label != "CERTIFICATE" {
-            return Err(format!("certificate {} is not one", chain.len() + 1));
+            return Err(Refusal::NotCertificate(chain.len() + 1));
         }
         chain.push(der);
         if chain.len() > MAX_CHAIN {
-            return Err(format!("it holds more than {MAX_CHAIN} certificates"));
+            return Err(Refusal::TooMany);
         }
         rest = rest[block_end..].trim_start();
     }
     if chain.is_empty() {
-        return Err("it is not a PEM X.509 certificate".to_owned());
+        return Err(Refusal::Empty);
     }
     Ok(chain)
 }
@@ -139,11 +228,11 @@ pub(crate) fn delivery_digest(delivered: &str) -> [u8; 32] {
 }
 
 /// The chain as PEM: LF line endings, 64 columns, one block after another.
-fn encode_chain(chain: &[&[u8]]) -> Result<Vec<u8>, String> {
+fn encode_chain(chain: &[&[u8]]) -> Result<Vec<u8>, Refusal> {
     let mut out = String::new();
     for der in chain {
         let block = pem::encode_string("CERTIFICATE", pem::LineEnding::LF, der)
-            .map_err(|e| format!("cannot be encoded as PEM ({e})"))?;
+            .map_err(Refusal::PemEncoding)?;
         out.push_str(&block);
     }
     Ok(out.into_bytes())
@@ -174,41 +263,41 @@ fn judge_chain(
     key_pem: Option<&[u8]>,
     installed: Option<&[u8]>,
     now: SystemTime,
-) -> Result<Verdict, String> {
+) -> Result<Verdict, Refusal> {
     let chain = certificate_chain(delivered)?;
     let certs = chain
         .iter()
         .enumerate()
         .map(|(i, der)| {
-            Certificate::from_der(der)
-                .map_err(|e| format!("certificate {} is not X.509 ({e})", i + 1))
+            Certificate::from_der(der).map_err(|source| Refusal::NotX509 {
+                index: i + 1,
+                source,
+            })
         })
         .collect::<Result<Vec<_>, _>>()?;
     let key = match key_pem {
         Some(k) if !k.iter().all(u8::is_ascii_whitespace) => k,
-        _ => return Err("the node has no TLS key (key.pem) to match it".to_owned()),
+        _ => return Err(Refusal::NoKey),
     };
-    let own = public_key_der(key).map_err(|why| format!("key.pem: {why}"))?;
+    let own = public_key_der(key).map_err(|why| Refusal::BadKey(why.to_string()))?;
     let mut over_own = Vec::new();
     for (i, cert) in certs.iter().enumerate() {
         let spki = cert
             .tbs_certificate
             .subject_public_key_info
             .to_der()
-            .map_err(|e| format!("certificate {}'s public key cannot be encoded: {e}", i + 1))?;
+            .map_err(|source| Refusal::KeyEncoding {
+                index: i + 1,
+                source,
+            })?;
         if spki == own {
             over_own.push(i);
         }
     }
     let leaf = match over_own[..] {
         [leaf] => leaf,
-        [] => return Err("it certifies another key than key.pem's".to_owned()),
-        _ => {
-            return Err(format!(
-                "{} of its certificates certify key.pem's key: which is the leaf is ambiguous",
-                over_own.len()
-            ))
-        }
+        [] => return Err(Refusal::OtherKey),
+        _ => return Err(Refusal::AmbiguousLeaf(over_own.len())),
     };
     let ordered: Vec<&[u8]> = std::iter::once(leaf)
         .chain((0..chain.len()).filter(|&i| i != leaf))
@@ -230,10 +319,10 @@ fn judge_chain(
     let not_before = validity.not_before.to_system_time();
     let not_after = validity.not_after.to_system_time();
     if not_before > now + NOT_YET_VALID_SKEW {
-        return Err(format!("it is not valid until {}", rfc3339(not_before)));
+        return Err(Refusal::NotYetValid(not_before));
     }
     if not_after < now {
-        return Err(format!("it expired at {}", rfc3339(not_after)));
+        return Err(Refusal::Expired(not_after));
     }
     let installed_leaf = installed_chain
         .as_ref()
@@ -244,17 +333,15 @@ fn judge_chain(
         let placeholder = tbs.issuer == tbs.subject;
         let current_from = tbs.validity.not_before.to_system_time();
         if !placeholder && not_before < current_from {
-            return Err(format!(
-                "it was issued before the installed certificate (notBefore {} < {}): a replay \
-                 or a stale copy",
-                rfc3339(not_before),
-                rfc3339(current_from)
-            ));
+            return Err(Refusal::Replay {
+                not_before,
+                installed_from: current_from,
+            });
         }
     }
     let bytes = encode_chain(&ordered)?;
     if bytes.len() as u64 > MAX_FILE {
-        return Err(format!("it is larger than {MAX_FILE} bytes"));
+        return Err(Refusal::TooLarge);
     }
     Ok(Verdict::Install(bytes))
 }
@@ -535,7 +622,7 @@ mod tests {
 
     fn refused(verdict: Verdict, why: &str) {
         match verdict {
-            Verdict::Refused(r) => assert!(r.contains(why), "{why}: {r}"),
+            Verdict::Refused(r) => assert!(r.to_string().contains(why), "{why}: {r}"),
             v => panic!("{why}: {v:?}"),
         }
     }

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::paging::{self, PageWalk};
-use super::{MerodClient, MerodError, MerodOp};
+use super::{AnswerFault, MerodClient, MerodError, MerodOp};
 use crate::ids::GroupId;
 
 /// Rows asked for per page of a group's contexts or members: merod's largest page.
@@ -147,7 +147,7 @@ impl MerodClient {
                 .get("capabilities")
                 .and_then(Value::as_u64)
                 .and_then(|c| u32::try_from(c).ok())
-                .ok_or_else(|| "no u32 `capabilities`".to_owned())
+                .ok_or(AnswerFault::Shape("no u32 `capabilities`"))
         })
         .await
     }
@@ -182,7 +182,7 @@ impl MerodClient {
             usage::parse(&bytes).map_err(|reason| MerodError::Answer {
                 op,
                 url: url.to_string(),
-                reason,
+                reason: reason.to_string(),
             })
         })
         .await
@@ -193,7 +193,7 @@ impl MerodClient {
         &self,
         op: MerodOp,
         path: &str,
-        parse: impl FnOnce(&Value) -> Result<T, String>,
+        parse: impl FnOnce(&Value) -> Result<T, AnswerFault>,
     ) -> Result<T, MerodError> {
         let url = self.url(path);
         self.bounded(op, path, self.deadlines.check, async {
@@ -207,7 +207,10 @@ impl MerodClient {
             parse(&answer.body).map_err(|reason| MerodError::Answer {
                 op,
                 url: url.to_string(),
-                reason: answer.unreadable.clone().unwrap_or(reason),
+                reason: answer
+                    .unreadable
+                    .clone()
+                    .unwrap_or_else(|| reason.to_string()),
             })
         })
         .await
@@ -219,7 +222,7 @@ impl MerodClient {
         &self,
         op: MerodOp,
         path: &str,
-        parse: impl Fn(&Value) -> Result<Vec<T>, String>,
+        parse: impl Fn(&Value) -> Result<Vec<T>, AnswerFault>,
         key: impl Fn(&T) -> &str,
     ) -> Result<Vec<T>, MerodError> {
         self.paged_until(op, path, (GROUP_PAGE, GROUP_PAGES), parse, key, |_| false)
@@ -235,7 +238,7 @@ impl MerodClient {
         op: MerodOp,
         path: &str,
         (page_size, max_pages): (usize, usize),
-        parse: impl Fn(&Value) -> Result<Vec<T>, String>,
+        parse: impl Fn(&Value) -> Result<Vec<T>, AnswerFault>,
         key: impl Fn(&T) -> &str,
         enough: impl Fn(&[T]) -> bool,
     ) -> Result<Vec<T>, MerodError> {
@@ -263,7 +266,7 @@ impl MerodClient {
                 let page = parse(&answer.body).map_err(|reason| MerodError::Answer {
                     op,
                     url: base.to_string(),
-                    reason,
+                    reason: reason.to_string(),
                 })?;
                 let step = walk.page(page.iter().map(&key)).map_err(fault)?;
                 // After the first page, the first row is the anchor, read already.
@@ -288,53 +291,58 @@ pub(super) fn inner(body: &Value) -> &Value {
 }
 
 /// The rows of a members page (see [`super::parse_members`]).
-pub(super) fn parse_member_rows(body: &Value) -> Result<Vec<GroupMember>, String> {
-    super::parse_members(body)
-        .map(|rows| {
-            rows.into_iter()
-                .map(|(identity, role)| GroupMember { identity, role })
-                .collect()
-        })
-        .map_err(str::to_owned)
+pub(super) fn parse_member_rows(body: &Value) -> Result<Vec<GroupMember>, AnswerFault> {
+    super::parse_members(body).map(|rows| {
+        rows.into_iter()
+            .map(|(identity, role)| GroupMember { identity, role })
+            .collect()
+    })
 }
 
-fn parse_subgroups(body: &Value) -> Result<Vec<GroupId>, String> {
+fn parse_subgroups(body: &Value) -> Result<Vec<GroupId>, AnswerFault> {
     let rows = inner(body)
         .get("subgroups")
         .and_then(Value::as_array)
-        .ok_or("no subgroups array")?;
+        .ok_or(AnswerFault::Shape("no subgroups array"))?;
     rows.iter()
         .map(|row| {
             let id = row
                 .get("groupId")
                 .or_else(|| row.get("group_id"))
                 .and_then(Value::as_str)
-                .ok_or("a subgroup row without a string groupId")?;
-            id.parse()
-                .map_err(|e| format!("subgroup groupId {id:?}: {e}"))
+                .ok_or(AnswerFault::Shape(
+                    "a subgroup row without a string groupId",
+                ))?;
+            id.parse().map_err(|source| AnswerFault::BadGroupId {
+                what: "subgroup groupId",
+                value: id.to_owned(),
+                source,
+            })
         })
         .collect()
 }
 
-fn parse_contexts(body: &Value) -> Result<Vec<String>, String> {
+fn parse_contexts(body: &Value) -> Result<Vec<String>, AnswerFault> {
     let rows = body
         .get("data")
         .and_then(Value::as_array)
-        .ok_or("no data array")?;
+        .ok_or(AnswerFault::Shape("no data array"))?;
     rows.iter()
         .map(|row| {
             let id = row
                 .get("contextId")
                 .or_else(|| row.get("context_id"))
                 .and_then(Value::as_str)
-                .ok_or("a context row without a string contextId")?;
+                .ok_or(AnswerFault::Shape(
+                    "a context row without a string contextId",
+                ))?;
             let fine = !id.is_empty()
                 && id.len() <= MAX_CONTEXT_ID
                 && id.bytes().all(|b| b.is_ascii_alphanumeric());
             if fine {
                 Ok(id.to_owned())
             } else {
-                Err(format!("contextId {id:?} is not an id"))
+                Err(AnswerFault::BadContextId(id.to_owned()))
             }
         })
         .collect()
@@ -351,7 +359,7 @@ mod usage {
     use serde::Deserialize;
     use serde_json::Value;
 
-    use super::{NamespaceUsage, StorageBytes};
+    use super::{AnswerFault, NamespaceUsage, StorageBytes};
     use crate::ids::GroupId;
 
     /// The storage of each namespace in `body` (`{"data": {"namespaces": [...]}}`, or the
@@ -360,16 +368,16 @@ mod usage {
     ///
     /// Errors: why it is not such an answer (not JSON, a repeated key, no `namespaces`
     /// array).
-    pub(super) fn parse(body: &[u8]) -> Result<BTreeMap<GroupId, NamespaceUsage>, String> {
-        crate::strict_json::reject_duplicate_keys(body).map_err(|e| e.to_string())?;
-        let doc: Doc = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    pub(super) fn parse(body: &[u8]) -> Result<BTreeMap<GroupId, NamespaceUsage>, AnswerFault> {
+        crate::strict_json::reject_duplicate_keys(body)?;
+        let doc: Doc = serde_json::from_slice(body)?;
         let rows = match doc.data {
             Some(Object(Some(Inner { namespaces }))) => namespaces,
             _ => doc.namespaces,
         };
         match rows {
             Some(Rows(Some(rows))) => Ok(rows),
-            _ => Err("no namespaces array".to_owned()),
+            _ => Err(AnswerFault::Shape("no namespaces array")),
         }
     }
 

@@ -10,7 +10,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use super::groups::inner;
-use super::{refusal_of, MerodClient, MerodError, MerodOp};
+use super::{refusal_of, AnswerFault, MerodClient, MerodError, MerodOp};
 use crate::ids::GroupId;
 use crate::strict_json::StrictValue;
 
@@ -133,7 +133,9 @@ impl MerodClient {
         self.seal_missing.set(false);
         let StrictValue(value) =
             crate::strict_json::from_slice(&answer).map_err(|e| answer_err(e.to_string()))?;
-        parse_sealed(&value).map(Some).map_err(answer_err)
+        parse_sealed(&value)
+            .map(Some)
+            .map_err(|fault| answer_err(fault.to_string()))
     }
 
     /// Whether merod was last found without the seal route, less than [`SEAL_ROUTE_RETRY`]
@@ -144,11 +146,11 @@ impl MerodClient {
 }
 
 /// The rows of a `member-devices` page.
-fn parse_member_devices(body: &Value) -> Result<Vec<MemberDevices>, String> {
+fn parse_member_devices(body: &Value) -> Result<Vec<MemberDevices>, AnswerFault> {
     let rows = inner(body)
         .get("members")
         .and_then(Value::as_array)
-        .ok_or("no members array")?;
+        .ok_or(AnswerFault::Shape("no members array"))?;
     rows.iter()
         .map(|row| {
             let account = row
@@ -156,20 +158,24 @@ fn parse_member_devices(body: &Value) -> Result<Vec<MemberDevices>, String> {
                 .and_then(Value::as_str)
                 .map(|a| a.trim().to_ascii_lowercase())
                 .filter(|a| !a.is_empty() && a.bytes().all(|b| b.is_ascii_hexdigit()))
-                .ok_or("a member-devices row without a hex account")?;
-            let devices = row
-                .get("devices")
-                .and_then(Value::as_array)
-                .ok_or("a member-devices row without a devices array")?;
+                .ok_or(AnswerFault::Shape(
+                    "a member-devices row without a hex account",
+                ))?;
+            let devices =
+                row.get("devices")
+                    .and_then(Value::as_array)
+                    .ok_or(AnswerFault::Shape(
+                        "a member-devices row without a devices array",
+                    ))?;
             let mut kept = Vec::with_capacity(devices.len());
             for device in devices {
-                let field = |name: &str| -> Result<String, String> {
+                let field = |name: &'static str| -> Result<String, AnswerFault> {
                     match device.get(name) {
                         None | Some(Value::Null) => Ok(String::new()),
                         Some(Value::String(s)) if s.trim().len() <= MAX_DEVICE_FIELD => {
                             Ok(s.trim().to_owned())
                         }
-                        Some(_) => Err(format!("a device's {name} is not a short string")),
+                        Some(_) => Err(AnswerFault::DeviceField(name)),
                     }
                 };
                 let device_id = field("deviceId")?.to_ascii_lowercase();
@@ -190,19 +196,19 @@ fn parse_member_devices(body: &Value) -> Result<Vec<MemberDevices>, String> {
 }
 
 /// The envelope of a seal answer (`data` when it is an object, else the top level).
-fn parse_sealed(body: &Value) -> Result<SealedEnvelope, String> {
+fn parse_sealed(body: &Value) -> Result<SealedEnvelope, AnswerFault> {
     let sealed = inner(body);
-    let text = |name: &str| -> Result<String, String> {
+    let text = |name: &'static str| -> Result<String, AnswerFault> {
         match sealed.get(name).and_then(Value::as_str) {
             Some(s) if !s.is_empty() && s.len() <= MAX_SEALED_FIELD => Ok(s.to_owned()),
-            _ => Err(format!("no non-empty string {name}")),
+            _ => Err(AnswerFault::NoString(name)),
         }
     };
     let account_root_epoch = sealed
         .get("accountRootEpoch")
         .and_then(Value::as_u64)
         .and_then(|e| u32::try_from(e).ok())
-        .ok_or("no u32 accountRootEpoch")?;
+        .ok_or(AnswerFault::Shape("no u32 accountRootEpoch"))?;
     Ok(SealedEnvelope {
         account_root_epoch,
         ciphertext: text("ciphertext")?,

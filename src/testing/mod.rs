@@ -91,7 +91,7 @@ pub(crate) struct Received {
     pub(crate) method: Method,
     pub(crate) uri: Uri,
     pub(crate) headers: HeaderMap,
-    pub(crate) body: Result<Bytes, String>,
+    pub(crate) body: Result<Bytes, Box<dyn std::error::Error + Send + Sync>>,
 }
 
 /// An emulator's answer.
@@ -129,8 +129,7 @@ where
                     let body = Limited::new(body, BODY_LIMIT)
                         .collect()
                         .await
-                        .map(|collected| collected.to_bytes())
-                        .map_err(|e| e.to_string());
+                        .map(|collected| collected.to_bytes());
                     let received = Received {
                         method: parts.method,
                         uri: parts.uri,
