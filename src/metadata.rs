@@ -20,6 +20,12 @@ use url::Url;
 
 use crate::net::{read_capped, BodyError};
 
+/// How often, while it is in use, what the metadata says of the node (the relay URL it
+/// registered with) is read again to find a change: registration's identity check and the
+/// relay job both read on this cadence, so the two send the same value.
+#[cfg(feature = "daemon")]
+pub(crate) const REREAD_EVERY: Duration = Duration::from_secs(60);
+
 /// Bound of one attribute read: connecting, the answer and its body together.
 pub const METADATA_TIMEOUT: Duration = Duration::from_secs(5);
 /// Largest attribute text read, in bytes; a longer answer is a failed read.

@@ -58,7 +58,7 @@ pub(crate) const REJECTED_FOR: Duration = Duration::from_secs(30);
 pub(crate) const RETRY_CAP: Duration = Duration::from_secs(600);
 /// How often, while a token is held, the identity (account, relay URL) is read again to
 /// find a change.
-pub(crate) const IDENTITY_CHECK_INTERVAL: Duration = Duration::from_secs(60);
+pub(crate) const IDENTITY_CHECK_INTERVAL: Duration = crate::metadata::REREAD_EVERY;
 /// The identity a token was issued to, beside the token file (the reference's name).
 pub(crate) const RECORD_FILE: &str = "fleet-registration.json";
 

@@ -660,8 +660,8 @@ pub(crate) fn scanned_of(
 
 #[cfg(test)]
 mod tests {
+    use super::super::trees::MAX_GROUPS;
     use super::*;
-    use crate::daemon::trees::MAX_GROUPS;
     use crate::merod::{GroupMember, MemberDevices, MerodError, StorageBytes};
     use std::collections::HashMap;
     use std::sync::Mutex;

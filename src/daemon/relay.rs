@@ -20,7 +20,7 @@ use crate::telemetry::Telemetry;
 
 /// How often the metadata's `relay-url` is read (as often as registration checks the
 /// identity it registered with).
-pub(crate) const READ_EVERY: Duration = crate::registration::IDENTITY_CHECK_INTERVAL;
+pub(crate) const READ_EVERY: Duration = crate::metadata::REREAD_EVERY;
 
 impl Timed for MetadataError {
     fn is_timeout(&self) -> bool {

@@ -608,10 +608,10 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    use crate::daemon::inventory::{
+    use super::super::inventory::{
         InventoryDeps, InventorySink, NamespacesOffer, ScanJob, SCAN_EVERY,
     };
-    use crate::daemon::recovery::{
+    use super::super::recovery::{
         EnvelopeReader, EnvelopeSink, PassJob, RecoveryDeps, MISSING_FOR, PASS_EVERY,
     };
     use crate::jobs::Job;
@@ -826,7 +826,7 @@ mod tests {
                 feeds.push(rx);
             }
             let walks = Arc::new(Handoff::default());
-            let account: crate::daemon::inventory::AccountSource = Arc::new(|| Some(acct("alice")));
+            let account: super::super::inventory::AccountSource = Arc::new(|| Some(acct("alice")));
             let (recorded, confirmed_rec, confirmed_inv) = (
                 feeds.pop().unwrap(),
                 feeds.pop().unwrap(),

@@ -43,7 +43,7 @@ impl crate::outcome::Timed for UnitError {
 }
 
 /// Restarts systemd units. [`SystemdUnits`] is the real one; a test or a tool passes its
-/// own through [`Deps`](super::Deps).
+/// own through [`Deps`](crate::daemon::Deps).
 #[async_trait]
 pub trait UnitControl: Send + Sync {
     /// Restarts `unit` (a unit name such as `traefik.service`), starting it if it is
