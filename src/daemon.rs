@@ -36,38 +36,22 @@
 //!
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 
-mod account;
 mod deps;
-mod device_login;
-mod held;
-mod inventory;
-mod join_status;
-mod limits;
-mod logs_token;
 mod merod_view;
-mod merod_watch;
-mod node_files;
 mod planner;
 mod poll;
-mod readiness;
 mod record;
-mod recovery;
-mod relay;
 mod roles;
 mod sidecar;
 mod startup;
-mod swarm;
 mod tasks;
-mod tls_install;
-mod trees;
-mod units;
 
+pub use crate::jobs::readiness::{wait_for_merod, ProbeFailed, Readiness};
+pub use crate::jobs::units::{SystemdUnits, UnitControl, UnitError, RESTART_TIMEOUT};
 pub use crate::telemetry::serve as serve_status;
 pub use crate::telemetry::{unix_now, LiveStatus, NotReady, Phase, Telemetry};
 pub use deps::{DaemonError, Deps, NotPersisted};
-pub use readiness::{wait_for_merod, ProbeFailed, Readiness};
 pub use sidecar::{CycleOutcome, Sidecar};
-pub use units::{SystemdUnits, UnitControl, UnitError, RESTART_TIMEOUT};
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -77,7 +61,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::ids::{GroupId, PeerId};
-use crate::jobs::Job;
+use crate::jobs::{inventory, recovery, trees, Job};
 
 /// How long `once` waits for merod's admin API before giving up.
 pub const ONCE_MEROD_WAIT: Duration = Duration::from_secs(60);

@@ -445,6 +445,23 @@ impl Told {
     }
 }
 
+pub(crate) mod account;
+pub(crate) mod device_login;
+pub(crate) mod held;
+pub(crate) mod inventory;
+pub(crate) mod join_status;
+pub(crate) mod limits;
+pub(crate) mod logs_token;
+pub(crate) mod merod_watch;
+pub(crate) mod node_files;
+pub(crate) mod readiness;
+pub(crate) mod recovery;
+pub(crate) mod relay;
+pub(crate) mod swarm;
+pub(crate) mod tls_install;
+pub(crate) mod trees;
+pub(crate) mod units;
+
 #[cfg(test)]
 pub(crate) mod canary;
 #[cfg(test)]

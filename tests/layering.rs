@@ -118,42 +118,45 @@ fn floor_of(floors: &[&[&'static str]]) -> BTreeMap<&'static str, usize> {
         .collect()
 }
 
-/// The floors inside `src/daemon/`, bottom first. `daemon.rs` sits on top of them all: it
-/// holds the entry points and re-exports, and a file below it names neither `daemon.rs`'s
-/// own items (an arrow back up) nor a module on its own floor or above.
+/// The floors of the loop's room, `src/daemon/`, bottom first. `daemon.rs` sits on top of
+/// them all: it holds the entry points and re-exports, and a file below it names neither
+/// `daemon.rs`'s own items (an arrow back up) nor a module on its own floor or above.
 const DAEMON_FLOORS: &[&[&str]] = &[
-    &["trees"],
-    &[
-        "held",
-        "inventory",
-        "limits",
-        "node_files",
-        "poll",
-        "record",
-        "relay",
-        "roles",
-        "units",
-    ],
-    &[
-        "account",
-        "device_login",
-        "join_status",
-        "logs_token",
-        "planner",
-        "readiness",
-        "recovery",
-        "swarm",
-        "tls_install",
-    ],
-    &["deps", "merod_watch", "tasks"],
+    &["poll", "record", "roles"],
+    &["planner"],
+    &["deps", "tasks"],
     &["merod_view", "startup"],
     &["sidecar"],
 ];
 
-/// What each file of `src/daemon/` names of its siblings: module → the names it takes from
-/// `super::` (or `crate::daemon::`), code only (doc comments and `mod tests` left out).
-fn daemon_edges() -> BTreeMap<String, BTreeSet<String>> {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/daemon");
+/// The floors of the jobs' room, `src/jobs/`, bottom first. `jobs.rs`, the harness, sits
+/// under them all: a job names the harness's items (`Job`, `Schedule`, `spawn`) and the
+/// modules on floors below its own, never one on its own floor or above. The harness's own
+/// test files are not jobs.
+const JOBS_FLOORS: &[&[&str]] = &[
+    &["held", "limits", "node_files", "relay", "trees", "units"],
+    &[
+        "account",
+        "device_login",
+        "inventory",
+        "join_status",
+        "logs_token",
+        "readiness",
+        "swarm",
+        "tls_install",
+    ],
+    &["merod_watch", "recovery"],
+];
+
+/// Files of `src/jobs/` that belong to the harness, not to a job (its tests).
+const HARNESS_FILES: &[&str] = &["canary", "tests"];
+
+/// What each file of the room `src/{room}/` names of its siblings: module → the names it
+/// takes from `super::` (or `crate::{room}::`), code only (doc comments and `mod tests`
+/// left out).
+fn room_edges(room: &str) -> BTreeMap<String, BTreeSet<String>> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("src").join(room);
+    let parent = format!("crate::{room}::");
     let mut out: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     for entry in fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
@@ -172,24 +175,29 @@ fn daemon_edges() -> BTreeMap<String, BTreeSet<String>> {
                 continue;
             }
             targets.extend(named_after(line, "super::"));
-            targets.extend(named_after(line, "crate::daemon::"));
+            targets.extend(named_after(line, &parent));
         }
     }
     out
 }
 
-#[test]
-fn inside_the_daemon_every_import_goes_down_and_none_back_up() {
-    let floor_of = floor_of(DAEMON_FLOORS);
+/// The imports inside `src/{room}/` that do not go down its `floors`: a name not on a
+/// floor is the room's root's own item, allowed only when `root_is_below`.
+fn wrong_in_room(room: &str, floors: &[&[&'static str]], root_is_below: bool) -> Vec<String> {
+    let floor_of = floor_of(floors);
     let mut wrong = Vec::new();
-    for (module, targets) in daemon_edges() {
+    for (module, targets) in room_edges(room) {
+        if room == "jobs" && HARNESS_FILES.contains(&module.as_str()) {
+            continue;
+        }
         let Some(&own) = floor_of.get(module.as_str()) else {
-            panic!("src/daemon/{module}.rs is on no floor: add it to DAEMON_FLOORS (and ARCHITECTURE.md)");
+            panic!("src/{room}/{module}.rs is on no floor: add it to the room's floors (and ARCHITECTURE.md)");
         };
         for target in targets {
             match floor_of.get(target.as_str()) {
+                None if root_is_below => {}
                 None => wrong.push(format!(
-                    "{module} names daemon.rs's own {target} (an arrow back up)"
+                    "{module} names {room}.rs's own {target} (an arrow back up)"
                 )),
                 Some(&floor) if floor >= own => wrong.push(format!(
                     "{module} (floor {own}) -> {target} (floor {floor})"
@@ -198,6 +206,12 @@ fn inside_the_daemon_every_import_goes_down_and_none_back_up() {
             }
         }
     }
+    wrong
+}
+
+#[test]
+fn inside_the_daemon_every_import_goes_down_and_none_back_up() {
+    let wrong = wrong_in_room("daemon", DAEMON_FLOORS, false);
     assert!(
         wrong.is_empty(),
         "imports inside the daemon that do not go down: {wrong:#?}"
@@ -205,7 +219,16 @@ fn inside_the_daemon_every_import_goes_down_and_none_back_up() {
 }
 
 #[test]
-fn the_daemon_scan_sees_sibling_and_parent_names() {
+fn inside_the_jobs_every_import_goes_down_to_a_job_or_the_harness() {
+    let wrong = wrong_in_room("jobs", JOBS_FLOORS, true);
+    assert!(
+        wrong.is_empty(),
+        "imports inside the jobs that do not go down: {wrong:#?}"
+    );
+}
+
+#[test]
+fn the_room_scan_sees_sibling_and_parent_names() {
     assert_eq!(
         named_after("use super::{DaemonError, Deps, ALIVE_TURN};", "super::"),
         ["DaemonError", "Deps", "ALIVE_TURN"]
@@ -215,9 +238,11 @@ fn the_daemon_scan_sees_sibling_and_parent_names() {
         ["limits"]
     );
     assert!(named_after("use crate::x::super::y;", "super::").is_empty());
-    let edges = daemon_edges();
-    assert!(edges["sidecar"].contains("tasks"));
-    assert!(edges["merod_watch"].contains("readiness"));
+    let loop_room = room_edges("daemon");
+    assert!(loop_room["sidecar"].contains("tasks"));
+    let jobs = room_edges("jobs");
+    assert!(jobs["merod_watch"].contains("readiness"));
+    assert!(jobs["recovery"].contains("Job"));
 }
 
 #[test]

@@ -13,11 +13,11 @@ use crate::registration::TokenJob;
 use crate::state::StateError;
 use crate::telemetry::Telemetry;
 
-use super::device_login::NodeKeySource;
-use super::inventory::InventoryDeps;
-use super::readiness::ProbeFailed;
-use super::recovery::RecoveryDeps;
-use super::units::{SystemdUnits, UnitControl};
+use crate::jobs::device_login::NodeKeySource;
+use crate::jobs::inventory::InventoryDeps;
+use crate::jobs::readiness::ProbeFailed;
+use crate::jobs::recovery::RecoveryDeps;
+use crate::jobs::units::{SystemdUnits, UnitControl};
 
 /// The outside world the loop drives, and where it reports.
 #[derive(Clone)]

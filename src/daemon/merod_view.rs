@@ -14,13 +14,13 @@ use tokio_util::sync::CancellationToken;
 use crate::ids::{GroupId, PeerId};
 use crate::merod::TeeRole;
 
-use super::account::{self, AccountCache};
 use super::deps::Deps;
-use super::held::{self, HeldView};
-use super::join_status::{self, JoinStatusHandle};
-use super::merod_watch::{self, MerodUp};
 use super::roles::Roles;
-use super::swarm::SwarmView;
+use crate::jobs::account::{self, AccountCache};
+use crate::jobs::held::{self, HeldView};
+use crate::jobs::join_status::{self, JoinStatusHandle};
+use crate::jobs::merod_watch::{self, MerodUp};
+use crate::jobs::swarm::SwarmView;
 
 /// The jobs watching merod and what the loop keeps of their reads.
 pub(super) struct MerodView {

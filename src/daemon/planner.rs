@@ -15,7 +15,7 @@ use crate::mdma::AnswerDigest;
 use crate::reconcile::{self, Desired, Guard, LeavePolicy, LeaveWait, Plan, PlanInput, PlanSets};
 use crate::state::State;
 
-use super::held::Holdings;
+use crate::jobs::held::Holdings;
 use crate::telemetry::SetsVersion;
 /// What planning works from besides the state: the last successful poll's answer, and what
 /// it remembers between polls.

@@ -32,7 +32,7 @@ use crate::telemetry::{unix_now, Telemetry};
 /// `/readyz` is not ready, one line is logged, and the status, `STATUS=` and
 /// `fleet_sidecar_state_write_stalled` say so until it ends. A write takes milliseconds on a
 /// healthy disk and a few seconds on a slow one (as long as shutdown waits for one,
-/// [`SHUTDOWN_WRITE_WAIT`](super::limits::SHUTDOWN_WRITE_WAIT)); the joins, confirms and
+/// [`SHUTDOWN_WRITE_WAIT`](crate::jobs::limits::SHUTDOWN_WRITE_WAIT)); the joins, confirms and
 /// leaves waiting for it wait meanwhile, the heartbeat does not.
 pub(crate) const WRITE_STALLED_AFTER: Duration = Duration::from_secs(10);
 

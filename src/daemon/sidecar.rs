@@ -20,23 +20,23 @@ use crate::state::{State, StateStore};
 use crate::telemetry::{unix_now, Phase, Projection, SetsVersion, Telemetry};
 
 use super::deps::{DaemonError, Deps, NotPersisted};
-use super::device_login;
-use super::held::HELD_READ_TIMEOUT;
-use super::inventory::InventoryView;
-use super::join_status::Attempt;
-use super::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
-use super::logs_token::TokenInstaller;
 use super::merod_view::MerodView;
-use super::node_files::NodeFilesView;
 use super::planner::Planner;
 use super::poll::Cadence;
 use super::record::{AfterWrite, Record, Written};
-use super::recovery::RecoveryView;
-use super::relay::RelayView;
 use super::startup::{self, Identity};
 use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
-use super::tls_install::CertInstaller;
-use super::trees::Handoff;
+use crate::jobs::device_login;
+use crate::jobs::held::HELD_READ_TIMEOUT;
+use crate::jobs::inventory::InventoryView;
+use crate::jobs::join_status::Attempt;
+use crate::jobs::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
+use crate::jobs::logs_token::TokenInstaller;
+use crate::jobs::node_files::NodeFilesView;
+use crate::jobs::recovery::RecoveryView;
+use crate::jobs::relay::RelayView;
+use crate::jobs::tls_install::CertInstaller;
+use crate::jobs::trees::Handoff;
 
 /// How one cycle went.
 #[derive(Debug)]

@@ -20,7 +20,7 @@ use crate::state::{State, StateStore};
 use crate::telemetry::{Phase, Telemetry};
 
 use super::deps::{DaemonError, Deps};
-use super::readiness::{wait_for_merod, Readiness};
+use crate::jobs::readiness::{wait_for_merod, Readiness};
 
 /// Wait before the one retry of reading the PeerId (merod may still be writing its config).
 const PEER_ID_RETRY_DELAY: Duration = Duration::from_secs(2);

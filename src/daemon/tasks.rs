@@ -24,10 +24,10 @@ use crate::merod::{Admission, MerodError, Node, NodeAccount, TeeRole, CHECK_TIME
 use crate::reconcile::Desired;
 use crate::telemetry::Telemetry;
 
-use super::account::AccountCache;
-use super::held::{ListUnread, HELD_READ_TIMEOUT};
-use super::join_status::Attempt;
-use super::limits::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
+use crate::jobs::account::AccountCache;
+use crate::jobs::held::{ListUnread, HELD_READ_TIMEOUT};
+use crate::jobs::join_status::Attempt;
+use crate::jobs::limits::{IDENTITY_DEADLINE, MDMA_DEADLINE, MEMBERS_DEADLINE};
 use crate::outcome::CallOutcome;
 
 /// Why merod could not tell whether it holds a namespace
