@@ -22,17 +22,14 @@
 //! - `startup` (reading the identity), `merod_view` (the jobs watching merod and what the
 //!   loop keeps of their reads);
 //! - `tasks` (the joins, leaves and checks in flight, their retry tables, and the one
-//!   confirm gate), `merod_watch` (merod's readiness after start-up), `deps` (what the loop
-//!   is given, why it stops);
-//! - `planner` (the latest poll, the guard, merod's holdings and the orphans), `join_status`
-//!   (join outcomes told to MDMA), `readiness` (the one readiness probe);
-//! - `record` (the state, changed only by recording an outcome, which persists it), `held`
-//!   (what merod holds), `limits` (the loop's bounds), `poll` (the poll's cadence), `roles`
-//!   (the roles MDMA was told).
+//!   confirm gate), `deps` (what the loop is given, why it stops);
+//! - `planner` (the latest poll, the guard, merod's holdings and the orphans);
+//! - `record` (the state, changed only by recording an outcome, which persists it), `poll`
+//!   (the poll's cadence), `roles` (the roles MDMA was told).
 //!
-//! The jobs beside the loop sit on the same floors: `trees` (the walk of a namespace the
-//! inventory and the recovery envelopes share) under `inventory`, `recovery` and the other
-//! jobs. [`TreeJobs`] runs those two one run at a time, for the instruction-count check.
+//! The jobs beside the loop are in their own room, `crate::jobs` (one file each, under the
+//! harness they run on). [`TreeJobs`] runs the inventory and the recovery envelopes one run
+//! at a time, for the instruction-count check.
 //!
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 

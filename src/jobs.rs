@@ -22,6 +22,25 @@
 //! A job never decides a join or a leave: what it publishes is read by the loop as one more
 //! input, and a job that fails or hangs changes nothing the loop does but what that input
 //! says.
+//!
+//! **The jobs' room.** This file is the harness; the jobs sit below it, one file each, and
+//! a new job is one more file here and one line of wiring in the loop (`daemon/sidecar.rs`).
+//! Each file imports only from files on lower floors (`tests/layering.rs`):
+//! - what several jobs and the loop share: `limits` (the bounds of every call beyond its
+//!   client's timeout), `units` (the systemd units an install restarts, on D-Bus), `trees`
+//!   (the walk of a namespace the inventory and the envelopes share, and which to walk
+//!   again), `node_files` (the TLS certificate's expiry and the logs token's fingerprint,
+//!   read again on change);
+//! - what merod holds and whether it answers: `held` (the `held_namespaces` refresh),
+//!   `readiness` (the one readiness probe), `merod_watch` (the probe until merod answers);
+//! - the node's report beside `held_namespaces`: `account` (`executor_account`), `swarm`
+//!   (`swarm_addrs`), `relay` (`relay_url`), and `join_status` (join outcomes told to MDMA);
+//! - what MDMA delivers, installed: `tls_install` (the certificate), `logs_token` (the
+//!   log shippers' token and their configure scripts), `device_login` (the node key);
+//! - what the node tells MDMA of its namespaces: `inventory` (the context inventory, which
+//!   walks), `recovery` (the recovery envelopes, from the inventory's walks).
+//!
+//! `canary` is the test-only job that keeps "one file and one line of wiring" true.
 
 use std::sync::Arc;
 use std::time::Duration;

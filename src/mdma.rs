@@ -9,6 +9,8 @@
 //! Every request is bounded (10 s), TLS is always verified (system roots plus an optional
 //! extra CA file), redirects are not followed, and the token goes only into the
 //! `X-Fleet-Token` header.
+//!
+//! Layout: the client and the poll are here; `answer` reads a should-join body in one pass, `inventory` and `recovery` hold the wire types of those two jobs' calls.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;

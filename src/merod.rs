@@ -14,6 +14,12 @@
 //! calimero-client's requests have no timeout and its errors drop the HTTP status: the
 //! daemon bounds every call itself, and the membership check (where 404 means "gone" and
 //! 500 means "ask again") reads the status with the connection's own HTTP client.
+//!
+//! Layout: this file holds the client, the errors and the loop's calls; `listen`
+//! (`ListenCandidates`: merod at the first of its listen addresses that answers), `paging`
+//! (the one walk of offset-paged lists), and the jobs' reads: `groups` (a namespace's
+//! groups, contexts, members and usage), `seal` (member devices, sealing), `node_key` (the
+//! node's public key).
 
 use std::collections::BTreeSet;
 use std::fmt;

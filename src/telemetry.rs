@@ -1,7 +1,8 @@
 //! What the daemon tells the outside while it runs: Prometheus metrics and a live status
 //! snapshot. The loop records into a [`Telemetry`]; the status listener (`telemetry/listener.rs`), the
 //! systemd notifier (`notify.rs`) and `fleet-sidecar status` read it. Recording is cheap
-//! (atomics and one `watch` channel) and never fails.
+//! (atomics and one `watch` channel) and never fails. What `/status` shows of the loop's
+//! sets is cut to size in `projection`.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::AtomicU64;

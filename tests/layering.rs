@@ -350,3 +350,83 @@ fn the_architecture_is_short_and_its_invariants_name_tests_that_exist() {
         "ARCHITECTURE.md names tests that do not exist: {missing:?}"
     );
 }
+
+/// The backticked words of `text`, a trailing `.rs` or `/` dropped.
+fn backticked(text: &str) -> BTreeSet<String> {
+    text.split('`')
+        .skip(1)
+        .step_by(2)
+        .map(|t| t.trim_end_matches('/').trim_end_matches(".rs").to_owned())
+        .collect()
+}
+
+/// The `//!` lines of a module's file: its own layout comment.
+fn inner_doc(path: &Path) -> String {
+    fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("//!"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// The modules of `src/` the maps leave out: a top-level module (`src/x.rs`, `src/x/`)
+/// ARCHITECTURE.md's "Rooms" does not name (`x`, `x.rs` or `x/`, or a path in it), a
+/// module of a room (`src/x/y.rs`) neither the room's own layout comment (the `//!` of
+/// `src/x.rs` or `src/x/mod.rs`) names (`y` or `y.rs`) nor "Rooms" does (`x/y.rs`). Test
+/// files (`tests.rs`) are not modules of the map.
+fn off_the_map() -> Vec<String> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let page = fs::read_to_string(root.join("ARCHITECTURE.md")).unwrap();
+    let rooms = page
+        .split_once("## Rooms")
+        .and_then(|(_, rest)| rest.split("\n## ").next())
+        .expect("ARCHITECTURE.md has a \"## Rooms\" section");
+    let on_page = backticked(rooms);
+    let src = root.join("src");
+    let mut missing = Vec::new();
+    for entry in fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_str().unwrap().to_owned();
+        if ["lib", "main", "bin"].contains(&name.as_str()) {
+            continue;
+        }
+        if path.is_file() {
+            let top_named = on_page
+                .iter()
+                .any(|t| *t == name || t.starts_with(&format!("{name}/")));
+            if !top_named {
+                missing.push(format!("src/{name}.rs: not in ARCHITECTURE.md's Rooms"));
+            }
+            continue;
+        }
+        let room_root = [src.join(format!("{name}.rs")), path.join("mod.rs")]
+            .into_iter()
+            .find(|p| p.exists())
+            .unwrap_or_else(|| panic!("src/{name}/ has no {name}.rs nor mod.rs"));
+        let layout = backticked(&inner_doc(&room_root));
+        for file in fs::read_dir(&path).unwrap() {
+            let file = file.unwrap().path();
+            let stem = file.file_stem().unwrap().to_str().unwrap().to_owned();
+            if ["mod", "tests"].contains(&stem.as_str()) {
+                continue;
+            }
+            let named = layout.contains(&stem)
+                || layout.contains(&format!("{name}/{stem}"))
+                || on_page.contains(&format!("{name}/{stem}"));
+            if !named {
+                missing.push(format!(
+                    "src/{name}/{stem}.rs: not in {}'s layout comment nor ARCHITECTURE.md's Rooms",
+                    room_root.strip_prefix(root).unwrap().display()
+                ));
+            }
+        }
+    }
+    missing
+}
+
+#[test]
+fn every_module_is_on_a_map() {
+    let missing = off_the_map();
+    assert!(missing.is_empty(), "modules off the map: {missing:#?}");
+}

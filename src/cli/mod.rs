@@ -1,7 +1,7 @@
 //! The `fleet-sidecar` command line: parse it, load the config, build the real clients, run,
 //! and map the outcome to an exit code. [`main`] is the binary's entry point; the
-//! subcommands that are not the daemon itself (`check-config`, completions, the man page)
-//! are in the submodules.
+//! subcommands that are not the daemon itself are in the submodules: `check_config`
+//! (`check-config`), `generate` (shell completions, the man page), `status` (`status`).
 //!
 //! **Not part of the library's promise**: with the `daemon` feature only, the binary's own;
 //! it changes in any version without a note.

@@ -1,5 +1,6 @@
-//! The loop's bounds: how long it waits for each call beyond its client's own timeout, how
-//! long shutdown waits, and the longest gap between two turns of the loop.
+//! The bounds the loop and its jobs share: how long each waits for a call beyond its
+//! client's own timeout, how long shutdown waits, and the longest gap between two turns of
+//! the loop.
 
 use std::time::Duration;
 

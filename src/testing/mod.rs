@@ -17,6 +17,10 @@
 //! - [`metadata::MetadataEmulator`] plays the GCE instance metadata server (`relay-url`,
 //!   `enrolment-token`, …), with attributes set, cleared, failing or late.
 //!
+//! Layout: `mdma`, `merod` and `metadata` hold those emulators; `sandbox` (the `emulator`
+//! feature) lays out a throwaway node around them, in which the demo and the integration
+//! tests run the real daemon.
+//!
 //! All are started with `start(..).await` inside a tokio runtime and stop when
 //! `shutdown()` is called or when the last clone of the emulator is dropped. Requests that were
 //! told to hang keep their connection open until the client gives up; no new connection is

@@ -170,7 +170,7 @@ async fn every_member_of_a_namespace_past_a_page_is_written_and_none_deleted_on_
     let before = runs();
     // Withdrawn: the node leaves A. A pass runs when the confirmed set drops it, another
     // when the leave ends; merod no longer listing A is one read: nothing is deleted on it
-    // (deletes need two reads a pass apart: src/daemon/recovery.rs's tests).
+    // (deletes need two reads a pass apart: src/jobs/recovery.rs's tests).
     sb.mdma.set_reply(PollReply::assign::<[&str; 0], &str>([]));
     eventually("A left", LIMIT, || !sb.merod.held().contains(A)).await;
     eventually(
