@@ -35,8 +35,10 @@
 //!   `readiness` (the one readiness probe), `merod_watch` (the probe until merod answers);
 //! - the node's report beside `held_namespaces`: `account` (`executor_account`), `swarm`
 //!   (`swarm_addrs`), `relay` (`relay_url`), and `join_status` (join outcomes told to MDMA);
-//! - what MDMA delivers, installed: `tls_install` (the certificate), `logs_token` (the
-//!   log shippers' token and their configure scripts), `device_login` (the node key);
+//! - what is delivered, installed: `install` (what the three share: the delivery, the file
+//!   work within its bound, the restarts, the error), `tls_install` (the certificate),
+//!   `logs_token` (the log shippers' token and their configure scripts), `device_login`
+//!   (merod's node key);
 //! - what the node tells MDMA of its namespaces: `inventory` (the context inventory, which
 //!   walks), `recovery` (the recovery envelopes, from the inventory's walks).
 //!
@@ -467,6 +469,7 @@ impl Told {
 pub(crate) mod account;
 pub(crate) mod device_login;
 pub(crate) mod held;
+pub(crate) mod install;
 pub(crate) mod inventory;
 pub(crate) mod join_status;
 pub(crate) mod limits;

@@ -135,6 +135,7 @@ const DAEMON_FLOORS: &[&[&str]] = &[
 /// test files are not jobs.
 const JOBS_FLOORS: &[&[&str]] = &[
     &["held", "limits", "node_files", "relay", "trees", "units"],
+    &["install"],
     &[
         "account",
         "device_login",

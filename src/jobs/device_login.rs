@@ -25,10 +25,11 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info};
 
-use super::units::{UnitControl, UnitError, RESTART_TIMEOUT};
+use super::install::{file_work, InstallError, FILES_DEADLINE};
+use super::units::{UnitControl, RESTART_TIMEOUT};
 use crate::backoff::{Backoff, Jitter, RETRY_MIN};
 use crate::config::{Config, DeviceLoginConfig};
-use crate::durable::{self, WriteError};
+use crate::durable;
 use crate::jobs::{self, Job, Schedule};
 use crate::merod::{ListenCandidates, MerodClient, MerodError, NodeKey, CHECK_TIMEOUT};
 use crate::outcome::Timed;
@@ -43,8 +44,6 @@ pub(crate) const WITHOUT_KEY_EVERY: Duration = Duration::from_secs(15);
 const KEY_MODE: u32 = 0o600;
 /// Largest key file read: a key is 65 bytes; a larger file is not one and is replaced.
 const MAX_KEY_FILE: u64 = 4096;
-/// Bound of the file work of one check (the marker and the key file read, or the write).
-const FILES_DEADLINE: Duration = Duration::from_secs(10);
 /// After a failed check: [`RETRY_MIN`] doubling to [`WITHOUT_KEY_EVERY`].
 const RECHECK: Backoff = Backoff::new(RETRY_MIN, WITHOUT_KEY_EVERY, Jitter::Down);
 
@@ -96,39 +95,18 @@ pub(crate) enum LoginError {
     /// merod's key could not be read, or what it answered is not a key.
     #[error("no node key from merod: {0}")]
     Key(#[source] MerodError),
-    /// The key file could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The key file.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The key file could not be written.
+    /// The key file could not be read or written (or not within its bound), or a unit
+    /// could not be restarted.
     #[error(transparent)]
-    Write(#[from] WriteError),
-    /// The file work did not end within its bound (a hung disk).
-    #[error("the key file did not answer within {0:?}")]
-    Stalled(Duration),
-    /// A unit could not be restarted.
-    #[error("restart of {unit}: {source}")]
-    Restart {
-        /// The unit.
-        unit: String,
-        /// Why.
-        #[source]
-        source: UnitError,
-    },
+    Install(#[from] InstallError),
 }
 
 impl Timed for LoginError {
     fn is_timeout(&self) -> bool {
         match self {
-            LoginError::Stalled(_) => true,
+            LoginError::Install(e) => e.is_timeout(),
             LoginError::Key(e) => e.is_timeout(),
-            LoginError::Restart { source, .. } => source.is_timeout(),
-            _ => false,
+            LoginError::Marker { .. } => false,
         }
     }
 }
@@ -212,7 +190,11 @@ impl LoginJob {
         let restart = if held.text.as_deref() != Some(key.to_string().as_str()) {
             let path = self.cfg.key_file.clone();
             let line = format!("{key}\n");
-            files(move || Ok(durable::write_atomically(&path, line.as_bytes(), KEY_MODE)?)).await?;
+            files(move || {
+                durable::write_atomically(&path, line.as_bytes(), KEY_MODE)
+                    .map_err(|e| LoginError::from(InstallError::from(e)))
+            })
+            .await?;
             info!(path = %self.cfg.key_file.display(), node_key = %key, "wrote merod's node key for device-key login");
             self.cfg.restart_units.clone()
         } else {
@@ -230,7 +212,7 @@ impl LoginJob {
             self.units
                 .restart(unit)
                 .await
-                .map_err(|source| LoginError::Restart {
+                .map_err(|source| InstallError::Restart {
                     unit: unit.clone(),
                     source,
                 })?;
@@ -269,10 +251,7 @@ impl LoginJob {
 async fn files<T: Send + 'static>(
     work: impl FnOnce() -> Result<T, LoginError> + Send + 'static,
 ) -> Result<T, LoginError> {
-    match tokio::time::timeout(FILES_DEADLINE, tokio::task::spawn_blocking(work)).await {
-        Ok(Ok(done)) => done,
-        Ok(Err(_)) | Err(_) => Err(LoginError::Stalled(FILES_DEADLINE)),
-    }
+    file_work("the key file", work).await
 }
 
 fn marker_exists(path: &Path) -> Result<bool, LoginError> {
@@ -284,10 +263,7 @@ fn marker_exists(path: &Path) -> Result<bool, LoginError> {
 
 /// The key file as it is; a file too large or not UTF-8 holds no key (it is replaced).
 fn read_key_file(path: &Path) -> Result<KeyFile, LoginError> {
-    let read_err = |source| LoginError::Read {
-        path: path.to_owned(),
-        source,
-    };
+    let read_err = |source| LoginError::from(InstallError::read(path)(source));
     let bytes = match durable::read_capped(path, MAX_KEY_FILE) {
         Ok(None) => return Ok(KeyFile::default()),
         Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => return Ok(KeyFile::default()),
@@ -362,6 +338,7 @@ mod tests {
     use std::sync::Mutex;
 
     use super::*;
+    use crate::jobs::units::UnitError;
     use crate::merod::MerodOp;
 
     const K1: &str = "6f74442edba9238bfaf0a993ccf53b117e36e350614a1b7ba7c8a8ecf7422c5f";

@@ -14,7 +14,7 @@
 //! empty delivery is none (the parser drops it), so it never wipes a good token.
 
 use std::ffi::OsStr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,27 +22,24 @@ use std::time::Duration;
 use async_trait::async_trait;
 use nix::unistd::Pid;
 use tokio::io::AsyncReadExt;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::install::{deliveries, file_work, Delivered, Deliveries, InstallError, FILES_DEADLINE};
 use super::node_files::{token_fingerprint, NodeFilesView};
 use super::units::UnitControl;
 use crate::backoff::RETRY;
 use crate::config::{is_executable, Config, LogsTokenConfig};
-use crate::durable::{self, WriteError};
+use crate::durable;
 use crate::jobs::{self, Job, Schedule};
 use crate::mdma::LogsToken;
 use crate::metadata::{MetadataAttribute, MetadataClient, METADATA_TIMEOUT};
-use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
 /// The token file's mode: the shippers run as root on the image; nobody else reads it.
 const TOKEN_MODE: u32 = 0o600;
 /// Largest held token read (a token is a few hundred bytes).
 const MAX_TOKEN: u64 = 64 * 1024;
-/// Bound of reading the held token and writing the new one.
-const FILES_DEADLINE: Duration = Duration::from_secs(10);
 /// Bound of one configure script (it may restart its service).
 pub(crate) const SCRIPT_TIMEOUT: Duration = Duration::from_secs(60);
 /// How long a script's process group has after `TERM` (at the script's end or its bound)
@@ -57,36 +54,10 @@ const MAX_SCRIPT_OUTPUT: u64 = 2048;
 /// The only variables a script gets: no proxy, locale or secret of the daemon's reaches it.
 const SCRIPT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
-/// Why a token could not be installed (retried with the back-off).
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum TokenInstallError {
-    /// The held token could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The token could not be written.
-    #[error(transparent)]
-    Write(#[from] WriteError),
-    /// The file work did not end within its bound (a hung disk).
-    #[error("the token file did not answer within {0:?}")]
-    Stalled(Duration),
-}
-
-impl Timed for TokenInstallError {
-    fn is_timeout(&self) -> bool {
-        matches!(self, TokenInstallError::Stalled(_))
-    }
-}
-
 /// The loop's end of the job: hands it the tokens polls deliver.
 #[derive(Debug)]
 pub(crate) struct TokenInstaller {
-    delivered: watch::Sender<Option<LogsToken>>,
+    delivered: Deliveries<LogsToken>,
 }
 
 impl TokenInstaller {
@@ -103,10 +74,9 @@ impl TokenInstaller {
         if !cfg.logs_token.install || cfg.dry_run {
             return None;
         }
-        let (delivered, rx) = watch::channel(None);
-        let job = InstallJob {
+        let (delivered, rx) = deliveries();
+        let job = TokenInstallJob {
             delivered: rx,
-            handled: None,
             cfg: cfg.logs_token.clone(),
             units,
             metadata,
@@ -120,14 +90,13 @@ impl TokenInstaller {
     /// Hands over the token a poll delivered; the job wakes only when it differs from the
     /// one handed over before (MDMA repeats a delivery every poll).
     pub(crate) fn offer(&self, token: LogsToken) {
-        jobs::offer(&self.delivered, token);
+        self.delivered.offer(token);
     }
 }
 
-struct InstallJob {
-    delivered: watch::Receiver<Option<LogsToken>>,
-    /// The delivery last dealt with (installed, or the one held already).
-    handled: Option<LogsToken>,
+struct TokenInstallJob {
+    /// The deliveries, and the one dealt with last (installed, or the one held already).
+    delivered: Delivered<LogsToken>,
     cfg: LogsTokenConfig,
     units: Arc<dyn UnitControl>,
     metadata: Option<MetadataClient>,
@@ -137,14 +106,11 @@ struct InstallJob {
 }
 
 /// Writes `token` to `file` unless the file holds the same bytes; `true` when written.
-fn install(file: &Path, token: &[u8]) -> Result<bool, TokenInstallError> {
+fn install(file: &Path, token: &[u8]) -> Result<bool, InstallError> {
     // An oversized file cannot hold the delivered token: it is replaced.
     let held = match durable::read_capped(file, MAX_TOKEN) {
         Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => None,
-        read => read.map_err(|source| TokenInstallError::Read {
-            path: file.to_owned(),
-            source,
-        })?,
+        read => read.map_err(InstallError::read(file))?,
     };
     let held_fp = held.as_deref().map(token_fingerprint);
     if held_fp.as_deref() == Some(token_fingerprint(token).as_str()) {
@@ -154,7 +120,7 @@ fn install(file: &Path, token: &[u8]) -> Result<bool, TokenInstallError> {
     Ok(true)
 }
 
-impl InstallJob {
+impl TokenInstallJob {
     /// The endpoint for a shipper: configured, else the metadata attribute, else `""`.
     async fn endpoint(&self, configured: Option<&String>, attribute: MetadataAttribute) -> String {
         if let Some(e) = configured {
@@ -321,9 +287,9 @@ async fn end_group(group: Pid, child: &mut tokio::process::Child, grace: Duratio
 }
 
 #[async_trait]
-impl Job for InstallJob {
+impl Job for TokenInstallJob {
     type Output = ();
-    type Error = TokenInstallError;
+    type Error = InstallError;
     const NAME: &'static str = "logs_token_install";
     const FAILING: &'static str = "the delivered logs token cannot be stored";
     const EFFECT: &'static str = "retried with the back-off";
@@ -347,24 +313,20 @@ impl Job for InstallJob {
         }
     }
 
-    async fn run(&mut self) -> Result<(), TokenInstallError> {
-        let current = self.delivered.borrow_and_update().clone();
-        if current == self.handled {
+    async fn run(&mut self) -> Result<(), InstallError> {
+        let Some(current) = self.delivered.new_one() else {
             return Ok(());
-        }
+        };
         let Some(token) = current.clone() else {
-            self.handled = current;
+            self.delivered.dealt_with(current);
             return Ok(());
         };
         let file = self.cfg.file.clone();
         let bytes = token.expose().as_bytes().to_vec();
-        let work = tokio::task::spawn_blocking(move || install(&file, &bytes));
-        let written = match tokio::time::timeout(FILES_DEADLINE, work).await {
-            Ok(Ok(done)) => done,
-            Ok(Err(_)) | Err(_) => Err(TokenInstallError::Stalled(FILES_DEADLINE)),
-        }
-        .inspect_err(|_| Telemetry::count(&self.telemetry.logs_token_installs, "error"))?;
-        self.handled = current;
+        let written = file_work("the token file", move || install(&file, &bytes))
+            .await
+            .inspect_err(|_| Telemetry::count(&self.telemetry.logs_token_installs, "error"))?;
+        self.delivered.dealt_with(current);
         if !written {
             Telemetry::count(&self.telemetry.logs_token_installs, "unchanged");
             return Ok(());
@@ -413,20 +375,18 @@ impl Job for InstallJob {
     }
 
     fn idle(&self) -> bool {
-        *self.delivered.borrow() == self.handled
+        self.delivered.all_dealt_with()
     }
 
     async fn wake(&mut self) {
-        if self.delivered.changed().await.is_err() {
-            // The loop is gone (shutdown): nothing will be delivered again.
-            std::future::pending::<()>().await;
-        }
+        self.delivered.changed().await;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::PathBuf;
 
     #[test]
     fn a_token_is_written_only_when_it_differs_0600_without_a_newline() {

@@ -31,20 +31,21 @@ use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use sha2::{Digest, Sha256};
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 use x509_cert::der::{pem, Decode, Encode};
 use x509_cert::Certificate;
 
+use super::install::{
+    deliveries, file_work, restart_each, Delivered, Deliveries, InstallError, FILES_DEADLINE,
+};
 use super::node_files::{cert_not_after, NodeFilesView};
-use super::units::{UnitControl, UnitError, RESTART_TIMEOUT};
+use super::units::{UnitControl, RESTART_TIMEOUT};
 use crate::backoff::RETRY;
 use crate::config::Config;
-use crate::durable::{self, WriteError};
+use crate::durable;
 use crate::jobs::{self, Job, Schedule};
 use crate::node_tls::public_key_der;
-use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
 /// The installed certificate's mode: readable by the TLS terminator's user.
@@ -52,8 +53,6 @@ const CERT_MODE: u32 = 0o644;
 /// Largest `key.pem` or installed `cert.pem` read; a larger file is not one, and a delivery
 /// that would write a larger one is refused (it would read as foreign and be written again).
 const MAX_FILE: u64 = 64 * 1024;
-/// Bound of reading the key and the installed certificate and writing the new one.
-const FILES_DEADLINE: Duration = Duration::from_secs(10);
 /// How far in the future a leaf's `notBefore` may lie and still be installed: the CA's clock
 /// and ours disagree by a little (CAs backdate by minutes for the same reason).
 pub(crate) const NOT_YET_VALID_SKEW: Duration = Duration::from_secs(5 * 60);
@@ -346,49 +345,10 @@ fn judge_chain(
     Ok(Verdict::Install(bytes))
 }
 
-/// Why an install or its restarts failed (retried with the back-off).
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum InstallError {
-    /// `key.pem` or `cert.pem` could not be read.
-    #[error("cannot read {path}: {source}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// The new `cert.pem` could not be written.
-    #[error(transparent)]
-    Write(#[from] WriteError),
-    /// The file work did not end within its bound (a hung disk).
-    #[error("the certificate files did not answer within {0:?}")]
-    Stalled(Duration),
-    /// A unit could not be restarted.
-    #[error("restart of {unit}: {source}")]
-    Restart {
-        /// The unit.
-        unit: String,
-        /// Why.
-        #[source]
-        source: UnitError,
-    },
-}
-
-impl Timed for InstallError {
-    fn is_timeout(&self) -> bool {
-        match self {
-            InstallError::Stalled(_) => true,
-            InstallError::Restart { source, .. } => source.is_timeout(),
-            _ => false,
-        }
-    }
-}
-
 /// The loop's end of the job: hands it the certificates polls deliver.
 #[derive(Debug)]
 pub(crate) struct CertInstaller {
-    delivered: watch::Sender<Option<Arc<str>>>,
+    delivered: Deliveries<Arc<str>>,
 }
 
 impl CertInstaller {
@@ -404,10 +364,9 @@ impl CertInstaller {
         if !cfg.tls.install || cfg.dry_run {
             return None;
         }
-        let (delivered, rx) = watch::channel(None);
-        let job = InstallJob {
+        let (delivered, rx) = deliveries();
+        let job = CertInstallJob {
             delivered: rx,
-            handled: None,
             restarts: Vec::new(),
             refused: VecDeque::new(),
             key: cfg.tls.key_file(),
@@ -424,14 +383,13 @@ impl CertInstaller {
     /// Hands over the certificate a poll delivered; the job wakes only when it differs
     /// from the one handed over before (MDMA repeats a delivery every poll).
     pub(crate) fn offer(&self, pem: String) {
-        jobs::offer(&self.delivered, Arc::from(pem));
+        self.delivered.offer(Arc::from(pem));
     }
 }
 
-struct InstallJob {
-    delivered: watch::Receiver<Option<Arc<str>>>,
-    /// The delivery last judged (installed, unchanged or refused).
-    handled: Option<Arc<str>>,
+struct CertInstallJob {
+    /// The deliveries, and the one judged last (installed, unchanged or refused).
+    delivered: Delivered<Arc<str>>,
     /// The units still to restart for the certificate installed last.
     restarts: Vec<String>,
     /// [`delivery_digest`]s of the deliveries refused last, newest at the back, at most
@@ -446,19 +404,16 @@ struct InstallJob {
     telemetry: Arc<Telemetry>,
 }
 
-impl InstallJob {
+impl CertInstallJob {
     /// Reads the key and the installed certificate, judges `pem` and writes it if so.
     async fn install(&self, pem: Arc<str>) -> Result<Verdict, InstallError> {
         let (key, cert) = (self.key.clone(), self.cert.clone());
-        let work = tokio::task::spawn_blocking(move || {
+        file_work("the certificate files", move || {
             let key_pem = read_bounded(&key)?;
             // An oversized cert.pem cannot be the delivery: it is replaced.
             let installed = match durable::read_capped(&cert, MAX_FILE) {
                 Err(e) if e.kind() == std::io::ErrorKind::FileTooLarge => Some(Vec::new()),
-                read => read.map_err(|source| InstallError::Read {
-                    path: cert.clone(),
-                    source,
-                })?,
+                read => read.map_err(InstallError::read(&cert))?,
             };
             let verdict = judge(
                 &pem,
@@ -470,11 +425,8 @@ impl InstallJob {
                 durable::write_atomically(&cert, bytes, CERT_MODE)?;
             }
             Ok(verdict)
-        });
-        match tokio::time::timeout(FILES_DEADLINE, work).await {
-            Ok(Ok(done)) => done,
-            Ok(Err(_)) | Err(_) => Err(InstallError::Stalled(FILES_DEADLINE)),
-        }
+        })
+        .await
     }
 }
 
@@ -493,14 +445,11 @@ fn remember_refusal(refused: &mut VecDeque<[u8; 32]>, digest: [u8; 32]) -> bool 
 
 /// A file's bytes, `None` when it does not exist ([`durable::read_capped`] at [`MAX_FILE`]).
 fn read_bounded(path: &std::path::Path) -> Result<Option<Vec<u8>>, InstallError> {
-    durable::read_capped(path, MAX_FILE).map_err(|source| InstallError::Read {
-        path: path.to_owned(),
-        source,
-    })
+    durable::read_capped(path, MAX_FILE).map_err(InstallError::read(path))
 }
 
 #[async_trait]
-impl Job for InstallJob {
+impl Job for CertInstallJob {
     type Output = ();
     type Error = InstallError;
     const NAME: &'static str = "tls_install";
@@ -521,8 +470,7 @@ impl Job for InstallJob {
     }
 
     async fn run(&mut self) -> Result<(), InstallError> {
-        let current = self.delivered.borrow_and_update().clone();
-        if current != self.handled {
+        if let Some(current) = self.delivered.new_one() {
             if let Some(pem) = current.clone() {
                 let verdict = self.install(Arc::clone(&pem)).await.inspect_err(|_| {
                     Telemetry::count(&self.telemetry.tls_installs, "error");
@@ -553,41 +501,23 @@ impl Job for InstallJob {
                     }
                 }
             }
-            self.handled = current;
+            self.delivered.dealt_with(current);
         }
-        while let Some(unit) = self.restarts.first() {
-            match self.units.restart(unit).await {
-                Ok(()) => {
-                    Telemetry::count(&self.telemetry.unit_restarts, "ok");
-                    info!(unit = %unit, "restarted for the new TLS certificate");
-                    self.restarts.remove(0);
-                }
-                Err(source) => {
-                    let label = if source.is_timeout() {
-                        "timeout"
-                    } else {
-                        "error"
-                    };
-                    Telemetry::count(&self.telemetry.unit_restarts, label);
-                    return Err(InstallError::Restart {
-                        unit: unit.clone(),
-                        source,
-                    });
-                }
-            }
-        }
-        Ok(())
+        restart_each(
+            &*self.units,
+            &mut self.restarts,
+            &self.telemetry,
+            "for the new TLS certificate",
+        )
+        .await
     }
 
     fn idle(&self) -> bool {
-        self.restarts.is_empty() && *self.delivered.borrow() == self.handled
+        self.restarts.is_empty() && self.delivered.all_dealt_with()
     }
 
     async fn wake(&mut self) {
-        if self.delivered.changed().await.is_err() {
-            // The loop is gone (shutdown): nothing will be delivered again.
-            std::future::pending::<()>().await;
-        }
+        self.delivered.changed().await;
     }
 }
 
