@@ -642,11 +642,7 @@ impl Config {
     ///
     /// Errors: [`ConfigError`] naming the file, and the key when one is at fault.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::from_toml(&text, path)
+        Self::from_toml(&read_text(path)?, path)
     }
 
     /// Parses and validates config text; `path` is only used in error messages.
@@ -656,6 +652,16 @@ impl Config {
     pub fn from_toml(text: &str, path: &Path) -> Result<Self, ConfigError> {
         parse_raw(text, path)?.validate(path)
     }
+}
+
+/// The config file's text: what [`Config::load`] and [`ToolConfig::load`] both parse.
+///
+/// Errors: [`ConfigError::Read`].
+fn read_text(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })
 }
 
 /// The TOML text as written, with the daemon's whole schema (unknown keys are errors).
@@ -744,11 +750,7 @@ impl ToolConfig {
     /// [`ConfigError::MissingMdmaUrl`], and nothing about the token (see
     /// [`ToolConfig::mdma_credentials`]).
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-            path: path.to_owned(),
-            source,
-        })?;
-        Self::from_toml(&text, path)
+        Self::from_toml(&read_text(path)?, path)
     }
 
     /// Parses config text as [`ToolConfig::load`] does; `path` only names the file in errors.

@@ -53,7 +53,7 @@ use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::backoff::{asked_wait, Backoff};
+use crate::backoff::{asked_wait, Backoff, RETRY};
 use crate::outcome::{CallOutcome, Timed};
 use crate::telemetry::{unix_now, JobLabel, JobOutcomeLabel, Telemetry};
 
@@ -72,6 +72,41 @@ pub(crate) struct Schedule {
     pub(crate) backoff: Backoff,
 }
 
+impl Schedule {
+    /// A run every `every` after a good one, each bounded by `deadline`; by default no gap
+    /// beyond that between runs asked for, and the crate's [`RETRY`] back-off after a
+    /// failure.
+    pub(crate) const fn every(every: Duration, deadline: Duration) -> Self {
+        Self {
+            every: Some(every),
+            min_gap: Duration::ZERO,
+            deadline,
+            backoff: RETRY,
+        }
+    }
+
+    /// A run only when asked (or woken), each bounded by `deadline`; defaults as
+    /// [`Schedule::every`].
+    pub(crate) const fn when_asked(deadline: Duration) -> Self {
+        Self {
+            every: None,
+            min_gap: Duration::ZERO,
+            deadline,
+            backoff: RETRY,
+        }
+    }
+
+    /// The same, with `min_gap` between the starts of two runs.
+    pub(crate) const fn min_gap(self, min_gap: Duration) -> Self {
+        Self { min_gap, ..self }
+    }
+
+    /// The same, with `backoff` after a failed run.
+    pub(crate) const fn backoff(self, backoff: Backoff) -> Self {
+        Self { backoff, ..self }
+    }
+}
+
 /// One job beside the loop: what one run does. Everything around the runs is the
 /// harness's ([`spawn`]).
 #[async_trait]
@@ -86,8 +121,9 @@ pub(crate) trait Job: Send + 'static {
     const NAME: &'static str;
     /// What a failing run means, said once per change: `"{FAILING} ({why}); {EFFECT}"`.
     const FAILING: &'static str;
-    /// What the loop does meanwhile (the second half of the failure's line).
-    const EFFECT: &'static str;
+    /// What the loop does meanwhile (the second half of the failure's line). The default:
+    /// the job's own work is retried with the back-off, and nothing else changes.
+    const EFFECT: &'static str = "retried with the back-off";
     /// Said once when a run works again after a failure.
     const RECOVERED: &'static str;
 

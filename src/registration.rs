@@ -36,7 +36,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::backoff::{Backoff, Jitter, RETRY};
+use crate::backoff::{Backoff, Jitter};
 use crate::config::{read_token_file, Config, RegistrationConfig, TokenFileProblem};
 use crate::durable::{self, parent_dir};
 use crate::ids::PeerId;
@@ -653,12 +653,7 @@ impl Job for TokenFileWatch {
     const RECOVERED: &'static str = "fleet_token_file usable again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: None,
-            min_gap: Duration::ZERO,
-            deadline: TOKEN_FILE_DEADLINE,
-            backoff: RETRY,
-        }
+        Schedule::when_asked(TOKEN_FILE_DEADLINE)
     }
 
     async fn run(&mut self) -> Result<(), TokenFileUnusable> {
@@ -755,12 +750,11 @@ impl Job for Registering {
     const RECOVERED: &'static str = "registration no longer failing";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: None,
-            min_gap: Duration::ZERO,
-            deadline: ATTEMPT_DEADLINE,
-            backoff: Backoff::new(RETRY_CAP, RETRY_CAP, Jitter::None),
-        }
+        Schedule::when_asked(ATTEMPT_DEADLINE).backoff(Backoff::new(
+            RETRY_CAP,
+            RETRY_CAP,
+            Jitter::None,
+        ))
     }
 
     async fn run(&mut self) -> Result<(), AttemptError> {

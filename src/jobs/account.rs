@@ -107,12 +107,11 @@ impl Job for AccountJob {
     const RECOVERED: &'static str = "the executor account can be read again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(ASK_EVERY),
-            min_gap: Duration::ZERO,
-            deadline: IDENTITY_DEADLINE,
-            backoff: Backoff::new(ASK_EVERY, ASK_EVERY, Jitter::None),
-        }
+        Schedule::every(ASK_EVERY, IDENTITY_DEADLINE).backoff(Backoff::new(
+            ASK_EVERY,
+            ASK_EVERY,
+            Jitter::None,
+        ))
     }
 
     async fn run(&mut self) -> Result<(), AccountUnread> {

@@ -44,12 +44,11 @@ impl Job for Canary {
     const RECOVERED: &'static str = "canary works again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(EVERY),
-            min_gap: Duration::ZERO,
-            deadline: Duration::from_secs(1),
-            backoff: Backoff::new(EVERY, EVERY, Jitter::None),
-        }
+        Schedule::every(EVERY, Duration::from_secs(1)).backoff(Backoff::new(
+            EVERY,
+            EVERY,
+            Jitter::None,
+        ))
     }
 
     async fn run(&mut self) -> Result<u32, Down> {

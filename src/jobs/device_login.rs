@@ -296,17 +296,15 @@ impl Job for LoginJob {
 
     fn schedule(&self) -> Schedule {
         let units = u32::try_from(self.cfg.restart_units.len()).unwrap_or(u32::MAX);
-        Schedule {
-            every: None,
-            min_gap: Duration::from_secs(1),
-            // Two file steps, the key read, and per unit its timestamp and its restart.
-            deadline: FILES_DEADLINE
-                .saturating_mul(2)
-                .saturating_add(CHECK_TIMEOUT)
-                .saturating_add(RESTART_TIMEOUT.saturating_mul(units.saturating_mul(2)))
-                .saturating_add(Duration::from_secs(1)),
-            backoff: RECHECK,
-        }
+        // Two file steps, the key read, and per unit its timestamp and its restart.
+        let deadline = FILES_DEADLINE
+            .saturating_mul(2)
+            .saturating_add(CHECK_TIMEOUT)
+            .saturating_add(RESTART_TIMEOUT.saturating_mul(units.saturating_mul(2)))
+            .saturating_add(Duration::from_secs(1));
+        Schedule::when_asked(deadline)
+            .min_gap(Duration::from_secs(1))
+            .backoff(RECHECK)
     }
 
     async fn run(&mut self) -> Result<Login, LoginError> {

@@ -194,13 +194,10 @@ impl Job for HeldRefresh {
     const RECOVERED: &'static str = "merod's namespaces readable again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(HELD_REFRESH),
-            min_gap: HELD_MIN_GAP,
-            deadline: HELD_READ_TIMEOUT,
-            // A failing read is tried again at the refresh's own pace (or when asked).
-            backoff: Backoff::new(HELD_REFRESH, HELD_REFRESH, Jitter::None),
-        }
+        // A failing read is tried again at the refresh's own pace (or when asked).
+        Schedule::every(HELD_REFRESH, HELD_READ_TIMEOUT)
+            .min_gap(HELD_MIN_GAP)
+            .backoff(Backoff::new(HELD_REFRESH, HELD_REFRESH, Jitter::None))
     }
 
     async fn run(&mut self) -> Result<Arc<[GroupId]>, MerodError> {

@@ -26,7 +26,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::durable;
 use crate::ids::{GroupId, PeerId};
@@ -500,12 +499,7 @@ impl Job for ScanJob {
     const RECOVERED: &'static str = "the context inventory is reported again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(SCAN_EVERY),
-            min_gap: Duration::from_secs(1),
-            deadline: SCAN_DEADLINE,
-            backoff: RETRY,
-        }
+        Schedule::every(SCAN_EVERY, SCAN_DEADLINE).min_gap(Duration::from_secs(1))
     }
 
     async fn run(&mut self) -> Result<usize, ScanError> {

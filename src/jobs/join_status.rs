@@ -24,7 +24,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::warn;
 
 use super::limits::MDMA_DEADLINE;
-use crate::backoff::RETRY;
 use crate::durable::parent_dir;
 use crate::ids::{GroupId, PeerId};
 use crate::jobs::{self, Job, JobHandle, Schedule};
@@ -246,12 +245,7 @@ impl Job for JoinStatusJob {
     const RECOVERED: &'static str = "join-status reported and kept again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: None,
-            min_gap: Duration::ZERO,
-            deadline: RUN_DEADLINE,
-            backoff: RETRY,
-        }
+        Schedule::when_asked(RUN_DEADLINE)
     }
 
     async fn run(&mut self) -> Result<(), JoinStatusFailed> {

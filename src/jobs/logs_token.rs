@@ -28,7 +28,6 @@ use tracing::{info, warn};
 use super::install::{deliveries, file_work, Delivered, Deliveries, InstallError, FILES_DEADLINE};
 use super::node_files::{token_fingerprint, NodeFilesView};
 use super::units::UnitControl;
-use crate::backoff::RETRY;
 use crate::config::{is_executable, Config, LogsTokenConfig};
 use crate::durable;
 use crate::jobs::{self, Job, Schedule};
@@ -292,14 +291,11 @@ impl Job for TokenInstallJob {
     type Error = InstallError;
     const NAME: &'static str = "logs_token_install";
     const FAILING: &'static str = "the delivered logs token cannot be stored";
-    const EFFECT: &'static str = "retried with the back-off";
     const RECOVERED: &'static str = "the delivered logs token is stored";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: None,
-            min_gap: Duration::ZERO,
-            deadline: FILES_DEADLINE
+        Schedule::when_asked(
+            FILES_DEADLINE
                 .saturating_add(METADATA_TIMEOUT.saturating_mul(2))
                 .saturating_add(
                     SCRIPT_TIMEOUT
@@ -309,8 +305,7 @@ impl Job for TokenInstallJob {
                 )
                 .saturating_add(super::units::RESTART_TIMEOUT)
                 .saturating_add(Duration::from_secs(1)),
-            backoff: RETRY,
-        }
+        )
     }
 
     async fn run(&mut self) -> Result<(), InstallError> {

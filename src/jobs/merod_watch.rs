@@ -5,7 +5,6 @@
 //! harness (`jobs`): one run is one readiness probe, and it ends with merod's first answer.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use async_trait::async_trait;
 use tracing::info;
@@ -78,12 +77,7 @@ impl Job for ReadinessWatch {
     const RECOVERED: &'static str = "merod answers";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: None,
-            min_gap: Duration::ZERO,
-            deadline: PROBE_TIMEOUT,
-            backoff: PROBE_BACKOFF,
-        }
+        Schedule::when_asked(PROBE_TIMEOUT).backoff(PROBE_BACKOFF)
     }
 
     async fn run(&mut self) -> Result<(), MerodError> {

@@ -13,7 +13,6 @@ use sha2::{Digest, Sha256};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::durable;
 use crate::jobs::{self, Job, JobHandle, Schedule};
@@ -196,12 +195,7 @@ impl Job for NodeFilesJob {
     const RECOVERED: &'static str = "the node's files are looked at again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(CHECK_EVERY),
-            min_gap: Duration::ZERO,
-            deadline: RUN_DEADLINE,
-            backoff: RETRY,
-        }
+        Schedule::every(CHECK_EVERY, RUN_DEADLINE)
     }
 
     async fn run(&mut self) -> Result<Arc<NodeFiles>, LookStopped> {

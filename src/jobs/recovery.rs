@@ -33,7 +33,6 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::durable;
 use crate::ids::{GroupId, PeerId};
@@ -1323,12 +1322,7 @@ impl Job for PassJob {
     const RECOVERED: &'static str = "the recovery envelopes are written again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(PASS_EVERY),
-            min_gap: Duration::from_secs(1),
-            deadline: PASS_DEADLINE,
-            backoff: RETRY,
-        }
+        Schedule::every(PASS_EVERY, PASS_DEADLINE).min_gap(Duration::from_secs(1))
     }
 
     async fn run(&mut self) -> Result<PassDone, PassError> {

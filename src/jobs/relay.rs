@@ -11,7 +11,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
-use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::jobs::{self, Job, JobHandle, Schedule};
 use crate::metadata::{MetadataAttribute, MetadataClient, MetadataError, METADATA_TIMEOUT};
@@ -43,12 +42,10 @@ impl Job for RelayJob {
     const RECOVERED: &'static str = "the instance metadata's relay-url can be read again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(READ_EVERY),
-            min_gap: Duration::ZERO,
-            deadline: METADATA_TIMEOUT.saturating_add(Duration::from_secs(1)),
-            backoff: RETRY,
-        }
+        Schedule::every(
+            READ_EVERY,
+            METADATA_TIMEOUT.saturating_add(Duration::from_secs(1)),
+        )
     }
 
     async fn run(&mut self) -> Result<Arc<str>, MetadataError> {

@@ -13,7 +13,6 @@ use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
 use super::limits::IDENTITY_DEADLINE;
-use crate::backoff::RETRY;
 use crate::jobs::{self, Job, JobHandle, Schedule};
 use crate::merod::{MerodError, NetworkStatus, Node};
 use crate::telemetry::Telemetry;
@@ -37,12 +36,7 @@ impl Job for SwarmJob {
     const RECOVERED: &'static str = "merod's network status can be read again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(READ_EVERY),
-            min_gap: Duration::ZERO,
-            deadline: IDENTITY_DEADLINE,
-            backoff: RETRY,
-        }
+        Schedule::every(READ_EVERY, IDENTITY_DEADLINE)
     }
 
     async fn run(&mut self) -> Result<Arc<Vec<String>>, MerodError> {

@@ -54,12 +54,13 @@ impl Job for Scripted {
     const RECOVERED: &'static str = "scripted job works again";
 
     fn schedule(&self) -> Schedule {
-        Schedule {
-            every: Some(EVERY),
-            min_gap: GAP,
-            deadline: DEADLINE,
-            backoff: Backoff::new(Duration::from_secs(2), Duration::from_secs(8), Jitter::None),
-        }
+        Schedule::every(EVERY, DEADLINE)
+            .min_gap(GAP)
+            .backoff(Backoff::new(
+                Duration::from_secs(2),
+                Duration::from_secs(8),
+                Jitter::None,
+            ))
     }
 
     async fn run(&mut self) -> Result<u32, Failed> {

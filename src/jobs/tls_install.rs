@@ -41,7 +41,6 @@ use super::install::{
 };
 use super::node_files::{cert_not_after, NodeFilesView};
 use super::units::{UnitControl, RESTART_TIMEOUT};
-use crate::backoff::RETRY;
 use crate::config::Config;
 use crate::durable;
 use crate::jobs::{self, Job, Schedule};
@@ -454,19 +453,15 @@ impl Job for CertInstallJob {
     type Error = InstallError;
     const NAME: &'static str = "tls_install";
     const FAILING: &'static str = "the delivered TLS certificate cannot be installed";
-    const EFFECT: &'static str = "retried with the back-off";
     const RECOVERED: &'static str = "the delivered TLS certificate is installed";
 
     fn schedule(&self) -> Schedule {
         let restarts = u32::try_from(self.restart_units.len()).unwrap_or(u32::MAX);
-        Schedule {
-            every: None,
-            min_gap: Duration::ZERO,
-            deadline: FILES_DEADLINE
+        Schedule::when_asked(
+            FILES_DEADLINE
                 .saturating_add(RESTART_TIMEOUT.saturating_mul(restarts))
                 .saturating_add(Duration::from_secs(1)),
-            backoff: RETRY,
-        }
+        )
     }
 
     async fn run(&mut self) -> Result<(), InstallError> {
