@@ -40,7 +40,8 @@
 //!   `logs_token` (the log shippers' token and their configure scripts), `device_login`
 //!   (merod's node key);
 //! - what the node tells MDMA of its namespaces: `inventory` (the context inventory, which
-//!   walks), `recovery` (the recovery envelopes, from the inventory's walks).
+//!   walks), `recovery` (the recovery envelopes, from the inventory's walks), each keeping
+//!   its record beside the state file through `record_file`.
 //!
 //! `canary` is the test-only job that keeps "one file and one line of wiring" true.
 
@@ -513,6 +514,7 @@ pub(crate) mod logs_token;
 pub(crate) mod merod_watch;
 pub(crate) mod node_files;
 pub(crate) mod readiness;
+pub(crate) mod record_file;
 pub(crate) mod recovery;
 pub(crate) mod relay;
 pub(crate) mod swarm;

@@ -134,7 +134,15 @@ const DAEMON_FLOORS: &[&[&str]] = &[
 /// modules on floors below its own, never one on its own floor or above. The harness's own
 /// test files are not jobs.
 const JOBS_FLOORS: &[&[&str]] = &[
-    &["held", "limits", "node_files", "relay", "trees", "units"],
+    &[
+        "held",
+        "limits",
+        "node_files",
+        "record_file",
+        "relay",
+        "trees",
+        "units",
+    ],
     &["install"],
     &[
         "account",

@@ -27,7 +27,6 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::config::Config;
-use crate::durable;
 use crate::ids::{GroupId, PeerId};
 use crate::jobs::{self, Job, Schedule};
 use crate::mdma::{CallError, GroupInventory, InventoryReport, MdmaClient, NamespaceInventory};
@@ -35,6 +34,7 @@ use crate::merod::{NamespaceUsage, TeeRole};
 use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
+use super::record_file;
 use super::trees::{
     walk_tree, GroupReader, Handoff, Needs, TreeRead, WalkBook, HANDOFF_WAIT, WHOLE_EVERY,
 };
@@ -47,8 +47,6 @@ pub(crate) const FULL_EVERY: Duration = WHOLE_EVERY;
 pub(crate) const WALK_BUDGET: Duration = Duration::from_secs(20);
 /// The state file, in the state directory.
 pub(crate) const RECORD_FILE: &str = "fleet-inventory.json";
-/// Largest record read back (10,000 namespaces take a few MB).
-const MAX_RECORD: u64 = 64 * 1024 * 1024;
 /// Bound of one scan: every namespace's walk and the posts. A scan cut here posts nothing
 /// and the next one starts over.
 const SCAN_DEADLINE: Duration = Duration::from_secs(600);
@@ -390,7 +388,7 @@ impl InventoryView {
         }
         let deps = deps?;
         let (confirmed, feed) = NamespacesOffer::channel();
-        let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
+        let path = record_file::beside_state(cfg, RECORD_FILE);
         let job = ScanJob::new(deps, peer_id, account, feed, path, recovery);
         jobs::spawn(job, telemetry, shutdown);
         Some(Self { confirmed })
@@ -406,17 +404,10 @@ impl InventoryView {
 /// The record at `path`; an empty one when there is none or it cannot be read (said: the
 /// next scan then reports in full, which is what a lost record needs).
 fn load_record(path: &Path) -> InventoryRecord {
-    match durable::read_capped(path, MAX_RECORD) {
-        Ok(None) => InventoryRecord::default(),
-        Ok(Some(bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| {
-            warn!(path = %path.display(), "the inventory record is unreadable ({e}): reporting in full");
-            InventoryRecord::default()
-        }),
-        Err(e) => {
-            warn!(path = %path.display(), "the inventory record cannot be read ({e}): reporting in full");
-            InventoryRecord::default()
-        }
-    }
+    record_file::read(path).unwrap_or_else(|e| {
+        warn!(path = %path.display(), "the inventory record {e}: reporting in full");
+        InventoryRecord::default()
+    })
 }
 
 /// The node's account once known (the loop's account cache), read at each scan.
@@ -469,20 +460,9 @@ impl ScanJob {
 
     /// Writes the record (a failure is said: the next scan may post again what landed).
     async fn keep(&self) {
-        let (path, bytes) = match serde_json::to_vec(&self.record) {
-            Ok(b) => (self.path.clone(), b),
-            Err(e) => {
-                warn!("cannot render the inventory record: {e}");
-                return;
-            }
-        };
-        let written =
-            tokio::task::spawn_blocking(move || durable::write_atomically(&path, &bytes, 0o644))
-                .await;
-        match written {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => warn!("{e}"),
-            Err(e) => warn!("the inventory record write stopped: {e}"),
+        let path = self.path.clone();
+        if let Err(e) = record_file::write_whole(&self.record, path, 0o644, || Ok(())).await {
+            warn!(path = %self.path.display(), "the inventory record is not kept: {e}");
         }
     }
 }

@@ -45,6 +45,7 @@ use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
 use super::inventory::{AccountSource, NamespacesFeed, NamespacesOffer, WALK_BUDGET};
+use super::record_file;
 use super::trees::{walk_tree, Gap, GroupReader, Handoff, Needs, TreeRead, WalkBook};
 
 /// How often the envelopes are checked (and at once when the confirmed set changes).
@@ -56,8 +57,6 @@ pub(crate) const RECORD_FILE: &str = "fleet-recovery.json";
 /// The journal beside the record: the changes since it was last written whole, one
 /// [`Change`] a line.
 pub(crate) const JOURNAL_FILE: &str = "fleet-recovery.journal";
-/// Largest record (or journal) read back (an entry is ~200 bytes).
-const MAX_RECORD: u64 = 64 * 1024 * 1024;
 /// How large the journal may grow during a pass before the record is written whole.
 const COMPACT_DURING_PASS: u64 = 8 * 1024 * 1024;
 /// The record and the journal name member accounts: nobody else reads them.
@@ -639,7 +638,7 @@ impl RecoveryView {
         let deps = deps?;
         let (confirmed, feed) = NamespacesOffer::channel();
         let (recorded, recorded_feed) = NamespacesOffer::channel();
-        let path = durable::parent_dir(&cfg.state_file).join(RECORD_FILE);
+        let path = record_file::beside_state(cfg, RECORD_FILE);
         let feeds = (feed, recorded_feed);
         let job = PassJob::new(deps, peer_id, account, feeds, &path, walks);
         jobs::spawn(job, telemetry, shutdown);
@@ -666,12 +665,8 @@ fn load_record(path: &Path, journal: &Path) -> RecoveryRecord {
         warn!(path = %path.display(), "the recovery record is lost ({why}): envelopes start again at version 1, and where MDMA holds a newer one (409) the job looks for a version above it");
         RecoveryRecord::default()
     };
-    let mut record = match durable::read_capped(path, MAX_RECORD) {
-        Ok(None) => RecoveryRecord::default(),
-        Ok(Some(bytes)) => serde_json::from_slice(&bytes).unwrap_or_else(|e| lost(e.to_string())),
-        Err(e) => lost(e.to_string()),
-    };
-    let bytes = match durable::read_capped(journal, MAX_RECORD) {
+    let mut record = record_file::read(path).unwrap_or_else(|e| lost(e.to_string()));
+    let bytes = match durable::read_capped(journal, record_file::MAX_RECORD) {
         Ok(bytes) => bytes.unwrap_or_default(),
         Err(e) => {
             warn!(path = %journal.display(), "the recovery journal cannot be read ({e}): the changes since the record was last written are lost");
@@ -878,21 +873,17 @@ impl PassJob {
         if pending == 0 || pending < floor || pending.saturating_mul(2) < self.kept.written_len {
             return Ok(());
         }
-        let bytes =
-            serde_json::to_vec(&self.record).map_err(|e| PassError::Record(e.to_string()))?;
-        let len = bytes.len() as u64;
         let path = self.kept.path.clone();
-        tokio::task::spawn_blocking(move || {
-            durable::write_atomically(&path, &bytes, RECORD_MODE)?;
+        let emptied = move || {
             let mut journal = journal.lock().unwrap_or_else(PoisonError::into_inner);
             match journal.as_mut() {
                 Some(journal) => journal.clear(),
                 None => Ok(()),
             }
-        })
-        .await
-        .map_err(|e| PassError::Record(e.to_string()))?
-        .map_err(|e| PassError::Record(e.to_string()))?;
+        };
+        let len = record_file::write_whole(&self.record, path, RECORD_MODE, emptied)
+            .await
+            .map_err(|e| PassError::Record(e.to_string()))?;
         self.kept.written_len = len;
         Ok(())
     }
