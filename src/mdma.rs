@@ -187,6 +187,22 @@ fn refusal_excerpt(bytes: &[u8], token: Option<&FleetToken>) -> String {
     out
 }
 
+/// Why a call got no answer, as every MDMA call tells it: its own bound ran out, or the
+/// transport failed (the error kept without its URL, which the call's error names already).
+enum NoAnswer {
+    TimedOut,
+    Transport(reqwest::Error),
+}
+
+/// The one place a reqwest failure is told as a timeout or a transport failure.
+fn no_answer(e: reqwest::Error) -> NoAnswer {
+    if e.is_timeout() {
+        NoAnswer::TimedOut
+    } else {
+        NoAnswer::Transport(e.without_url())
+    }
+}
+
 impl RequestError {
     fn from_reqwest(url: &Url, timeout: Duration, e: reqwest::Error) -> Self {
         Self::failed(RequestMethod::Post, url, timeout, e)
@@ -194,18 +210,18 @@ impl RequestError {
 
     /// `e` of a `method` request to `url` that had `timeout`: a timeout, or a transport error.
     fn failed(method: RequestMethod, url: &Url, timeout: Duration, e: reqwest::Error) -> Self {
-        if e.is_timeout() {
-            RequestError::Timeout {
+        let url = url.clone();
+        match no_answer(e) {
+            NoAnswer::TimedOut => RequestError::Timeout {
                 method,
-                url: url.clone(),
+                url,
                 timeout,
-            }
-        } else {
-            RequestError::Transport {
+            },
+            NoAnswer::Transport(source) => RequestError::Transport {
                 method,
-                url: url.clone(),
-                source: e.without_url(),
-            }
+                url,
+                source,
+            },
         }
     }
 
@@ -1445,20 +1461,17 @@ impl MdmaClient {
         timeout: Duration,
         req: reqwest::RequestBuilder,
     ) -> Result<Vec<u8>, RegisterError> {
-        let fail = |e: reqwest::Error| {
-            if e.is_timeout() {
-                RegisterError::Timeout {
-                    method,
-                    url: url.clone(),
-                    timeout,
-                }
-            } else {
-                RegisterError::Transport {
-                    method,
-                    url: url.clone(),
-                    source: e.without_url(),
-                }
-            }
+        let fail = |e: reqwest::Error| match no_answer(e) {
+            NoAnswer::TimedOut => RegisterError::Timeout {
+                method,
+                url: url.clone(),
+                timeout,
+            },
+            NoAnswer::Transport(source) => RegisterError::Transport {
+                method,
+                url: url.clone(),
+                source,
+            },
         };
         let call = async {
             let resp = req.send().await.map_err(fail)?;

@@ -48,7 +48,7 @@ mod seal;
 
 pub use groups::{GroupMember, NamespaceUsage, StorageBytes, GROUP_PAGE, GROUP_PAGES};
 #[cfg(feature = "daemon")]
-pub(crate) use listen::ListenCandidates;
+pub(crate) use listen::{ListenCandidates, OnMerod};
 pub use node_key::{NodeKey, NodeKeyError};
 pub use seal::{MemberDevice, MemberDevices, SealedEnvelope, SEAL_ROUTE_RETRY, SEAL_TIMEOUT};
 

@@ -3,7 +3,7 @@
 //! beside the loop, independent of MDMA.
 //!
 //! Each check ([`LoginJob::run`]): while `[device_login] marker` exists, the key is read from
-//! merod ([`MerodClient::node_key`]: 64 hex, or rc.25's base58 of 32 bytes; anything else, a
+//! merod ([`MerodClient::node_key`](crate::merod::MerodClient::node_key): 64 hex, or rc.25's base58 of 32 bytes; anything else, a
 //! 404 or no answer is no key and changes nothing). The same key as the one last handed over
 //! ends the check. A key that differs from `key_file`'s is written there (64 lowercase hex
 //! and a newline, mode 0600, atomically) and every unit of `restart_units` is restarted
@@ -31,7 +31,7 @@ use crate::backoff::{Backoff, Jitter, RETRY_MIN};
 use crate::config::{Config, DeviceLoginConfig};
 use crate::durable;
 use crate::jobs::{self, Job, Schedule};
-use crate::merod::{ListenCandidates, MerodClient, MerodError, NodeKey, CHECK_TIMEOUT};
+use crate::merod::{MerodError, NodeKey, OnMerod, CHECK_TIMEOUT};
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -47,25 +47,17 @@ const MAX_KEY_FILE: u64 = 4096;
 /// After a failed check: [`RETRY_MIN`] doubling to [`WITHOUT_KEY_EVERY`].
 const RECHECK: Backoff = Backoff::new(RETRY_MIN, WITHOUT_KEY_EVERY, Jitter::Down);
 
-/// Reads merod's node key ([`MerodClient`]; a fake in tests).
+/// Reads merod's node key ([`MerodClient`](crate::merod::MerodClient); a fake in tests).
 #[async_trait]
 pub(crate) trait NodeKeySource: Send + Sync {
-    /// [`MerodClient::node_key`].
+    /// [`MerodClient::node_key`](crate::merod::MerodClient::node_key).
     async fn node_key(&self) -> Result<Option<NodeKey>, MerodError>;
 }
 
 #[async_trait]
-impl NodeKeySource for MerodClient {
+impl<T: OnMerod> NodeKeySource for T {
     async fn node_key(&self) -> Result<Option<NodeKey>, MerodError> {
-        MerodClient::node_key(self).await
-    }
-}
-
-/// merod at the `[server].listen` address the loop chose.
-#[async_trait]
-impl NodeKeySource for ListenCandidates {
-    async fn node_key(&self) -> Result<Option<NodeKey>, MerodError> {
-        self.current().node_key().await
+        self.merod().node_key().await
     }
 }
 

@@ -38,9 +38,7 @@ use crate::durable;
 use crate::ids::{GroupId, PeerId};
 use crate::jobs::{self, Job, Schedule};
 use crate::mdma::{CallError, MdmaClient, RecoveryEnvelope, RecoveryKey, RequestError};
-use crate::merod::{
-    ListenCandidates, MemberDevice, MemberDevices, MerodClient, MerodError, Node, SealedEnvelope,
-};
+use crate::merod::{MemberDevice, MemberDevices, MerodError, Node, OnMerod, SealedEnvelope};
 use crate::outcome::Timed;
 use crate::telemetry::{unix_now, Telemetry};
 
@@ -442,27 +440,27 @@ pub(crate) fn plaintexts(namespace: GroupId, groups: &[GroupRead]) -> BTreeMap<S
         .collect()
 }
 
-/// The merod calls the envelopes need beyond the group reads ([`MerodClient`]'s; a fake in
+/// The merod calls the envelopes need beyond the group reads ([`MerodClient`](crate::merod::MerodClient)'s; a fake in
 /// tests).
 #[async_trait]
 pub(crate) trait EnvelopeReader: GroupReader {
     /// Itself as the reads of a walk.
     fn reader(&self) -> &dyn GroupReader;
-    /// [`MerodClient::seal_to_account`].
+    /// [`MerodClient::seal_to_account`](crate::merod::MerodClient::seal_to_account).
     async fn seal(
         &self,
         group: GroupId,
         account: &str,
         plaintext: &[u8],
     ) -> Result<Option<SealedEnvelope>, MerodError>;
-    /// [`MerodClient::lacks_seal_route`].
+    /// [`MerodClient::lacks_seal_route`](crate::merod::MerodClient::lacks_seal_route).
     fn lacks_seal_route(&self) -> bool;
     /// The namespaces merod holds ([`Node::list_namespaces`]).
     async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError>;
 }
 
 #[async_trait]
-impl EnvelopeReader for MerodClient {
+impl<T: OnMerod> EnvelopeReader for T {
     fn reader(&self) -> &dyn GroupReader {
         self
     }
@@ -472,37 +470,15 @@ impl EnvelopeReader for MerodClient {
         account: &str,
         plaintext: &[u8],
     ) -> Result<Option<SealedEnvelope>, MerodError> {
-        self.seal_to_account(group, account, plaintext).await
-    }
-    fn lacks_seal_route(&self) -> bool {
-        MerodClient::lacks_seal_route(self)
-    }
-    async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError> {
-        MerodClient::list_namespaces(self).await
-    }
-}
-
-/// merod at the `[server].listen` address the loop chose.
-#[async_trait]
-impl EnvelopeReader for ListenCandidates {
-    fn reader(&self) -> &dyn GroupReader {
-        self
-    }
-    async fn seal(
-        &self,
-        group: GroupId,
-        account: &str,
-        plaintext: &[u8],
-    ) -> Result<Option<SealedEnvelope>, MerodError> {
-        self.current()
+        self.merod()
             .seal_to_account(group, account, plaintext)
             .await
     }
     fn lacks_seal_route(&self) -> bool {
-        self.current().lacks_seal_route()
+        self.merod().lacks_seal_route()
     }
     async fn held(&self) -> Result<BTreeSet<GroupId>, MerodError> {
-        Node::list_namespaces(self.current()).await
+        Node::list_namespaces(self.merod()).await
     }
 }
 

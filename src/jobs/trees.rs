@@ -24,9 +24,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 
 use crate::ids::GroupId;
-use crate::merod::{
-    GroupMember, ListenCandidates, MemberDevices, MerodClient, MerodError, NamespaceUsage, TeeRole,
-};
+use crate::merod::{GroupMember, MemberDevices, MerodError, NamespaceUsage, OnMerod, TeeRole};
 
 /// Most groups of one namespace walked; a tree left over makes the read partial.
 pub(crate) const MAX_GROUPS: usize = 512;
@@ -39,65 +37,42 @@ pub(crate) const HANDOFF_CAP: usize = 1024;
 /// envelopes are slow (a seal and a `PUT` each), the inventory never waits long for them.
 pub(crate) const HANDOFF_WAIT: Duration = Duration::from_secs(10);
 
-/// The merod reads a walk needs ([`MerodClient`]'s; a fake in tests).
+/// The merod reads a walk needs ([`MerodClient`](crate::merod::MerodClient)'s; a fake in tests).
 #[async_trait]
 pub(crate) trait GroupReader: Send + Sync {
-    /// [`MerodClient::subgroups`].
+    /// [`MerodClient::subgroups`](crate::merod::MerodClient::subgroups).
     async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError>;
-    /// [`MerodClient::group_contexts`].
+    /// [`MerodClient::group_contexts`](crate::merod::MerodClient::group_contexts).
     async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError>;
-    /// [`MerodClient::group_members`].
+    /// [`MerodClient::group_members`](crate::merod::MerodClient::group_members).
     async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError>;
-    /// [`MerodClient::member_capabilities`].
+    /// [`MerodClient::member_capabilities`](crate::merod::MerodClient::member_capabilities).
     async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError>;
-    /// [`MerodClient::member_devices`].
+    /// [`MerodClient::member_devices`](crate::merod::MerodClient::member_devices).
     async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError>;
-    /// [`MerodClient::namespace_usage`].
+    /// [`MerodClient::namespace_usage`](crate::merod::MerodClient::namespace_usage).
     async fn usage(&self) -> Result<BTreeMap<GroupId, NamespaceUsage>, MerodError>;
 }
 
 #[async_trait]
-impl GroupReader for MerodClient {
+impl<T: OnMerod> GroupReader for T {
     async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
-        MerodClient::subgroups(self, group).await
+        self.merod().subgroups(group).await
     }
     async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
-        self.group_contexts(group).await
+        self.merod().group_contexts(group).await
     }
     async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
-        self.group_members(group).await
+        self.merod().group_members(group).await
     }
     async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
-        self.member_capabilities(group, account).await
+        self.merod().member_capabilities(group, account).await
     }
     async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
-        MerodClient::member_devices(self, group).await
+        self.merod().member_devices(group).await
     }
     async fn usage(&self) -> Result<BTreeMap<GroupId, NamespaceUsage>, MerodError> {
-        self.namespace_usage().await
-    }
-}
-
-/// merod at the `[server].listen` address the loop chose.
-#[async_trait]
-impl GroupReader for ListenCandidates {
-    async fn subgroups(&self, group: GroupId) -> Result<Vec<GroupId>, MerodError> {
-        GroupReader::subgroups(self.current(), group).await
-    }
-    async fn contexts(&self, group: GroupId) -> Result<Vec<String>, MerodError> {
-        GroupReader::contexts(self.current(), group).await
-    }
-    async fn members(&self, group: GroupId) -> Result<Vec<GroupMember>, MerodError> {
-        GroupReader::members(self.current(), group).await
-    }
-    async fn capabilities(&self, group: GroupId, account: &str) -> Result<u32, MerodError> {
-        GroupReader::capabilities(self.current(), group, account).await
-    }
-    async fn member_devices(&self, group: GroupId) -> Result<Vec<MemberDevices>, MerodError> {
-        GroupReader::member_devices(self.current(), group).await
-    }
-    async fn usage(&self) -> Result<BTreeMap<GroupId, NamespaceUsage>, MerodError> {
-        GroupReader::usage(self.current()).await
+        self.merod().namespace_usage().await
     }
 }
 

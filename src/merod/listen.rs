@@ -50,6 +50,27 @@ impl ListenCandidates {
     }
 }
 
+/// What reaches one merod: a client itself, or the [`ListenCandidates`]' chosen one. The
+/// jobs' read traits are implemented once over it, so that a job reads through the loop's
+/// choice of address or a plain client alike.
+pub(crate) trait OnMerod: Send + Sync {
+    /// The client the next call goes to.
+    fn merod(&self) -> &MerodClient;
+}
+
+impl OnMerod for MerodClient {
+    fn merod(&self) -> &MerodClient {
+        self
+    }
+}
+
+/// merod at the `[server].listen` address the loop chose.
+impl OnMerod for ListenCandidates {
+    fn merod(&self) -> &MerodClient {
+        self.current()
+    }
+}
+
 impl ListenCandidates {
     /// A call's outcome, returned unchanged; when it could not reach the chosen address
     /// and there are others, they are probed again first (within [`PROBE_TIMEOUT`]) so the
