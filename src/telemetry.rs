@@ -522,63 +522,112 @@ impl Telemetry {
 
     /// A fresh registry with every metric registered under the `fleet_sidecar_` prefix.
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("fleet_sidecar");
-        let polls = Family::<OutcomeLabel, Counter>::default();
-        registry.register("polls", "MDMA should-join polls by outcome", polls.clone());
-        let last_ok_poll = Gauge::<f64, AtomicU64>::default();
+        let mut telemetry = Self {
+            registry: Registry::with_prefix("fleet_sidecar"),
+            polls: Default::default(),
+            last_ok_poll: Default::default(),
+            joins: Default::default(),
+            confirms: Default::default(),
+            leaves: Default::default(),
+            state_writes: Default::default(),
+            namespaces: Default::default(),
+            call_seconds: Family::new_with_constructor(latency_histogram),
+            mrtd_source: Default::default(),
+            mass_withdrawal_hold: Default::default(),
+            pending_leave_absence: Default::default(),
+            poll_resends: Default::default(),
+            registrations: Default::default(),
+            tls_installs: Default::default(),
+            unit_restarts: Default::default(),
+            logs_token_installs: Default::default(),
+            state_on_ram_filesystem: Default::default(),
+            state_write_stalled: Default::default(),
+            orphan_namespaces: Default::default(),
+            held_namespaces: Default::default(),
+            held_drift: Default::default(),
+            join_status_reports: Default::default(),
+            role_reads: Default::default(),
+            job_runs: Default::default(),
+            job_run_seconds: Family::new_with_constructor(latency_histogram),
+            job_last_success: Default::default(),
+            status: watch::Sender::new(LiveStatus::default()),
+            published_sets: std::sync::Mutex::new(None),
+            observers: std::sync::Mutex::new(Vec::new()),
+            loop_turns: std::sync::atomic::AtomicU64::new(0),
+        };
+        telemetry.register_loop_metrics();
+        telemetry.register_node_metrics();
+        telemetry.register_job_metrics();
+        telemetry.export_known_outcomes();
+        telemetry
+    }
+
+    /// The loop's metrics: polls, joins, confirms, leaves, state writes, the sets, call
+    /// latencies, the MRTD's source, the leave guards.
+    fn register_loop_metrics(&mut self) {
+        let registry = &mut self.registry;
+        registry.register(
+            "polls",
+            "MDMA should-join polls by outcome",
+            self.polls.clone(),
+        );
         registry.register(
             "last_successful_poll_timestamp_seconds",
             "Unix time of the latest successful poll",
-            last_ok_poll.clone(),
+            self.last_ok_poll.clone(),
         );
-        let joins = Family::<OutcomeLabel, Counter>::default();
-        registry.register("joins", "fleet-join attempts by outcome", joins.clone());
-        let confirms = Family::<OutcomeLabel, Counter>::default();
-        registry.register("confirms", "MDMA confirms by outcome", confirms.clone());
-        let leaves = Family::<OutcomeLabel, Counter>::default();
-        registry.register("leaves", "namespace leaves by outcome", leaves.clone());
-        let state_writes = Family::<OutcomeLabel, Counter>::default();
+        registry.register(
+            "joins",
+            "fleet-join attempts by outcome",
+            self.joins.clone(),
+        );
+        registry.register(
+            "confirms",
+            "MDMA confirms by outcome",
+            self.confirms.clone(),
+        );
+        registry.register("leaves", "namespace leaves by outcome", self.leaves.clone());
         registry.register(
             "state_writes",
             "state file writes by outcome",
-            state_writes.clone(),
+            self.state_writes.clone(),
         );
-        let namespaces = Family::<SetLabel, Gauge>::default();
         registry.register(
             "namespaces",
             "namespaces in each set (desired, admitted, confirmed, pending_leave)",
-            namespaces.clone(),
+            self.namespaces.clone(),
         );
-        let call_seconds: HistogramFamily = Family::new_with_constructor(latency_histogram);
         registry.register(
             "call_duration_seconds",
             "latency of outside calls (MDMA and merod) in seconds",
-            call_seconds.clone(),
+            self.call_seconds.clone(),
         );
-        let mrtd_source = Family::<SourceLabel, Gauge>::default();
         registry.register(
             "mrtd_source",
             "1 for where the MRTD was read from (none: unreadable)",
-            mrtd_source.clone(),
+            self.mrtd_source.clone(),
         );
-        let mass_withdrawal_hold = Gauge::default();
         registry.register(
             "mass_withdrawal_hold",
             "1 while the mass-withdrawal guard holds every leave",
-            mass_withdrawal_hold.clone(),
+            self.mass_withdrawal_hold.clone(),
         );
-        let pending_leave_absence = Gauge::<f64, AtomicU64>::default();
         registry.register(
             "pending_leave_oldest_absence_seconds",
             "longest absence observed (monotonic) among withdrawn namespaces not left yet",
-            pending_leave_absence.clone(),
+            self.pending_leave_absence.clone(),
         );
-        let poll_resends = Counter::default();
         registry.register(
             "poll_resends",
             "should-join polls sent once more on a fresh connection after a kept-alive one was closed as it was reused",
-            poll_resends.clone(),
+            self.poll_resends.clone(),
         );
+    }
+
+    /// The node's metrics beside the loop: dropped log lines, registration, what MDMA
+    /// delivers, the state file's disk, what merod holds, join-status reports, role reads.
+    fn register_node_metrics(&mut self) {
+        let registry = &mut self.registry;
         // The process's sinks, shared by every Telemetry of the process.
         let lines_dropped = crate::dropped::dropped_lines().clone();
         for sink in crate::dropped::SINKS {
@@ -589,110 +638,101 @@ impl Telemetry {
             "log lines (and notify messages) dropped because their sink (stderr, log_file, journal, notify) was not reading",
             lines_dropped,
         );
-        let registrations = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "registrations",
             "attested registration attempts by outcome",
-            registrations.clone(),
+            self.registrations.clone(),
         );
-        let tls_installs = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "tls_installs",
             "TLS certificates MDMA delivered, by what became of them",
-            tls_installs.clone(),
+            self.tls_installs.clone(),
         );
-        let unit_restarts = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "unit_restarts",
             "systemd unit restarts asked for over D-Bus after a certificate install",
-            unit_restarts.clone(),
+            self.unit_restarts.clone(),
         );
-        let logs_token_installs = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "logs_token_installs",
             "log shippers' tokens MDMA delivered, by what became of them",
-            logs_token_installs.clone(),
+            self.logs_token_installs.clone(),
         );
-        let state_on_ram_filesystem = Gauge::default();
         registry.register(
             "state_on_ram_filesystem",
             "1 when the state file's directory is on a RAM filesystem, lost at reboot",
-            state_on_ram_filesystem.clone(),
+            self.state_on_ram_filesystem.clone(),
         );
-        let state_write_stalled = Gauge::default();
         registry.register(
             "state_write_stalled",
             "1 while a state write has run for over 10 s without returning (a hung disk)",
-            state_write_stalled.clone(),
+            self.state_write_stalled.clone(),
         );
-        let orphan_namespaces = Gauge::default();
         registry.register(
             "orphan_namespaces",
             "namespaces merod holds that are neither in the state, assigned nor retained",
-            orphan_namespaces.clone(),
+            self.orphan_namespaces.clone(),
         );
-        let held_namespaces = Gauge::default();
-        held_namespaces.set(-1);
+        self.held_namespaces.set(-1);
         registry.register(
             "held_namespaces",
             "namespaces merod listed in the latest read (-1: the latest read failed)",
-            held_namespaces.clone(),
+            self.held_namespaces.clone(),
         );
-        let held_drift = Counter::default();
         registry.register(
             "held_drift",
             "namespaces recorded as held that merod no longer holds",
-            held_drift.clone(),
+            self.held_drift.clone(),
         );
-        let join_status_reports = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "join_status_reports",
             "MDMA join-status reports by outcome",
-            join_status_reports.clone(),
+            self.join_status_reports.clone(),
         );
-        let role_reads = Family::<OutcomeLabel, Counter>::default();
         registry.register(
             "role_reads",
             "reads of the node's role in a namespace (for the confirm) by outcome",
-            role_reads.clone(),
+            self.role_reads.clone(),
         );
-        let job_runs = Family::<JobOutcomeLabel, Counter>::default();
+    }
+
+    /// The job harness's metrics, per job.
+    fn register_job_metrics(&mut self) {
+        let registry = &mut self.registry;
         registry.register(
             "job_runs",
             "runs of each job beside the loop by outcome",
-            job_runs.clone(),
+            self.job_runs.clone(),
         );
-        let job_run_seconds =
-            Family::<JobLabel, Histogram, fn() -> Histogram>::new_with_constructor(
-                latency_histogram,
-            );
         registry.register(
             "job_run_seconds",
             "duration of each run of a job beside the loop",
-            job_run_seconds.clone(),
+            self.job_run_seconds.clone(),
         );
-        let job_last_success = Family::<JobLabel, Gauge<f64, AtomicU64>>::default();
         registry.register(
             "job_last_success_timestamp_seconds",
             "when each job beside the loop last had a good result (Unix time)",
-            job_last_success.clone(),
+            self.job_last_success.clone(),
         );
-        // Every known outcome is exported from the start (at 0), so dashboards and alerts
-        // see the series before the first event.
+    }
+
+    /// Every known outcome exported from the start (at 0), so dashboards and alerts see the
+    /// series before the first event.
+    fn export_known_outcomes(&self) {
         for (family, outcomes) in [
             (
-                &polls,
+                &self.polls,
                 &["ok", "transport", "timeout", "status", "malformed"][..],
             ),
             (
-                &joins,
+                &self.joins,
                 &["admitted", "not_admitted", "error", "timeout", "not_held"][..],
             ),
-            (&confirms, &["ok", "error", "timeout"][..]),
-            (&leaves, &["left", "failed", "timeout", "not_held"][..]),
-            (&state_writes, &["ok", "error"][..]),
+            (&self.confirms, &["ok", "error", "timeout"][..]),
+            (&self.leaves, &["left", "failed", "timeout", "not_held"][..]),
+            (&self.state_writes, &["ok", "error"][..]),
             (
-                &registrations,
+                &self.registrations,
                 &[
                     "registered",
                     "tokenless",
@@ -703,54 +743,21 @@ impl Telemetry {
                     "timeout",
                 ][..],
             ),
-            (&join_status_reports, &["ok", "error", "timeout"][..]),
+            (&self.join_status_reports, &["ok", "error", "timeout"][..]),
             (
-                &tls_installs,
+                &self.tls_installs,
                 &["installed", "unchanged", "refused", "error"][..],
             ),
-            (&unit_restarts, &["ok", "error", "timeout"][..]),
+            (&self.unit_restarts, &["ok", "error", "timeout"][..]),
             (
-                &logs_token_installs,
+                &self.logs_token_installs,
                 &["installed", "unchanged", "error"][..],
             ),
-            (&role_reads, &["ok", "error", "timeout"][..]),
+            (&self.role_reads, &["ok", "error", "timeout"][..]),
         ] {
             for &outcome in outcomes {
                 drop(family.get_or_create(&OutcomeLabel { outcome }));
             }
-        }
-        Self {
-            registry,
-            polls,
-            last_ok_poll,
-            joins,
-            confirms,
-            leaves,
-            state_writes,
-            namespaces,
-            call_seconds,
-            mrtd_source,
-            mass_withdrawal_hold,
-            pending_leave_absence,
-            poll_resends,
-            registrations,
-            tls_installs,
-            unit_restarts,
-            logs_token_installs,
-            state_on_ram_filesystem,
-            state_write_stalled,
-            orphan_namespaces,
-            held_namespaces,
-            held_drift,
-            join_status_reports,
-            role_reads,
-            job_runs,
-            job_run_seconds,
-            job_last_success,
-            status: watch::Sender::new(LiveStatus::default()),
-            published_sets: std::sync::Mutex::new(None),
-            observers: std::sync::Mutex::new(Vec::new()),
-            loop_turns: std::sync::atomic::AtomicU64::new(0),
         }
     }
 

@@ -47,10 +47,21 @@ fn path(p: &Path) -> String {
 /// results of the side-effect-free reads.
 fn render(file: &Path, cfg: &Config) -> String {
     let mut out = String::new();
-    let mut line = |s: String| {
-        out.push_str(&s);
-        out.push('\n');
-    };
+    top_level_keys(&mut out, file, cfg);
+    tables(&mut out, cfg);
+    reads(&mut out, cfg);
+    out
+}
+
+/// Appends `s` and a newline to `out`.
+fn push_line(out: &mut String, s: String) {
+    out.push_str(&s);
+    out.push('\n');
+}
+
+/// The header and the top-level keys.
+fn top_level_keys(out: &mut String, file: &Path, cfg: &Config) {
+    let mut line = |s: String| push_line(out, s);
     line(format!(
         "# {}: valid. Effective configuration, every default filled in.",
         file.display()
@@ -118,11 +129,15 @@ fn render(file: &Path, cfg: &Config) -> String {
     line(format!("join_timeout = {}", duration(cfg.join_timeout)));
     line(format!("leave_timeout = {}", duration(cfg.leave_timeout)));
     line(format!("leave_orphans = {}", cfg.leave_orphans));
+}
+
+/// The tables, `[merod]` to `[device_login]`.
+fn tables(out: &mut String, cfg: &Config) {
+    let mut line = |s: String| push_line(out, s);
     line(String::new());
     line("[merod]".to_owned());
     line(format!("home = {}", path(&cfg.merod.home)));
     line(format!("node = {}", quoted(&cfg.merod.node)));
-    let merod_config = cfg.merod.config_toml();
     // The daemon's own resolution order, and where the URL came from.
     let resolved = resolve_admin_url(&cfg.merod);
     let (admin_url, from) = (resolved.url.to_string(), resolved.source);
@@ -223,6 +238,14 @@ fn render(file: &Path, cfg: &Config) -> String {
             .collect::<Vec<_>>()
             .join(", ")
     ));
+}
+
+/// The results of the side-effect-free reads, as comments.
+fn reads(out: &mut String, cfg: &Config) {
+    let mut line = |s: String| push_line(out, s);
+    let merod_config = cfg.merod.config_toml();
+    let lt = &cfg.logs_token;
+    let dl = &cfg.device_login;
     line(String::new());
     line("# What could be read (nothing was written, created or called):".to_owned());
     line(match check_state_dir(&cfg.state_file) {
@@ -345,5 +368,4 @@ fn render(file: &Path, cfg: &Config) -> String {
             },
         });
     }
-    out
 }

@@ -146,120 +146,122 @@ pub(crate) fn render_text(r: &Report, now: f64) -> String {
         None => out.push_str("pending leave: none\n"),
     }
     match (&r.live, &r.live_error) {
-        (Some(l), _) => {
-            out.push_str(&format!("live: {}: {}\n", l.phase, l.summary(now)));
-            if let Some(p) = &l.peer_id {
-                out.push_str(&format!("  peer id: {p}\n"));
-            }
-            match (&l.mrtd, &l.mrtd_source) {
-                (Some(m), Some(src)) => out.push_str(&format!("  mrtd: {m} ({src})\n")),
-                _ => out.push_str("  mrtd: unreadable (polling with the PeerId only)\n"),
-            }
-            out.push_str(&format!("  fleet token: {}\n", l.fleet_token));
-            if let Some(reg) = &l.registration {
-                out.push_str(&format!("  registration: {reg}\n"));
-            }
-            out.push_str(&format!(
-                "  desired: {}, joining: {}, leaving: {}, mass-withdrawal guard: {}\n",
-                l.desired.len(),
-                l.joining.len(),
-                l.leaving.len(),
-                l.mass_drop
-            ));
-            if let Some(fs) = &l.state_ram_filesystem {
-                out.push_str(&format!(
-                    "  ERROR: the state file is on a RAM filesystem ({fs}): lost at reboot\n"
-                ));
-            }
-            for id in &l.orphans {
-                out.push_str(&format!(
-                    "  {id}  orphan: merod holds it, neither in the state, assigned nor retained (left only with leave_orphans = true)\n"
-                ));
-            }
-            match &l.held_namespaces {
-                Some(h) => out.push_str(&format!(
-                    "  merod holds: {} namespaces (read {:.0} s ago{})\n",
-                    h.count,
-                    (now - h.read_at).max(0.0),
-                    if h.reported {
-                        ""
-                    } else {
-                        "; not reported to MDMA"
-                    }
-                )),
-                None => {
-                    out.push_str("  merod holds: unknown (no good read yet, or the last failed)\n")
-                }
-            }
-            let reported = |v: &str, unknown: &str| {
-                if v.is_empty() {
-                    format!("\"\" ({unknown})")
-                } else {
-                    v.to_owned()
-                }
-            };
-            out.push_str(&format!(
-                "  executor_account: {}\n",
-                l.executor_account.as_deref().unwrap_or(
-                    "\"\" (merod holds no account yet: it has it once the node takes part in a namespace)"
-                )
-            ));
-            if let Some(v) = &l.relay_url {
-                out.push_str(&format!(
-                    "  relay_url: {}\n",
-                    reported(
-                        v,
-                        "none: no [registration] relay_url, and the metadata's relay-url is unset or not read yet"
-                    )
-                ));
-            }
-            out.push_str(&match &l.swarm_addrs {
-                Some(a) if !a.is_empty() => format!("  swarm_addrs: {}\n", a.join(" ")),
-                Some(_) => "  swarm_addrs: [] (merod has no external address)\n".to_owned(),
-                None => "  swarm_addrs: [] (not read yet, or the last read failed: not reported)\n"
-                    .to_owned(),
-            });
-            if let Some(v) = &l.tls_cert_not_after {
-                out.push_str(&format!(
-                    "  tls_cert_not_after: {}\n",
-                    reported(
-                        v,
-                        "no certificate, a self-signed placeholder, or unreadable: MDMA sends one"
-                    )
-                ));
-            }
-            if let Some(v) = &l.logs_token_fp {
-                out.push_str(&format!(
-                    "  logs_token_fp: {}\n",
-                    reported(v, "no logs token")
-                ));
-            }
-            for (name, j) in &l.jobs {
-                let good = j.last_good_at.map_or_else(
-                    || "no good run yet".to_owned(),
-                    |at| format!("last good {:.0} s ago", (now - at).max(0.0)),
-                );
-                match &j.failing {
-                    Some(why) => out.push_str(&format!("  job {name}: failing ({why}); {good}\n")),
-                    None => out.push_str(&format!("  job {name}: ok, {good} ({} runs)\n", j.runs)),
-                }
-            }
-            for (id, j) in &l.join_outcomes {
-                let why = j
-                    .reason
-                    .as_deref()
-                    .map(|r| format!(": {r}"))
-                    .unwrap_or_default();
-                out.push_str(&format!(
-                    "  {id}  last join {} after {} attempt(s){why}\n",
-                    j.state, j.attempts
-                ));
-            }
-        }
+        (Some(l), _) => render_live(&mut out, l, now),
         (None, Some(e)) => out.push_str(&format!("live: {e}\n")),
         (None, None) => {}
     }
     out
+}
+
+/// The live part of the report: what the running daemon says of itself.
+fn render_live(out: &mut String, l: &LiveStatus, now: f64) {
+    out.push_str(&format!("live: {}: {}\n", l.phase, l.summary(now)));
+    if let Some(p) = &l.peer_id {
+        out.push_str(&format!("  peer id: {p}\n"));
+    }
+    match (&l.mrtd, &l.mrtd_source) {
+        (Some(m), Some(src)) => out.push_str(&format!("  mrtd: {m} ({src})\n")),
+        _ => out.push_str("  mrtd: unreadable (polling with the PeerId only)\n"),
+    }
+    out.push_str(&format!("  fleet token: {}\n", l.fleet_token));
+    if let Some(reg) = &l.registration {
+        out.push_str(&format!("  registration: {reg}\n"));
+    }
+    out.push_str(&format!(
+        "  desired: {}, joining: {}, leaving: {}, mass-withdrawal guard: {}\n",
+        l.desired.len(),
+        l.joining.len(),
+        l.leaving.len(),
+        l.mass_drop
+    ));
+    if let Some(fs) = &l.state_ram_filesystem {
+        out.push_str(&format!(
+            "  ERROR: the state file is on a RAM filesystem ({fs}): lost at reboot\n"
+        ));
+    }
+    for id in &l.orphans {
+        out.push_str(&format!(
+            "  {id}  orphan: merod holds it, neither in the state, assigned nor retained (left only with leave_orphans = true)\n"
+        ));
+    }
+    match &l.held_namespaces {
+        Some(h) => out.push_str(&format!(
+            "  merod holds: {} namespaces (read {:.0} s ago{})\n",
+            h.count,
+            (now - h.read_at).max(0.0),
+            if h.reported {
+                ""
+            } else {
+                "; not reported to MDMA"
+            }
+        )),
+        None => out.push_str("  merod holds: unknown (no good read yet, or the last failed)\n"),
+    }
+    let reported = |v: &str, unknown: &str| {
+        if v.is_empty() {
+            format!("\"\" ({unknown})")
+        } else {
+            v.to_owned()
+        }
+    };
+    out.push_str(&format!(
+        "  executor_account: {}\n",
+        l.executor_account.as_deref().unwrap_or(
+            "\"\" (merod holds no account yet: it has it once the node takes part in a namespace)"
+        )
+    ));
+    if let Some(v) = &l.relay_url {
+        out.push_str(&format!(
+            "  relay_url: {}\n",
+            reported(
+                v,
+                "none: no [registration] relay_url, and the metadata's relay-url is unset or not read yet"
+            )
+        ));
+    }
+    out.push_str(&match &l.swarm_addrs {
+        Some(a) if !a.is_empty() => format!("  swarm_addrs: {}\n", a.join(" ")),
+        Some(_) => "  swarm_addrs: [] (merod has no external address)\n".to_owned(),
+        None => {
+            "  swarm_addrs: [] (not read yet, or the last read failed: not reported)\n".to_owned()
+        }
+    });
+    if let Some(v) = &l.tls_cert_not_after {
+        out.push_str(&format!(
+            "  tls_cert_not_after: {}\n",
+            reported(
+                v,
+                "no certificate, a self-signed placeholder, or unreadable: MDMA sends one"
+            )
+        ));
+    }
+    if let Some(v) = &l.logs_token_fp {
+        out.push_str(&format!(
+            "  logs_token_fp: {}\n",
+            reported(v, "no logs token")
+        ));
+    }
+    for (name, j) in &l.jobs {
+        let good = j.last_good_at.map_or_else(
+            || "no good run yet".to_owned(),
+            |at| format!("last good {:.0} s ago", (now - at).max(0.0)),
+        );
+        match &j.failing {
+            Some(why) => out.push_str(&format!("  job {name}: failing ({why}); {good}\n")),
+            None => out.push_str(&format!("  job {name}: ok, {good} ({} runs)\n", j.runs)),
+        }
+    }
+    for (id, j) in &l.join_outcomes {
+        let why = j
+            .reason
+            .as_deref()
+            .map(|r| format!(": {r}"))
+            .unwrap_or_default();
+        out.push_str(&format!(
+            "  {id}  last join {} after {} attempt(s){why}\n",
+            j.state, j.attempts
+        ));
+    }
 }
 
 #[cfg(test)]
