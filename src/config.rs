@@ -654,6 +654,16 @@ impl Config {
     }
 }
 
+/// [`ConfigError::Invalid`] for `key` of the file at `path`.
+fn invalid_key(path: &Path, key: &'static str, value: String, reason: String) -> ConfigError {
+    ConfigError::Invalid {
+        path: path.to_owned(),
+        key,
+        value,
+        reason,
+    }
+}
+
 /// The config file's text: what [`Config::load`] and [`ToolConfig::load`] both parse.
 ///
 /// Errors: [`ConfigError::Read`].
@@ -1072,12 +1082,7 @@ impl RawConfig {
     ///
     /// Errors: [`ConfigError::MissingMdmaUrl`] and [`ConfigError::Invalid`].
     pub(crate) fn validate(self, path: &Path) -> Result<Config, ConfigError> {
-        let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
-            path: path.to_owned(),
-            key,
-            value,
-            reason,
-        };
+        let invalid = |key, value, reason| invalid_key(path, key, value, reason);
         let mut warnings = Vec::new();
 
         let mdma_raw = match self.mdma_url.as_deref().map(str::trim) {
@@ -1112,7 +1117,95 @@ impl RawConfig {
                 ));
             }
         }
-        // Before anything is read from them.
+        // Before anything is read from them (the token file is read next).
+        self.check_absolute_paths(path)?;
+        self.check_files_and_units(path)?;
+        self.check_counts(path)?;
+        let fleet_token = resolve_token(self.fleet_token, self.fleet_token_file.as_deref(), path)?;
+        let status_listen = match &self.status_listen {
+            None => None,
+            Some(raw) => Some(raw.parse::<SocketAddr>().map_err(|e| {
+                invalid(
+                    "status_listen",
+                    raw.clone(),
+                    format!("{e} (expected host:port, e.g. 127.0.0.1:9464)"),
+                )
+            })?),
+        };
+        if let Some(addr) = status_listen.filter(|a| !a.ip().is_loopback()) {
+            warnings.push(format!(
+                "status_listen {addr} is not a loopback address: the listener has no authentication"
+            ));
+        }
+        let merod = self.merod.validate(path)?;
+
+        // Every duration is bounded: a typo such as "1ms" for "1m" must not turn the node
+        // into a load generator, nor "100d" silence it.
+        let bounded = |key: &'static str, d: Duration| {
+            let (min, max) = duration_bounds(key);
+            if d < min || d > max {
+                Err(invalid(
+                    key,
+                    format!("{d:?}"),
+                    format!("must be between {} and {}", human(min), human(max)),
+                ))
+            } else {
+                Ok(d)
+            }
+        };
+        let poll_interval = bounded("poll_interval", self.poll_interval)?;
+        let join_timeout = bounded("join_timeout", self.join_timeout)?;
+        let leave_timeout = bounded("leave_timeout", self.leave_timeout)?;
+        let ready_max_poll_age = bounded("ready_max_poll_age", self.ready_max_poll_age)?;
+        let max_backoff = bounded("max_backoff", self.max_backoff)?;
+        bounded("mass_drop_hold", self.mass_drop_hold)?;
+        bounded("leave_grace", self.leave_grace)?;
+        let registration = match self.registration {
+            None => None,
+            Some(raw) => Some(raw.validate(path, &bounded)?),
+        };
+        check_tdx(path, &self.tdx)?;
+
+        Ok(Config {
+            mdma_url,
+            fleet_token,
+            fleet_token_file: self.fleet_token_file,
+            registration,
+            mdma_ca_file: self.mdma_ca_file,
+            poll_interval,
+            state_file: self.state_file,
+            log_file: self.log_file,
+            log_format: self.log_format,
+            log_target: self.log_target,
+            log_to_file: self.log_to_file,
+            status_listen,
+            ready_max_poll_age,
+            max_backoff,
+            dry_run: false,
+            leave_policy: LeavePolicy {
+                leave_after_polls: self.leave_after_polls,
+                leave_grace: self.leave_grace,
+                mass_drop_min: self.mass_drop_min,
+                mass_drop_hold: self.mass_drop_hold,
+                max_leaves_per_minute: self.max_leaves_per_minute,
+                max_leaves_per_hour: self.max_leaves_per_hour,
+            },
+            max_concurrent_joins: self.max_concurrent_joins,
+            join_timeout,
+            leave_timeout,
+            leave_orphans: self.leave_orphans,
+            merod,
+            tdx: self.tdx,
+            tls: self.tls,
+            logs_token: self.logs_token,
+            inventory: self.inventory,
+            recovery: self.recovery,
+            device_login: self.device_login,
+            warnings,
+        })
+    }
+    /// The paths that must be absolute are: checked before anything is read from them.
+    fn check_absolute_paths(&self, path: &Path) -> Result<(), ConfigError> {
         check_absolute_paths(
             path,
             [
@@ -1137,22 +1230,12 @@ impl RawConfig {
                 ),
             ],
         )?;
-        let fleet_token = resolve_token(self.fleet_token, self.fleet_token_file.as_deref(), path)?;
-        let status_listen = match &self.status_listen {
-            None => None,
-            Some(raw) => Some(raw.parse::<SocketAddr>().map_err(|e| {
-                invalid(
-                    "status_listen",
-                    raw.clone(),
-                    format!("{e} (expected host:port, e.g. 127.0.0.1:9464)"),
-                )
-            })?),
-        };
-        if let Some(addr) = status_listen.filter(|a| !a.ip().is_loopback()) {
-            warnings.push(format!(
-                "status_listen {addr} is not a loopback address: the listener has no authentication"
-            ));
-        }
+        Ok(())
+    }
+
+    /// The files, unit names and endpoints the node's jobs use.
+    fn check_files_and_units(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |key, value, reason| invalid_key(path, key, value, reason);
         for (key, p) in [
             ("state_file", &self.state_file),
             ("log_file", &self.log_file),
@@ -1212,30 +1295,12 @@ impl RawConfig {
         }
         check_file_path(path, "device_login.marker", &self.device_login.marker)?;
         check_file_path(path, "device_login.key_file", &self.device_login.key_file)?;
+        Ok(())
+    }
 
-        let merod = self.merod.validate(path)?;
-
-        // Every duration is bounded: a typo such as "1ms" for "1m" must not turn the node
-        // into a load generator, nor "100d" silence it.
-        let bounded = |key: &'static str, d: Duration| {
-            let (min, max) = duration_bounds(key);
-            if d < min || d > max {
-                Err(invalid(
-                    key,
-                    format!("{d:?}"),
-                    format!("must be between {} and {}", human(min), human(max)),
-                ))
-            } else {
-                Ok(d)
-            }
-        };
-        let poll_interval = bounded("poll_interval", self.poll_interval)?;
-        let join_timeout = bounded("join_timeout", self.join_timeout)?;
-        let leave_timeout = bounded("leave_timeout", self.leave_timeout)?;
-        let ready_max_poll_age = bounded("ready_max_poll_age", self.ready_max_poll_age)?;
-        let max_backoff = bounded("max_backoff", self.max_backoff)?;
-        bounded("mass_drop_hold", self.mass_drop_hold)?;
-        bounded("leave_grace", self.leave_grace)?;
+    /// The counts that must be at least 1.
+    fn check_counts(&self, path: &Path) -> Result<(), ConfigError> {
+        let invalid = |key, value, reason| invalid_key(path, key, value, reason);
         for (key, value, why) in [
             ("leave_after_polls", self.leave_after_polls as usize, ""),
             (
@@ -1259,49 +1324,7 @@ impl RawConfig {
                 ));
             }
         }
-        let registration = match self.registration {
-            None => None,
-            Some(raw) => Some(raw.validate(path, &bounded)?),
-        };
-        check_tdx(path, &self.tdx)?;
-
-        Ok(Config {
-            mdma_url,
-            fleet_token,
-            fleet_token_file: self.fleet_token_file,
-            registration,
-            mdma_ca_file: self.mdma_ca_file,
-            poll_interval,
-            state_file: self.state_file,
-            log_file: self.log_file,
-            log_format: self.log_format,
-            log_target: self.log_target,
-            log_to_file: self.log_to_file,
-            status_listen,
-            ready_max_poll_age,
-            max_backoff,
-            dry_run: false,
-            leave_policy: LeavePolicy {
-                leave_after_polls: self.leave_after_polls,
-                leave_grace: self.leave_grace,
-                mass_drop_min: self.mass_drop_min,
-                mass_drop_hold: self.mass_drop_hold,
-                max_leaves_per_minute: self.max_leaves_per_minute,
-                max_leaves_per_hour: self.max_leaves_per_hour,
-            },
-            max_concurrent_joins: self.max_concurrent_joins,
-            join_timeout,
-            leave_timeout,
-            leave_orphans: self.leave_orphans,
-            merod,
-            tdx: self.tdx,
-            tls: self.tls,
-            logs_token: self.logs_token,
-            inventory: self.inventory,
-            recovery: self.recovery,
-            device_login: self.device_login,
-            warnings,
-        })
+        Ok(())
     }
 }
 
@@ -1312,12 +1335,7 @@ impl RawRegistration {
         path: &Path,
         bounded: &dyn Fn(&'static str, Duration) -> Result<Duration, ConfigError>,
     ) -> Result<RegistrationConfig, ConfigError> {
-        let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
-            path: path.to_owned(),
-            key,
-            value,
-            reason,
-        };
+        let invalid = |key, value, reason| invalid_key(path, key, value, reason);
         let token_file = self.token_file.ok_or_else(|| {
             invalid(
                 "registration.token_file",
