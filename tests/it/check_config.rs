@@ -2,19 +2,17 @@
 //! and a hand install run.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
 use fleet_sidecar::testing::sandbox::{MRTD_HEX, PEER_ID};
 
-const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
+use crate::common::run_once;
+
 /// Grepped for in every output (`.ci/run` greps the whole run for this marker too).
 const TOKEN: &str = "NEVER-LOGGED-TOKEN-check-config";
 
 fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .output()
-        .expect("the binary runs")
+    run_once(args, &[])
 }
 
 fn text(out: &Output) -> (String, String) {

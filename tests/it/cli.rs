@@ -1,6 +1,5 @@
 //! The binary as an operator runs it: exit codes, messages, signals, secrets in output.
 
-use std::process::Command;
 use std::time::Duration;
 
 use fleet_sidecar::testing::mdma::PollReply;
@@ -8,13 +7,8 @@ use fleet_sidecar::testing::sandbox::{Sandbox, MRTD_HEX};
 
 use crate::common::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
-
 fn run(args: &[&str]) -> std::process::Output {
-    Command::new(BIN)
-        .args(args)
-        .output()
-        .expect("the binary runs")
+    run_once(args, &[])
 }
 
 #[test]
@@ -77,21 +71,19 @@ async fn once_exits_0_on_success_and_3_on_a_failed_poll() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_and_sigint_stop_cleanly_with_state_persisted() {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
+    use nix::sys::signal::Signal;
+
     for signal in [Signal::SIGTERM, Signal::SIGINT] {
         let sb = Sandbox::start(Some("NEVER-LOGGED-TOKEN-42")).await.unwrap();
         let cfg = sb.write_config("").unwrap();
         sb.mdma.set_reply(PollReply::assign([A]));
-        let mut child = spawn_daemon(&cfg, true, &[]);
+        let child = spawn_daemon(&cfg, true, &[]);
         eventually("A confirmed", Duration::from_secs(20), || {
             load(&sb).confirmed.contains(&gid(A))
         })
         .await;
-        kill(Pid::from_raw(child.id() as i32), signal).unwrap();
-        let status = wait_exit(&mut child, Duration::from_secs(15)).await;
-        assert_eq!(status.code(), Some(0), "{signal}");
-        let out = child.wait_with_output().unwrap();
+        let out = child.stop_with(signal).await;
+        assert_eq!(out.status.code(), Some(0), "{signal}");
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("stopping"), "{stderr}");
         assert!(load(&sb).confirmed.contains(&gid(A)));
@@ -171,21 +163,18 @@ fn mrtd_subcommand_reads_and_parses_offline() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failure_repeated_every_poll_is_logged_once_and_its_recovery_once() {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
     let sb = Sandbox::start(None).await.unwrap();
     sb.mdma.set_reply(PollReply::Status(503));
     // max_backoff = poll_interval: failed polls keep the 1 s cadence.
     let cfg = sb.write_config("max_backoff = \"1s\"").unwrap();
-    let mut child = spawn_daemon(&cfg, false, &[]);
+    let child = spawn_daemon(&cfg, false, &[]);
     assert!(sb.mdma.wait_for_polls(6, Duration::from_secs(20)).await);
     sb.mdma.set_reply(PollReply::assign([A]));
     eventually("A confirmed", Duration::from_secs(20), || {
         load(&sb).confirmed.contains(&gid(A))
     })
     .await;
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    let _ = child.wait();
+    child.stop().await;
     let log = std::fs::read_to_string(sb.log_file()).unwrap();
     let failures = sb.mdma.polls().iter().filter(|p| p.status == 503).count();
     assert!(failures >= 6, "{failures}");

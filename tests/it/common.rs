@@ -251,6 +251,85 @@ impl DaemonProcess {
     pub fn wait_with_output(mut self) -> std::io::Result<std::process::Output> {
         self.0.take().expect("a running child").wait_with_output()
     }
+
+    /// Sends it `signal`.
+    pub fn signal(&self, signal: nix::sys::signal::Signal) {
+        let pid = nix::unistd::Pid::from_raw(self.id() as i32);
+        nix::sys::signal::kill(pid, signal).expect("the daemon takes a signal");
+    }
+
+    /// Stops it with `signal` (SIGTERM or SIGINT), waits at most [`STOP_LIMIT`] for its exit
+    /// (polling, so the runtime keeps serving the emulators; past it the test fails) and
+    /// collects its piped output, exit status included.
+    pub async fn stop_with(mut self, signal: nix::sys::signal::Signal) -> std::process::Output {
+        self.signal(signal);
+        wait_exit(&mut self, STOP_LIMIT).await;
+        self.wait_with_output().expect("the daemon's output")
+    }
+
+    /// [`DaemonProcess::stop_with`] SIGTERM: what a test does at its end.
+    pub async fn stop(self) -> std::process::Output {
+        self.stop_with(nix::sys::signal::Signal::SIGTERM).await
+    }
+}
+
+/// How long a stopped daemon may take to exit: its own shutdown grace is 10 s.
+pub const STOP_LIMIT: Duration = Duration::from_secs(15);
+
+/// How long one command of the daemon's binary (`check-config`, `status`, …) may take.
+pub const RUN_LIMIT: Duration = Duration::from_secs(60);
+
+/// The daemon binary run once with `args` (and `env`), its stdout and stderr read beside
+/// the wait, bounded by [`RUN_LIMIT`] (killed past it, and the test fails).
+pub fn run_once(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
+    use std::io::Read;
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"));
+    cmd.args(args)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("the binary starts");
+    let read = |pipe: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut bytes = Vec::new();
+            if let Some(mut pipe) = pipe {
+                let _ = pipe.read_to_end(&mut bytes);
+            }
+            bytes
+        })
+    };
+    let stdout = read(
+        child
+            .stdout
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let stderr = read(
+        child
+            .stderr
+            .take()
+            .map(|p| Box::new(p) as Box<dyn Read + Send>),
+    );
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("the binary's status") {
+            break status;
+        }
+        if started.elapsed() > RUN_LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("fleet-sidecar {args:?} did not end within {RUN_LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::process::Output {
+        status,
+        stdout: stdout.join().expect("stdout read"),
+        stderr: stderr.join().expect("stderr read"),
+    }
 }
 
 impl std::ops::Deref for DaemonProcess {

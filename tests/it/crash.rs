@@ -258,7 +258,7 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
     // Converged only counts once this daemon has polled: the killed ones may already have
     // reached {A, C}, and a SIGTERM before start-up ends would skip its clean-up.
     let polls_before = sb.mdma.polls().len();
-    let mut child = spawn_daemon(&cfg, false, &[]);
+    let child = spawn_daemon(&cfg, false, &[]);
     let converged = || {
         let state = load(&sb);
         sb.mdma.polls().len() > polls_before
@@ -280,8 +280,7 @@ async fn sigkill_at_random_moments_keeps_state_and_safety() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    let status = wait_exit(&mut child, Duration::from_secs(15)).await;
+    let status = child.stop().await.status;
     assert_eq!(status.code(), Some(0), "a clean stop: {status:?}");
     check_state_file(&sb);
     check_leaves(&sb, &phases);

@@ -1,17 +1,14 @@
 //! Operating the daemon: systemd notify, health/readiness/metrics, status, dry run, JSON
 //! logs, SIGHUP, and the token never in any output.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use fleet_sidecar::testing::mdma::PollReply;
 use fleet_sidecar::testing::sandbox::Sandbox;
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 
 use crate::common::*;
 
-const BIN: &str = env!("CARGO_BIN_EXE_fleet-sidecar");
 const LIMIT: Duration = Duration::from_secs(20);
 /// Every token the tests use contains this, so a run's whole output can be grepped for it
 /// (`.ci/run` does).
@@ -102,7 +99,7 @@ async fn systemd_gets_ready_status_watchdog_and_stopping() {
         g.iter().filter(|m| *m == "WATCHDOG=1").count() >= watchdogs + 2
     })
     .await;
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+    child.signal(Signal::SIGTERM);
     read_until(&socket, &mut got, "STOPPING=1", |g| {
         g.iter().any(|m| m == "STOPPING=1")
     })
@@ -272,17 +269,14 @@ async fn the_status_command_shows_state_and_live_status() {
             "status_listen = \"127.0.0.1:{port}\"\nleave_after_polls = 1000\nleave_grace = \"0s\""
         ))
         .unwrap();
-    let mut child = spawn_daemon(&cfg, false, &[]);
+    let child = spawn_daemon(&cfg, false, &[]);
     eventually("A confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(A))
     })
     .await;
     let c = cfg.clone();
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(BIN)
-            .args(["--config", c.to_str().unwrap(), "status"])
-            .output()
-            .unwrap()
+        run_once(&["--config", c.to_str().unwrap(), "status"], &[])
     })
     .await
     .unwrap();
@@ -302,10 +296,7 @@ async fn the_status_command_shows_state_and_live_status() {
     assert!(text.contains("live: running: 1 confirmed"), "{text}");
     let c = cfg.clone();
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(BIN)
-            .args(["--config", c.to_str().unwrap(), "status", "--json"])
-            .output()
-            .unwrap()
+        run_once(&["--config", c.to_str().unwrap(), "status", "--json"], &[])
     })
     .await
     .unwrap();
@@ -313,13 +304,9 @@ async fn the_status_command_shows_state_and_live_status() {
     assert_eq!(report["state"]["confirmed"], serde_json::json!([A]));
     assert_eq!(report["live"]["phase"], "running");
     assert!(report["live"]["pending_leaves"][B].is_string(), "{report}");
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    wait_exit(&mut child, LIMIT).await;
+    child.stop().await;
     // Daemon stopped: the state file alone, and a clear word about the live part.
-    let out = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "status"])
-        .output()
-        .unwrap();
+    let out = run_once(&["--config", cfg.to_str().unwrap(), "status"], &[]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
     assert!(
@@ -333,10 +320,7 @@ async fn the_status_command_shows_state_and_live_status() {
     assert!(text.contains("is the daemon running?"), "{text}");
     // A corrupt state file: exit 1, the error shown.
     std::fs::write(sb.state_file(), "{").unwrap();
-    let out = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "status"])
-        .output()
-        .unwrap();
+    let out = run_once(&["--config", cfg.to_str().unwrap(), "status"], &[]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stdout).contains("corrupt"));
 }
@@ -351,10 +335,10 @@ async fn dry_run_polls_and_logs_the_plan_without_touching_merod() {
     sb.mdma.set_reply(PollReply::assign([A, C]));
     let cfg = sb.write_config(REFERENCE).unwrap();
     let out = tokio::task::spawn_blocking(move || {
-        Command::new(BIN)
-            .args(["--config", cfg.to_str().unwrap(), "--dry-run", "once"])
-            .output()
-            .unwrap()
+        run_once(
+            &["--config", cfg.to_str().unwrap(), "--dry-run", "once"],
+            &[],
+        )
     })
     .await
     .unwrap();
@@ -388,7 +372,7 @@ async fn json_logs_sighup_reopen_and_no_token_anywhere() {
     sb.mdma.fail_next_confirms(A, 1);
     sb.mdma.set_reply(PollReply::assign([A]));
     let cfg = sb.write_config("log_format = \"json\"").unwrap();
-    let mut child = spawn_daemon(&cfg, true, &[("RUST_LOG", std::ffi::OsStr::new("debug"))]);
+    let child = spawn_daemon(&cfg, true, &[("RUST_LOG", std::ffi::OsStr::new("debug"))]);
     eventually("A confirmed", LIMIT, || {
         load(&sb).confirmed.contains(&gid(A))
     })
@@ -396,16 +380,15 @@ async fn json_logs_sighup_reopen_and_no_token_anywhere() {
     // logrotate: move the file away, SIGHUP, the daemon writes a new one.
     let rotated = sb.dir().join("fleet-sidecar.log.1");
     std::fs::rename(sb.log_file(), &rotated).unwrap();
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGHUP).unwrap();
+    child.signal(Signal::SIGHUP);
     eventually("a new log file", LIMIT, || sb.log_file().exists()).await;
     sb.mdma.set_reply(PollReply::Status(500));
     eventually("a line in the new file", LIMIT, || {
         std::fs::read_to_string(sb.log_file()).is_ok_and(|t| t.contains("poll failed"))
     })
     .await;
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    assert_eq!(wait_exit(&mut child, LIMIT).await.code(), Some(0));
-    let out = child.wait_with_output().unwrap();
+    let out = child.stop().await;
+    assert_eq!(out.status.code(), Some(0));
     let old = std::fs::read_to_string(&rotated).unwrap();
     let new = std::fs::read_to_string(sb.log_file()).unwrap();
     for line in old.lines().chain(new.lines()) {
@@ -445,10 +428,7 @@ async fn a_token_file_must_be_private() {
     let cfg = sb
         .write_config(&format!("fleet_token_file = \"{}\"", file.display()))
         .unwrap();
-    let out = Command::new(BIN)
-        .args(["--config", cfg.to_str().unwrap(), "once"])
-        .output()
-        .unwrap();
+    let out = run_once(&["--config", cfg.to_str().unwrap(), "once"], &[]);
     assert_eq!(out.status.code(), Some(78));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(

@@ -295,12 +295,7 @@ async fn once_registers_before_its_poll() {
     let md = metadata_after(Duration::from_millis(500)).await;
     let cfg = sb.write_config(&registration(&sb, &md)).unwrap();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"))
-            .arg("--config")
-            .arg(&cfg)
-            .arg("once")
-            .output()
-            .unwrap()
+        run_once(&["--config", cfg.to_str().unwrap(), "once"], &[])
     })
     .await
     .unwrap();
@@ -583,7 +578,7 @@ async fn sighup_reads_the_fleet_token_file_again_and_no_token_reaches_the_output
             file.display()
         ))
         .unwrap();
-    let mut daemon = spawn_daemon(&config, true, &[]);
+    let daemon = spawn_daemon(&config, true, &[]);
     polls_carry(&sb, old, Duration::from_secs(20)).await;
     std::fs::write(&file, new).unwrap();
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -594,19 +589,9 @@ async fn sighup_reads_the_fleet_token_file_again_and_no_token_reaches_the_output
             .all(|p| p.token.as_deref() == Some(old)),
         "without SIGHUP (and no refusal) the token in use is kept"
     );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(daemon.id() as i32),
-        nix::sys::signal::Signal::SIGHUP,
-    )
-    .unwrap();
+    daemon.signal(nix::sys::signal::Signal::SIGHUP);
     polls_carry(&sb, new, Duration::from_secs(10)).await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(daemon.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let _ = &mut daemon;
-    let out = daemon.wait_with_output().unwrap();
+    let out = daemon.stop().await;
     let text = format!(
         "{}{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -650,12 +635,11 @@ async fn no_secret_of_a_registration_reaches_any_output() {
             .unwrap();
     }
     for cmd in [&["status"][..], &["status", "--json"], &["check-config"]] {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fleet-sidecar"))
-            .arg("--config")
-            .arg(&config)
-            .args(cmd)
-            .output()
-            .unwrap();
+        let args: Vec<&str> = ["--config", config.to_str().unwrap()]
+            .into_iter()
+            .chain(cmd.iter().copied())
+            .collect();
+        let out = run_once(&args, &[]);
         shown += &String::from_utf8_lossy(&out.stdout);
         shown += &String::from_utf8_lossy(&out.stderr);
     }
@@ -676,12 +660,7 @@ async fn no_secret_of_a_registration_reaches_any_output() {
             .contains("MDMA accepts the polls again")
     })
     .await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(daemon.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let out = daemon.wait_with_output().unwrap();
+    let out = daemon.stop().await;
     // Each line is on stderr and in the log file: count on stderr.
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     shown += &String::from_utf8_lossy(&out.stdout);
@@ -735,12 +714,7 @@ async fn a_rejected_token_is_logged_once_on_the_edge_and_once_on_recovery() {
             .contains("MDMA accepts the polls again")
     })
     .await;
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(daemon.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )
-    .unwrap();
-    let out = daemon.wait_with_output().unwrap();
+    let out = daemon.stop().await;
     // Each line is on stderr and in the log file: count on stderr.
     let text = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(text.matches("token rejected").count(), 1, "{text}");

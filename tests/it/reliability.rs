@@ -179,12 +179,7 @@ async fn merods_listen_addresses_are_tried_in_order_and_the_one_that_answered_is
     std::fs::write(&toml, text).unwrap();
     let cfg = sb.write_config("").unwrap();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(BIN)
-            .arg("--config")
-            .arg(&cfg)
-            .arg("once")
-            .output()
-            .unwrap()
+        run_once(&["--config", cfg.to_str().unwrap(), "once"], &[])
     })
     .await
     .unwrap();
@@ -257,8 +252,6 @@ fn worst_poll_gap(sb: &Sandbox, from: usize) -> Duration {
 /// stops cleanly. Before, the open blocked before the first poll, for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_log_file_that_blocks_its_open_is_named_once_and_the_daemon_polls_without_it() {
-    use nix::sys::signal::{kill, Signal};
-    use nix::unistd::Pid;
     let sb = Sandbox::start(None).await.unwrap();
     nix::unistd::mkfifo(
         &sb.log_file(),
@@ -266,14 +259,13 @@ async fn a_log_file_that_blocks_its_open_is_named_once_and_the_daemon_polls_with
     )
     .unwrap();
     let cfg = sb.write_config("").unwrap();
-    let mut child = spawn_daemon(&cfg, true, &[]);
+    let child = spawn_daemon(&cfg, true, &[]);
     assert!(
         sb.mdma.wait_for_polls(2, LIMIT).await,
         "the daemon polls without its log file"
     );
-    kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-    assert_eq!(wait_exit(&mut child, LIMIT).await.code(), Some(0));
-    let out = child.wait_with_output().unwrap();
+    let out = child.stop().await;
+    assert_eq!(out.status.code(), Some(0));
     let stderr = String::from_utf8_lossy(&out.stderr);
     let named: Vec<&str> = stderr
         .lines()
@@ -424,12 +416,7 @@ async fn once_with_forged_merod_error(extra: &str) -> (String, String) {
     sb.mdma.set_reply(PollReply::assign([A]));
     let cfg = sb.write_config(extra).unwrap();
     let out = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(BIN)
-            .arg("--config")
-            .arg(&cfg)
-            .arg("once")
-            .output()
-            .unwrap()
+        run_once(&["--config", cfg.to_str().unwrap(), "once"], &[])
     })
     .await
     .unwrap();
