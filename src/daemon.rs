@@ -20,7 +20,8 @@
 //! - `sidecar`: the [`Sidecar`] and its one `impl` — start-up, the loop, one cycle, the
 //!   fold of task events — holding the owners below, each guarding its own rule;
 //! - `startup` (reading the identity), `merod_view` (the jobs watching merod and what the
-//!   loop keeps of their reads);
+//!   loop keeps of their reads), `beside` (the jobs the poll feeds and reads: the node's
+//!   files, the relay URL, what polls deliver, the inventory and the envelopes);
 //! - `tasks` (the joins, leaves and checks in flight, their retry tables, and the one
 //!   confirm gate), `deps` (what the loop is given, why it stops);
 //! - `planner` (the latest poll, the guard, merod's holdings and the orphans);
@@ -33,6 +34,7 @@
 //!
 //! What the live status shows of the loop's sets is projected in `telemetry`.
 
+mod beside;
 mod deps;
 mod merod_view;
 mod planner;

@@ -125,7 +125,7 @@ const DAEMON_FLOORS: &[&[&str]] = &[
     &["poll", "record", "roles"],
     &["planner"],
     &["deps", "tasks"],
-    &["merod_view", "startup"],
+    &["beside", "merod_view", "startup"],
     &["sidecar"],
 ];
 

@@ -1,7 +1,7 @@
 //! The running sidecar and its loop: start-up, the cadence of cycles, one cycle (poll,
 //! plan, start tasks, persist), and the events of the tasks folded into the state. The
 //! [`Sidecar`] holds the owners below it (`record`, `work`, `cadence`, `planner`, `view`,
-//! `identity`) and is the only one that holds them all.
+//! `beside`, `identity`) and is the only one that holds them all.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +19,7 @@ use crate::reconcile::{Desired, LeaveWait, MassDropEvent, Outcome};
 use crate::state::{State, StateStore};
 use crate::telemetry::{unix_now, Phase, Projection, SetsVersion, Telemetry};
 
+use super::beside::Beside;
 use super::deps::{DaemonError, Deps, NotPersisted};
 use super::merod_view::MerodView;
 use super::planner::Planner;
@@ -26,17 +27,9 @@ use super::poll::Cadence;
 use super::record::{AfterWrite, Record, Written};
 use super::startup::{self, Identity};
 use super::tasks::{Calls, CheckFailed, Event, InFlight, JoinEnd, LeaveEnd, Next};
-use crate::jobs::device_login;
 use crate::jobs::held::HELD_READ_TIMEOUT;
-use crate::jobs::inventory::InventoryView;
 use crate::jobs::join_status::Attempt;
 use crate::jobs::limits::{ALIVE_TURN, MDMA_DEADLINE, SHUTDOWN_GRACE, SHUTDOWN_WRITE_WAIT};
-use crate::jobs::logs_token::TokenInstaller;
-use crate::jobs::node_files::NodeFilesView;
-use crate::jobs::recovery::RecoveryView;
-use crate::jobs::relay::RelayView;
-use crate::jobs::tls_install::CertInstaller;
-use crate::jobs::trees::Handoff;
 
 /// How one cycle went.
 #[derive(Debug)]
@@ -80,25 +73,9 @@ pub struct Sidecar {
     /// The background jobs watching merod (readiness, what it holds, join-status) and
     /// what the loop keeps of their reads.
     view: MerodView,
-    /// What the node's files say (the TLS certificate's expiry, the logs token's
-    /// fingerprint), as a job last looked.
-    files: NodeFilesView,
-    /// The relay URL polls report (fixed, or as a job last read it from the metadata).
-    relay: RelayView,
-    /// Installs the TLS certificates polls deliver (none in a dry run or with `[tls]
-    /// install = false`).
-    tls: Option<CertInstaller>,
-    /// Installs the log shippers' tokens polls deliver (none in a dry run or with
-    /// `[logs_token] install = false`).
-    logs_token: Option<TokenInstaller>,
-    /// Reports the context inventory of the confirmed namespaces (none in a dry run, with
-    /// `[inventory] enabled = false`, or with a test's own merod and MDMA).
-    inventory: Option<InventoryView>,
-    /// Writes the recovery envelopes of the confirmed namespaces' members (none in a dry
-    /// run, with `[recovery] enabled = false`, or with a test's own merod and MDMA).
-    recovery: Option<RecoveryView>,
-    /// The [`Record::membership`] whose sets `inventory` and `recovery` were handed last.
-    offered_membership: Option<u64>,
+    /// The jobs the poll feeds and reads beside the loop: the node's files, the relay URL,
+    /// what polls deliver, the inventory and the recovery envelopes.
+    beside: Beside,
 }
 
 impl Sidecar {
@@ -148,73 +125,10 @@ impl Sidecar {
                 &shutdown,
             )
         };
-        let files = NodeFilesView::start(&cfg, Arc::clone(&telemetry), shutdown.clone());
-        let relay = RelayView::start(
-            &cfg,
-            deps.metadata.as_ref(),
-            Arc::clone(&telemetry),
-            shutdown.clone(),
-        );
-        let tls = CertInstaller::start(
-            &cfg,
-            Arc::clone(&deps.units),
-            files.clone(),
-            Arc::clone(&telemetry),
-            shutdown.clone(),
-        );
-        let logs_token = TokenInstaller::start(
-            &cfg,
-            Arc::clone(&deps.units),
-            deps.metadata.clone(),
-            files.clone(),
-            Arc::clone(&telemetry),
-            shutdown.clone(),
-        );
-        // With both jobs on, the inventory's walks go on to the envelopes: each tree is
-        // read once for both.
-        let walks = (InventoryView::starts(&cfg, deps.inventory.as_ref())
-            && RecoveryView::starts(&cfg, deps.recovery.as_ref()))
-        .then(|| Arc::new(Handoff::default()));
-        let inventory = InventoryView::start(
-            &cfg,
-            deps.inventory.clone(),
-            identity.peer_id.clone(),
-            {
-                let account = Arc::clone(&view.account);
-                Arc::new(move || account.get())
-            },
-            walks.clone(),
-            Arc::clone(&telemetry),
-            shutdown.clone(),
-        );
-        device_login::start(
-            &cfg,
-            deps.node_key.clone(),
-            Arc::clone(&deps.units),
-            Arc::clone(&telemetry),
-            shutdown.clone(),
-        );
-        let recovery = RecoveryView::start(
-            &cfg,
-            deps.recovery.clone(),
-            identity.peer_id.clone(),
-            {
-                let account = Arc::clone(&view.account);
-                Arc::new(move || account.get())
-            },
-            walks,
-            Arc::clone(&telemetry),
-            shutdown.clone(),
-        );
+        let beside = Beside::start(&cfg, &deps, &identity.peer_id, &view.account, &shutdown);
         let mut sidecar = Self {
             view,
-            inventory,
-            recovery,
-            offered_membership: None,
-            files,
-            relay,
-            tls,
-            logs_token,
+            beside,
             identity,
             record: Record::new(state, store, cfg.dry_run, Arc::clone(&telemetry)),
             work: InFlight::new(&cfg),
@@ -275,17 +189,8 @@ impl Sidecar {
             self.record.state(),
             sets,
         );
-        if self.offered_membership == Some(membership) {
-            return;
-        }
-        self.offered_membership = Some(membership);
-        let state = self.record.state();
-        if let Some(inventory) = &self.inventory {
-            inventory.offer(&state.confirmed);
-        }
-        if let Some(recovery) = &self.recovery {
-            recovery.offer(&state.confirmed, &state.admitted);
-        }
+        self.beside
+            .offer_membership(membership, self.record.state());
     }
 
     /// Reconciles every `poll_interval` (backing off while polls fail, see
@@ -359,10 +264,9 @@ impl Sidecar {
         let started = Instant::now();
         // Whatever the held refresh last published; the poll never waits for merod.
         let held = self.view.held.poll_field(started);
-        let files = self.files.poll_fields();
+        let (files, relay_url) = self.beside.report();
         let account = self.view.account.get();
         let swarm = self.view.swarm.poll_field();
-        let relay_url = self.relay.poll_field();
         let report = NodeReport {
             relay_url: Some(&relay_url),
             swarm_addrs: Some(&swarm),
@@ -434,14 +338,7 @@ impl Sidecar {
                 // no-op), and the planner keeps it.
                 if let Polled::Changed { mut answer, digest } = polled {
                     // What it delivers is installed beside the loop, never in it.
-                    if let (Some(tls), Some(pem)) = (&self.tls, answer.tls_certificate.take()) {
-                        tls.offer(pem);
-                    }
-                    if let (Some(installer), Some(token)) =
-                        (&self.logs_token, answer.logs_token.take())
-                    {
-                        installer.offer(token);
-                    }
+                    self.beside.deliver(&mut answer);
                     // Stored before the plan, so a status published while it is recorded
                     // is the status of this poll.
                     self.planner
