@@ -645,6 +645,16 @@ fn poll(policy: &LeavePolicy, d: &Desired, s: &State, guard: &Guard, now: Instan
     })
 }
 
+/// The first poll at `now` of a node that holds `admitted` (none confirmed), with no guard.
+fn first(policy: &LeavePolicy, d: &Desired, admitted: &[u8], now: Instant) -> Planned {
+    poll(policy, d, &state(admitted, &[]), &Guard::default(), now)
+}
+
+/// The next poll after `p`, at `now`: its state and guard carried on.
+fn after(policy: &LeavePolicy, d: &Desired, p: &Planned, now: Instant) -> Planned {
+    poll(policy, d, &p.state, &p.guard, now)
+}
+
 fn graced(grace: u64) -> LeavePolicy {
     LeavePolicy {
         leave_grace: Duration::from_secs(grace),
@@ -658,35 +668,17 @@ fn a_withdrawn_namespace_is_left_only_after_leave_grace_of_observed_absence() {
     let policy = graced(12);
     let d = desired(&[1, 2, 3], &[]);
     let t0 = Instant::now();
-    let mut p = poll(
-        &policy,
-        &d,
-        &state(&[1, 2, 3, 4], &[]),
-        &Guard::default(),
-        t0,
-    );
+    let mut p = first(&policy, &d, &[1, 2, 3, 4], t0);
     for secs in 1..12 {
         assert!(p.leaves.is_empty(), "left {secs} s into a 12 s grace");
         assert!(matches!(
             p.waiting.get(&id(4)),
             Some(LeaveWait::Grace { grace, .. }) if *grace == Duration::from_secs(12)
         ));
-        p = poll(
-            &policy,
-            &d,
-            &p.state,
-            &p.guard,
-            t0 + Duration::from_secs(secs),
-        );
+        p = after(&policy, &d, &p, t0 + Duration::from_secs(secs));
     }
     assert!(p.leaves.is_empty(), "11 s observed");
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        t0 + Duration::from_secs(12),
-    );
+    let p = after(&policy, &d, &p, t0 + Duration::from_secs(12));
     assert_eq!(p.leaves, vec![id(4)], "12 s observed");
     assert_eq!(
         LeaveWait::Grace {
@@ -707,20 +699,8 @@ fn both_the_grace_and_the_poll_count_must_be_met() {
     let d = desired(&[1, 2, 3], &[]);
     let t0 = Instant::now();
     // Two polls 10 s apart: the grace is over, the count is not.
-    let p = poll(
-        &policy,
-        &d,
-        &state(&[1, 2, 3, 4], &[]),
-        &Guard::default(),
-        t0,
-    );
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        t0 + Duration::from_secs(10),
-    );
+    let p = first(&policy, &d, &[1, 2, 3, 4], t0);
+    let p = after(&policy, &d, &p, t0 + Duration::from_secs(10));
     assert_eq!(
         p.waiting.get(&id(4)),
         Some(&LeaveWait::NotStable {
@@ -728,13 +708,7 @@ fn both_the_grace_and_the_poll_count_must_be_met() {
             needed: 3
         })
     );
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        t0 + Duration::from_secs(11),
-    );
+    let p = after(&policy, &d, &p, t0 + Duration::from_secs(11));
     assert_eq!(p.leaves, vec![id(4)]);
 }
 
@@ -743,21 +717,9 @@ fn the_grace_survives_a_restart_and_the_downtime_is_not_counted() {
     let policy = graced(12);
     let d = desired(&[1, 2, 3], &[]);
     let t0 = Instant::now();
-    let mut p = poll(
-        &policy,
-        &d,
-        &state(&[1, 2, 3, 4], &[]),
-        &Guard::default(),
-        t0,
-    );
+    let mut p = first(&policy, &d, &[1, 2, 3, 4], t0);
     for secs in 1..=8 {
-        p = poll(
-            &policy,
-            &d,
-            &p.state,
-            &p.guard,
-            t0 + Duration::from_secs(secs),
-        );
+        p = after(&policy, &d, &p, t0 + Duration::from_secs(secs));
     }
     assert_eq!(
         p.state.absence_observed(&id(4)),
@@ -771,21 +733,9 @@ fn the_grace_survives_a_restart_and_the_downtime_is_not_counted() {
         p.state.absence_observed(&id(4)),
         Some(Duration::from_secs(8))
     );
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        back + Duration::from_secs(3),
-    );
+    let p = after(&policy, &d, &p, back + Duration::from_secs(3));
     assert!(p.leaves.is_empty(), "11 s observed");
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        back + Duration::from_secs(4),
-    );
+    let p = after(&policy, &d, &p, back + Duration::from_secs(4));
     assert_eq!(p.leaves, vec![id(4)], "8 s before the restart and 4 after");
 }
 
@@ -794,28 +744,10 @@ fn reappearing_or_being_retained_resets_the_grace() {
     let policy = graced(10);
     let t0 = Instant::now();
     let gone = desired(&[1, 2, 3], &[]);
-    let p = poll(
-        &policy,
-        &gone,
-        &state(&[1, 2, 3, 4], &[]),
-        &Guard::default(),
-        t0,
-    );
-    let p = poll(
-        &policy,
-        &gone,
-        &p.state,
-        &p.guard,
-        t0 + Duration::from_secs(9),
-    );
+    let p = first(&policy, &gone, &[1, 2, 3, 4], t0);
+    let p = after(&policy, &gone, &p, t0 + Duration::from_secs(9));
     for back in [desired(&[1, 2, 3, 4], &[]), desired(&[1, 2, 3], &[4])] {
-        let q = poll(
-            &policy,
-            &back,
-            &p.state,
-            &p.guard,
-            t0 + Duration::from_secs(10),
-        );
+        let q = after(&policy, &back, &p, t0 + Duration::from_secs(10));
         assert!(q.leaves.is_empty() && q.state.absent.is_empty());
         let q = poll(
             &policy,
@@ -849,24 +781,12 @@ fn the_grace_runs_during_a_mass_withdrawal_hold() {
         p.mass_drop_event,
         Some(MassDropEvent::HoldStarted { .. })
     ));
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        t0 + Duration::from_secs(25),
-    );
+    let p = after(&policy, &d, &p, t0 + Duration::from_secs(25));
     assert!(matches!(
         p.waiting.get(&id(1)),
         Some(LeaveWait::MassDropHold { .. })
     ));
-    let p = poll(
-        &policy,
-        &d,
-        &p.state,
-        &p.guard,
-        t0 + Duration::from_secs(30),
-    );
+    let p = after(&policy, &d, &p, t0 + Duration::from_secs(30));
     assert_eq!(
         p.leaves,
         vec![id(1), id(2), id(3)],
