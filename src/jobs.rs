@@ -24,7 +24,9 @@
 //! says.
 //!
 //! **The jobs' room.** This file is the harness; the jobs sit below it, one file each, and
-//! a new job is one more file here and one line of wiring in the loop (`daemon/sidecar.rs`).
+//! a new job is one more file here and one line of wiring in the loop's room: in
+//! `daemon/beside.rs` when the poll feeds or reads it, in `daemon/merod_view.rs` when it
+//! watches merod.
 //! Each file imports only from files on lower floors (`tests/layering.rs`):
 //! - what several jobs and the loop share: `limits` (the bounds of every call beyond its
 //!   client's timeout), `units` (the systemd units an install restarts, on D-Bus), `trees`
