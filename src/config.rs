@@ -821,14 +821,14 @@ impl ToolConfig {
         ) {
             (None, None, Some(file)) => match std::fs::symlink_metadata(file) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
-                _ => Some(
-                    read_token_file(file).map_err(|reason| ConfigError::Invalid {
-                        path: self.path.clone(),
-                        key: "registration.token_file",
-                        value: file.display().to_string(),
-                        reason: reason.to_string(),
-                    })?,
-                ),
+                _ => Some(read_token_file(file).map_err(|reason| {
+                    invalid_key(
+                        &self.path,
+                        "registration.token_file",
+                        file.display().to_string(),
+                        reason.to_string(),
+                    )
+                })?),
             },
             _ => resolve_token(
                 self.fleet_token.clone(),
@@ -885,24 +885,14 @@ fn check_tdx(path: &Path, tdx: &TdxConfig) -> Result<(), ConfigError> {
     )?;
     tdx.validate().map_err(|e| {
         let names: Vec<&str> = tdx.sources.iter().map(|s| s.as_str()).collect();
-        ConfigError::Invalid {
-            path: path.to_owned(),
-            key: "tdx.sources",
-            value: names.join(", "),
-            reason: e.to_string(),
-        }
+        invalid_key(path, "tdx.sources", names.join(", "), e.to_string())
     })
 }
 
 /// Checks a set `mdma_url`: a base URL, `https://` or plain `http://` to a loopback host
 /// (which adds a warning). Errors: [`ConfigError::Invalid`] naming `mdma_url`.
 fn check_mdma_url(raw: &str, path: &Path, warnings: &mut Vec<String>) -> Result<Url, ConfigError> {
-    let invalid = |reason: String| ConfigError::Invalid {
-        path: path.to_owned(),
-        key: "mdma_url",
-        value: raw.to_owned(),
-        reason,
-    };
+    let invalid = |reason: String| invalid_key(path, "mdma_url", raw.to_owned(), reason);
     let mdma_url = parse_base_url(raw).map_err(|reason| invalid(reason.to_string()))?;
     match mdma_url.scheme() {
         "https" => {}
@@ -931,12 +921,7 @@ fn resolve_token(
     file: Option<&Path>,
     path: &Path,
 ) -> Result<Option<FleetToken>, ConfigError> {
-    let invalid = |key: &'static str, value: String, reason: String| ConfigError::Invalid {
-        path: path.to_owned(),
-        key,
-        value,
-        reason,
-    };
+    let invalid = |key, value, reason| invalid_key(path, key, value, reason);
     if token.as_ref().is_some_and(|t| t.expose().is_empty()) {
         return Err(invalid(
             "fleet_token",
@@ -995,12 +980,12 @@ fn check_absolute(path: &Path, key: &'static str, value: &Path) -> Result<(), Co
     if value.is_absolute() {
         return Ok(());
     }
-    Err(ConfigError::Invalid {
-        path: path.to_owned(),
+    Err(invalid_key(
+        path,
         key,
-        value: value.display().to_string(),
-        reason: "must be an absolute path (a relative one would depend on the directory the daemon was started in)".to_owned(),
-    })
+        value.display().to_string(),
+        "must be an absolute path (a relative one would depend on the directory the daemon was started in)".to_owned(),
+    ))
 }
 
 /// A path key must name a file (not be empty or end in `..`/`/`), by an absolute path.
@@ -1012,12 +997,12 @@ fn check_file_path(path: &Path, key: &'static str, value: &Path) -> Result<(), C
         value.as_os_str().as_bytes().ends_with(b"/")
     };
     if value.as_os_str().is_empty() || value.file_name().is_none() || names_a_directory {
-        return Err(ConfigError::Invalid {
-            path: path.to_owned(),
+        return Err(invalid_key(
+            path,
             key,
-            value: value.display().to_string(),
-            reason: "must be a file path".to_owned(),
-        });
+            value.display().to_string(),
+            "must be a file path".to_owned(),
+        ));
     }
     check_absolute(path, key, value)
 }
@@ -1039,12 +1024,7 @@ fn check_absolute_paths<'a>(
 impl RawMerod {
     /// Checks `[merod]`; `path` names the config file in errors.
     fn validate(self, path: &Path) -> Result<MerodConfig, ConfigError> {
-        let invalid = |key: &'static str, value: String, reason: &str| ConfigError::Invalid {
-            path: path.to_owned(),
-            key,
-            value,
-            reason: reason.to_owned(),
-        };
+        let invalid = |key, value, reason: &str| invalid_key(path, key, value, reason.to_owned());
         let admin_url = match self.admin_url {
             None => None,
             Some(raw) => {
