@@ -50,7 +50,7 @@ pub(crate) fn pem_block<'t>(text: &'t str, label: &str) -> Option<&'t str> {
 
 /// Why `key.pem` is not a P-256 private key (or its public key cannot be encoded); never
 /// holds the key's bytes.
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum KeyError {
     /// The file is not text.
     #[error("not UTF-8")]

@@ -44,7 +44,7 @@ use super::units::{UnitControl, RESTART_TIMEOUT};
 use crate::config::Config;
 use crate::durable;
 use crate::jobs::{self, Job, Schedule};
-use crate::node_tls::public_key_der;
+use crate::node_tls::{public_key_der, KeyError};
 use crate::telemetry::Telemetry;
 
 /// The installed certificate's mode: readable by the TLS terminator's user.
@@ -118,7 +118,7 @@ pub(crate) enum Refusal {
     NoKey,
     /// `key.pem` is not a P-256 key.
     #[error("key.pem: {0}")]
-    BadKey(String),
+    BadKey(KeyError),
     /// A certificate's public key could not be encoded to compare it.
     #[error("certificate {index}'s public key cannot be encoded: {source}")]
     KeyEncoding {
@@ -277,7 +277,7 @@ fn judge_chain(
         Some(k) if !k.iter().all(u8::is_ascii_whitespace) => k,
         _ => return Err(Refusal::NoKey),
     };
-    let own = public_key_der(key).map_err(|why| Refusal::BadKey(why.to_string()))?;
+    let own = public_key_der(key).map_err(Refusal::BadKey)?;
     let mut over_own = Vec::new();
     for (i, cert) in certs.iter().enumerate() {
         let spki = cert
