@@ -452,19 +452,6 @@ async fn wait_for_next<J: Job>(
     }
 }
 
-/// Puts `value` in `slot` and wakes its readers only when it differs from what the slot
-/// holds: a job fed by the poll (which repeats a delivery every poll) wakes once per new
-/// value.
-pub(crate) fn offer<T: PartialEq>(slot: &watch::Sender<Option<T>>, value: T) {
-    slot.send_if_modified(|current| {
-        if current.as_ref() == Some(&value) {
-            return false;
-        }
-        *current = Some(value);
-        true
-    });
-}
-
 /// Sleeps until `at`; forever without it (a select branch that may have no deadline).
 pub(crate) async fn sleep_until(at: Option<Instant>) {
     match at {

@@ -14,7 +14,6 @@ use tracing::info;
 
 use super::units::{UnitControl, UnitError};
 use crate::durable::WriteError;
-use crate::jobs;
 use crate::outcome::Timed;
 use crate::telemetry::Telemetry;
 
@@ -142,7 +141,13 @@ impl<T: PartialEq> Deliveries<T> {
     /// Hands over `value`; the job wakes only when it differs from the one handed over
     /// before (MDMA repeats a delivery every poll).
     pub(crate) fn offer(&self, value: T) {
-        jobs::offer(&self.0, value);
+        self.0.send_if_modified(|current| {
+            if current.as_ref() == Some(&value) {
+                return false;
+            }
+            *current = Some(value);
+            true
+        });
     }
 }
 
