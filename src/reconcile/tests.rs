@@ -70,7 +70,8 @@ fn none() -> BTreeSet<GroupId> {
     BTreeSet::new()
 }
 
-fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Planned {
+/// One successful poll at `now` after the one `guard` remembers.
+fn poll(policy: &LeavePolicy, d: &Desired, s: &State, guard: &Guard, now: Instant) -> Planned {
     plan(PlanInput {
         policy,
         desired: d,
@@ -78,9 +79,14 @@ fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Planned {
         in_flight: &none(),
         join_backoff: &none(),
         leave_backoff: &none(),
-        guard: &Guard::default(),
-        now: Instant::now(),
+        guard,
+        now,
     })
+}
+
+/// The first poll of a node in state `s`, now, with no guard.
+fn simple(policy: &LeavePolicy, d: &Desired, s: &State) -> Planned {
+    poll(policy, d, s, &Guard::default(), Instant::now())
 }
 
 #[test]
@@ -325,16 +331,7 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
     let t0 = Instant::now();
     let s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
     let d = desired(&[1], &[]);
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &d,
-        state: &s,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &Guard::default(),
-        now: t0,
-    });
+    let p = poll(&policy, &d, &s, &Guard::default(), t0);
     assert!(p.leaves.is_empty());
     assert_eq!(
         p.mass_drop_event,
@@ -350,29 +347,11 @@ fn a_mass_withdrawal_is_held_then_honoured_after_the_hold() {
         })
     );
     let t1 = t0 + Duration::from_secs(599);
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &d,
-        state: &p.state,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &p.guard,
-        now: t1,
-    });
+    let p = after(&policy, &d, &p, t1);
     assert!(p.leaves.is_empty());
     assert_eq!(p.mass_drop_event, None);
     let t2 = t0 + Duration::from_secs(600);
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &d,
-        state: &p.state,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &p.guard,
-        now: t2,
-    });
+    let p = after(&policy, &d, &p, t2);
     assert_eq!(p.leaves, vec![id(2), id(3), id(4)]);
     assert_eq!(
         p.mass_drop_event,
@@ -499,40 +478,18 @@ fn a_reverted_mass_withdrawal_clears_the_hold() {
     let policy = no_stability();
     let t0 = Instant::now();
     let s = state(&[1, 2, 3, 4], &[1, 2, 3, 4]);
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &desired(&[1], &[]),
-        state: &s,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &Guard::default(),
-        now: t0,
-    });
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &desired(&[1, 2, 3, 4], &[]),
-        state: &p.state,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &p.guard,
-        now: t0 + Duration::from_secs(1),
-    });
+    let p = poll(&policy, &desired(&[1], &[]), &s, &Guard::default(), t0);
+    let p = after(
+        &policy,
+        &desired(&[1, 2, 3, 4], &[]),
+        &p,
+        t0 + Duration::from_secs(1),
+    );
     assert_eq!(p.mass_drop_event, Some(MassDropEvent::Cleared));
     assert_eq!(p.guard.mass_drop, MassDrop::Idle);
     // A new withdrawal later starts a full new hold.
     let t2 = t0 + Duration::from_secs(2000);
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &desired(&[1], &[]),
-        state: &p.state,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &p.guard,
-        now: t2,
-    });
+    let p = after(&policy, &desired(&[1], &[]), &p, t2);
     assert!(p.leaves.is_empty());
     assert_eq!(
         p.guard.mass_drop,
@@ -586,16 +543,7 @@ fn leaves_are_rate_limited_per_minute() {
     let t0 = Instant::now();
     let s = state(&[1, 2, 3, 4, 5], &[]);
     let d = desired(&[], &[]);
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &d,
-        state: &s,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &Guard::default(),
-        now: t0,
-    });
+    let p = poll(&policy, &d, &s, &Guard::default(), t0);
     assert_eq!(p.leaves, vec![id(1), id(2)]);
     assert_eq!(
         p.waiting.get(&id(3)),
@@ -618,31 +566,8 @@ fn leaves_are_rate_limited_per_minute() {
     let mut s = p.state;
     apply(&mut s, Outcome::Left(id(1)));
     apply(&mut s, Outcome::Left(id(2)));
-    let p = plan(PlanInput {
-        policy: &policy,
-        desired: &d,
-        state: &s,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard: &p.guard,
-        now: t2,
-    });
+    let p = poll(&policy, &d, &s, &p.guard, t2);
     assert_eq!(p.leaves, vec![id(3), id(4)]);
-}
-
-/// One successful poll at `now` after the one `guard` remembers.
-fn poll(policy: &LeavePolicy, d: &Desired, s: &State, guard: &Guard, now: Instant) -> Planned {
-    plan(PlanInput {
-        policy,
-        desired: d,
-        state: s,
-        in_flight: &none(),
-        join_backoff: &none(),
-        leave_backoff: &none(),
-        guard,
-        now,
-    })
 }
 
 /// The first poll at `now` of a node that holds `admitted` (none confirmed), with no guard.
