@@ -427,7 +427,8 @@ enum DocumentIn {
     Versioned(serde_json::Map<String, serde_json::Value>),
 }
 
-/// Version 3: absences as poll counts, no clock.
+/// Version 3: absences as poll counts, no clock. Version 2 is the same without `joining`
+/// (refused there before this schema reads it).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct V3 {
@@ -458,27 +459,6 @@ fn absences_from_polls(absent_polls: BTreeMap<GroupId, u32>) -> BTreeMap<GroupId
         .into_iter()
         .map(|(id, polls)| (id, Absence { polls, since_ms: 0 }))
         .collect()
-}
-
-/// Version 2: no `joining` set.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct V2 {
-    admitted: BTreeSet<GroupId>,
-    confirmed: BTreeSet<GroupId>,
-    #[serde(default)]
-    absent_polls: BTreeMap<GroupId, u32>,
-}
-
-impl From<V2> for State {
-    fn from(v2: V2) -> Self {
-        State {
-            admitted: v2.admitted,
-            confirmed: v2.confirmed,
-            absent: absences_from_polls(v2.absent_polls),
-            ..State::default()
-        }
-    }
 }
 
 /// Version 1: the confirmed set only (the reference's semantics).
@@ -716,6 +696,9 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
         .ok_or_else(|| corrupt("no \"version\" key".to_owned()))?
         .as_u64()
         .ok_or_else(|| corrupt("\"version\" is not a whole number".to_owned()))?;
+    if version == 2 && map.contains_key("joining") {
+        return Err(corrupt("unknown field `joining` in version 2".to_owned()));
+    }
     let value = serde_json::Value::Object(map);
     // Each version is read with its own schema, then taken as today's sets.
     fn read<V: serde::de::DeserializeOwned + Into<State>>(
@@ -725,7 +708,7 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
     }
     let (format, read) = match version {
         1 => (StateFormat::V1, read::<V1>(value)),
-        2 => (StateFormat::V2, read::<V2>(value)),
+        2 => (StateFormat::V2, read::<V3>(value)),
         3 => (StateFormat::V3, read::<V3>(value)),
         4 => (StateFormat::V4, read::<State>(value)),
         version => {
@@ -1118,29 +1101,17 @@ mod tests {
 
     use crate::ids::test_id as id;
 
+    fn absence(polls: u32, since_ms: u64) -> Absence {
+        Absence { polls, since_ms }
+    }
+
     fn sample() -> State {
         State {
             admitted: [id(1), id(2), id(3)].into(),
             confirmed: [id(1), id(2)].into(),
             joining: [id(4)].into(),
             observed_ms: 90_000,
-            absent: [
-                (
-                    id(3),
-                    Absence {
-                        polls: 2,
-                        since_ms: 1_000,
-                    },
-                ),
-                (
-                    id(4),
-                    Absence {
-                        polls: 1,
-                        since_ms: 89_000,
-                    },
-                ),
-            ]
-            .into(),
+            absent: [(id(3), absence(2, 1_000)), (id(4), absence(1, 89_000))].into(),
             recent_leaves_ms: vec![10_000, 80_000],
         }
     }
@@ -1247,14 +1218,7 @@ mod tests {
         let state = State {
             admitted: [id(1), id(2)].into(),
             confirmed: [id(1)].into(),
-            absent: [(
-                id(2),
-                Absence {
-                    polls: 1,
-                    since_ms: 0,
-                },
-            )]
-            .into(),
+            absent: [(id(2), absence(1, 0))].into(),
             ..State::default()
         };
         assert!(!store.is_saved(&state));
@@ -1363,13 +1327,7 @@ mod tests {
         assert_eq!(report.format, StateFormat::V2);
         assert!(report.on_disk.admitted.is_empty());
         assert_eq!(report.on_disk.confirmed, [id(1)].into());
-        assert_eq!(
-            report.on_disk.absent[&id(2)],
-            Absence {
-                polls: 2,
-                since_ms: 0
-            }
-        );
+        assert_eq!(report.on_disk.absent[&id(2)], absence(2, 0));
         assert_eq!(report.state, s);
         assert_eq!(
             report.repairs,
@@ -1393,10 +1351,7 @@ mod tests {
         assert_eq!(report.state.joining, [id(3)].into());
         assert_eq!(
             report.state.absent[&id(3)],
-            Absence {
-                polls: 1,
-                since_ms: 0
-            },
+            absence(1, 0),
             "v3 counts load as absences observed for 0 s"
         );
         assert_eq!(report.repairs, vec![Repair::JoiningAdmitted(id(1))]);
@@ -1429,23 +1384,7 @@ mod tests {
             confirmed: [id(1)].into(),
             joining: [id(3)].into(),
             observed_ms: 5_000,
-            absent: [
-                (
-                    id(2),
-                    Absence {
-                        polls: 1,
-                        since_ms: 4_000,
-                    },
-                ),
-                (
-                    id(3),
-                    Absence {
-                        polls: 1,
-                        since_ms: 5_000,
-                    },
-                ),
-            ]
-            .into(),
+            absent: [(id(2), absence(1, 4_000)), (id(3), absence(1, 5_000))].into(),
             recent_leaves_ms: vec![1_000],
         };
         writer.save(&sound).unwrap();
@@ -1471,14 +1410,7 @@ mod tests {
         let v2 = State {
             admitted: sound.admitted.clone(),
             confirmed: sound.confirmed.clone(),
-            absent: [(
-                id(2),
-                Absence {
-                    polls: 1,
-                    since_ms: 0,
-                },
-            )]
-            .into(),
+            absent: [(id(2), absence(1, 0))].into(),
             ..State::default()
         };
         assert_eq!(report.state, v2);
@@ -1695,13 +1627,7 @@ mod tests {
         s.observed_ms += 3_600_000;
         assert!(store.is_recorded(&s, start + Duration::from_secs(7200)));
         // An absence starts: a change of facts, due at once.
-        s.absent.insert(
-            id(1),
-            Absence {
-                polls: 1,
-                since_ms: s.observed_ms,
-            },
-        );
+        s.absent.insert(id(1), absence(1, s.observed_ms));
         assert!(!store.is_recorded(&s, start));
         store.save(&s).unwrap();
         let written = tokio::time::Instant::now();
