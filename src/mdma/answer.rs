@@ -159,17 +159,18 @@ impl<'de> Visitor<'de> for Text {
     }
 }
 
+/// One element of an id array as read: its id, and for an `assignments` entry the admitter
+/// addresses to keep for it (empty: none kept); `None` past the array's end.
+type Next = Option<(GroupId, Option<Arc<[String]>>)>;
+
 /// How one element of an id array is written.
 trait Element: Copy {
-    /// Reads one element into `out` (and its admitter addresses into `addrs`); `keys` is
-    /// scratch space reused across elements.
-    fn read<'de, A: SeqAccess<'de>>(
+    /// Reads the next element; `keys` is scratch space reused across elements.
+    fn next<'de, A: SeqAccess<'de>>(
         self,
         seq: &mut A,
         keys: &mut SeenKeys<'de>,
-        out: &mut Vec<GroupId>,
-        addrs: &mut BTreeMap<GroupId, Arc<[String]>>,
-    ) -> Result<bool, A::Error>;
+    ) -> Result<Next, A::Error>;
 }
 
 /// `retain`: an array of 64-hex strings.
@@ -177,17 +178,12 @@ trait Element: Copy {
 struct Bare;
 
 impl Element for Bare {
-    fn read<'de, A: SeqAccess<'de>>(
+    fn next<'de, A: SeqAccess<'de>>(
         self,
         seq: &mut A,
         _: &mut SeenKeys<'de>,
-        out: &mut Vec<GroupId>,
-        _: &mut BTreeMap<GroupId, Arc<[String]>>,
-    ) -> Result<bool, A::Error> {
-        Ok(seq
-            .next_element::<GroupId>()?
-            .map(|id| out.push(id))
-            .is_some())
+    ) -> Result<Next, A::Error> {
+        Ok(seq.next_element::<GroupId>()?.map(|id| (id, None)))
     }
 }
 
@@ -197,30 +193,19 @@ impl Element for Bare {
 struct Entries<'j>(Option<&'j BTreeSet<GroupId>>);
 
 impl Element for Entries<'_> {
-    fn read<'de, A: SeqAccess<'de>>(
+    fn next<'de, A: SeqAccess<'de>>(
         self,
         seq: &mut A,
         keys: &mut SeenKeys<'de>,
-        out: &mut Vec<GroupId>,
-        addrs: &mut BTreeMap<GroupId, Arc<[String]>>,
-    ) -> Result<bool, A::Error> {
+    ) -> Result<Next, A::Error> {
         let Some((id, listed)) = seq.next_element_seed(Entry { keys })? else {
-            return Ok(false);
+            return Ok(None);
         };
-        out.push(id);
-        // A repeated entry's addresses are its last ones (as the two-step reading does).
         let kept = match self.0 {
             Some(joined) if joined.contains(&id) => Arc::default(),
             _ => super::keep_admitter_addrs(listed.unwrap_or_default()),
         };
-        if kept.is_empty() {
-            if !addrs.is_empty() {
-                addrs.remove(&id);
-            }
-        } else {
-            addrs.insert(id, kept);
-        }
-        Ok(true)
+        Ok(Some((id, Some(kept))))
     }
 }
 
@@ -243,7 +228,19 @@ impl<'de, E: Element> Visitor<'de> for Ids<E> {
         let mut keys = SeenKeys::default();
         let mut ids = Vec::with_capacity(self.1);
         let mut addrs = BTreeMap::new();
-        while self.0.read(&mut seq, &mut keys, &mut ids, &mut addrs)? {}
+        while let Some((id, kept)) = self.0.next(&mut seq, &mut keys)? {
+            ids.push(id);
+            // A repeated entry's addresses are its last ones (as the two-step reading does).
+            match kept.filter(|kept| !kept.is_empty()) {
+                Some(kept) => {
+                    addrs.insert(id, kept);
+                }
+                None if !addrs.is_empty() => {
+                    addrs.remove(&id);
+                }
+                None => {}
+            }
+        }
         // Sorted and built in bulk (an answer in id order is already sorted).
         Ok((ids.into_iter().collect(), addrs))
     }
