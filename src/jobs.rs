@@ -47,10 +47,10 @@
 //!
 //! `canary` is the test-only job that keeps "one file and one line of wiring" true.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::sync::{watch, Notify};
 use tokio::time::{timeout, Instant};
 use tokio_util::sync::CancellationToken;
@@ -112,7 +112,6 @@ impl Schedule {
 
 /// One job beside the loop: what one run does. Everything around the runs is the
 /// harness's ([`spawn`]).
-#[async_trait]
 pub(crate) trait Job: Send + 'static {
     /// What a good run gives (published to the job's readers; cheap to clone: share big
     /// values behind an `Arc`).
@@ -143,7 +142,7 @@ pub(crate) trait Job: Send + 'static {
     /// so it must leave nothing half-done that the next run cannot take up.
     ///
     /// Errors: [`Job::Error`], why this run failed.
-    async fn run(&mut self) -> Result<Self::Output, Self::Error>;
+    fn run(&mut self) -> impl Future<Output = Result<Self::Output, Self::Error>> + Send;
 
     /// After a failed run (an error or the deadline), with why (the message the log line
     /// carries): what the job withdraws of its earlier results, or shows of the failure
@@ -175,8 +174,8 @@ pub(crate) trait Job: Send + 'static {
     /// treats its end as a request. It is dropped when the harness stops waiting (a run
     /// due, shutdown), so it must be cancel-safe: lose nothing when dropped at an await.
     /// The default: never.
-    async fn wake(&mut self) {
-        std::future::pending::<()>().await;
+    fn wake(&mut self) -> impl Future<Output = ()> + Send {
+        std::future::pending()
     }
 }
 

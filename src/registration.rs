@@ -28,7 +28,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use tokio::sync::{watch, Notify};
@@ -642,7 +641,6 @@ struct TokenFileWatch {
     why: Option<&'static str>,
 }
 
-#[async_trait]
 impl Job for TokenFileWatch {
     type Output = ();
     type Error = TokenFileUnusable;
@@ -740,7 +738,6 @@ struct Registering {
     attempting: bool,
 }
 
-#[async_trait]
 impl Job for Registering {
     type Output = ();
     type Error = AttemptError;

@@ -8,7 +8,6 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
@@ -97,7 +96,6 @@ struct AccountJob {
     cache: Arc<AccountCache>,
 }
 
-#[async_trait]
 impl Job for AccountJob {
     type Output = ();
     type Error = AccountUnread;

@@ -6,8 +6,6 @@
 
 use std::time::Duration;
 
-use async_trait::async_trait;
-
 use super::{Job, Schedule};
 use crate::backoff::{Backoff, Jitter};
 use crate::outcome::Timed;
@@ -34,7 +32,6 @@ impl Timed for Down {
     }
 }
 
-#[async_trait]
 impl Job for Canary {
     type Output = u32;
     type Error = Down;

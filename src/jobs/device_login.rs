@@ -277,7 +277,6 @@ fn started_after(since: Option<SystemTime>, written: Option<SystemTime>) -> bool
     matches!((since, written), (Some(since), Some(written)) if since > written)
 }
 
-#[async_trait]
 impl Job for LoginJob {
     type Output = Login;
     type Error = LoginError;

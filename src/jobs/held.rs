@@ -12,7 +12,6 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::warn;
@@ -184,7 +183,6 @@ struct HeldRefresh {
     over_cap: bool,
 }
 
-#[async_trait]
 impl Job for HeldRefresh {
     type Output = Arc<[GroupId]>;
     type Error = MerodError;

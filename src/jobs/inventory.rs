@@ -467,7 +467,6 @@ impl ScanJob {
     }
 }
 
-#[async_trait]
 impl Job for ScanJob {
     /// How many namespaces the last scan reported.
     type Output = usize;

@@ -15,7 +15,6 @@ use std::sync::Arc;
 
 use std::time::Duration;
 
-use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
@@ -235,7 +234,6 @@ struct JoinStatusJob {
     writing: Option<JoinHandle<Result<(), StateError>>>,
 }
 
-#[async_trait]
 impl Job for JoinStatusJob {
     type Output = ();
     type Error = JoinStatusFailed;
@@ -428,6 +426,8 @@ impl JoinStatusJob {
 mod tests {
     use std::collections::VecDeque;
     use std::sync::Mutex;
+
+    use async_trait::async_trait;
 
     use super::*;
     use crate::mdma::{ConfirmError, NodeReport, PollError, RequestMethod, ShouldJoin};

@@ -19,7 +19,6 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use nix::unistd::Pid;
 use tokio::io::AsyncReadExt;
 use tokio_util::sync::CancellationToken;
@@ -285,7 +284,6 @@ async fn end_group(group: Pid, child: &mut tokio::process::Child, grace: Duratio
     let _ = tokio::time::timeout(grace, child.wait()).await;
 }
 
-#[async_trait]
 impl Job for TokenInstallJob {
     type Output = ();
     type Error = InstallError;

@@ -6,7 +6,6 @@
 
 use std::sync::Arc;
 
-use async_trait::async_trait;
 use tracing::info;
 
 use crate::jobs::{self, Job, JobHandle, Latest, Schedule};
@@ -67,7 +66,6 @@ struct ReadinessWatch {
     up: bool,
 }
 
-#[async_trait]
 impl Job for ReadinessWatch {
     type Output = ();
     type Error = MerodError;

@@ -8,7 +8,6 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, SystemTime};
 
-use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
@@ -184,7 +183,6 @@ struct NodeFilesJob {
     telemetry: Arc<Telemetry>,
 }
 
-#[async_trait]
 impl Job for NodeFilesJob {
     type Output = Arc<NodeFiles>;
     type Error = LookStopped;

@@ -1278,7 +1278,6 @@ pub(crate) fn next_offer(refused: u64, said: Option<u64>, refusals: u32) -> u64 
     }
 }
 
-#[async_trait]
 impl Job for PassJob {
     type Output = PassDone;
     type Error = PassError;

@@ -8,7 +8,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
@@ -32,7 +31,6 @@ struct RelayJob {
     telemetry: Arc<Telemetry>,
 }
 
-#[async_trait]
 impl Job for RelayJob {
     type Output = Arc<str>;
     type Error = MetadataError;

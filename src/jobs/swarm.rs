@@ -9,7 +9,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_trait::async_trait;
 use tokio_util::sync::CancellationToken;
 
 use super::limits::IDENTITY_DEADLINE;
@@ -25,7 +24,6 @@ struct SwarmJob {
     telemetry: Arc<Telemetry>,
 }
 
-#[async_trait]
 impl Job for SwarmJob {
     type Output = Arc<Vec<String>>;
     type Error = MerodError;

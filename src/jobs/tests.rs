@@ -44,7 +44,6 @@ const EVERY: Duration = Duration::from_secs(60);
 const GAP: Duration = Duration::from_secs(5);
 const DEADLINE: Duration = Duration::from_secs(10);
 
-#[async_trait]
 impl Job for Scripted {
     type Output = u32;
     type Error = Failed;

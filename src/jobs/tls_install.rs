@@ -29,7 +29,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use async_trait::async_trait;
 use sha2::{Digest, Sha256};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -447,7 +446,6 @@ fn read_bounded(path: &std::path::Path) -> Result<Option<Vec<u8>>, InstallError>
     durable::read_capped(path, MAX_FILE).map_err(InstallError::read(path))
 }
 
-#[async_trait]
 impl Job for CertInstallJob {
     type Output = ();
     type Error = InstallError;
