@@ -910,21 +910,8 @@ fn simulate(
     leaves: &[LeaveResult],
     settle: usize,
 ) -> Result<(), TestCaseError> {
-    use crate::backoff::Retries;
-    const JITTER: f64 = 0.5;
-    let mut s = State::default();
-    let mut held: BTreeSet<GroupId> = BTreeSet::new(); // what merod really holds
-    let mut guard = Guard::default();
-    let mut hung: BTreeMap<GroupId, (u32, Task)> = BTreeMap::new();
-    let (mut join_retry, mut leave_retry) = (Retries::default(), Retries::default());
-    let mut now = Instant::now();
-    // The model of observed absence: monotonic time between successful polls of one run
-    // that both showed the namespace absent; and the observed clock, for the leave budgets.
-    let mut observed_absence: BTreeMap<GroupId, Duration> = BTreeMap::new();
-    let mut last_good_at: Option<Instant> = None;
-    let mut clock = Duration::ZERO;
-    let mut leave_times: Vec<Duration> = Vec::new();
-    let (mut ji, mut li) = (0usize, 0usize);
+    let mut w = World::default();
+    let (mut joins, mut leaves) = (joins.iter().cycle(), leaves.iter().cycle());
     let mut last_good: Option<Desired> = None;
     let final_step = last_good_step(steps);
     let all_steps = steps
@@ -933,19 +920,116 @@ fn simulate(
         .map(|st| (st, false))
         .chain(std::iter::repeat_n((final_step, true), settle));
     for (st, settling) in all_steps {
-        if settling && hung.is_empty() {
-            if let Some(d) = &last_good {
-                if held
-                    .iter()
-                    .all(|h| d.assigned.contains(h) || d.retain.contains(h))
-                {
-                    break;
-                }
-            }
+        if settling && last_good.as_ref().is_some_and(|d| w.settled(d)) {
+            break;
         }
-        now += Duration::from_secs(1);
+        w.now += Duration::from_secs(1);
+        w.end_hung();
+        let (a, r) = match st {
+            Step::Good(a, r) => (a, r),
+            // A failed poll: the loop does not call plan; nothing may change.
+            Step::Failed => continue,
+            Step::Restart => {
+                w.restart()?;
+                continue;
+            }
+        };
+        let d = desired(&a, &r);
+        w.observe(&d);
+        let in_flight: BTreeSet<GroupId> = w.hung.keys().copied().collect();
+        let leave_backoff = w.leave_retry.waiting(w.now);
+        let p = plan(PlanInput {
+            policy,
+            desired: &d,
+            state: &w.s,
+            in_flight: &in_flight,
+            join_backoff: &w.join_retry.waiting(w.now),
+            leave_backoff: &leave_backoff,
+            guard: &w.guard,
+            now: w.now,
+        });
+        w.check_leaves(policy, &d, &p, &in_flight, &leave_backoff)?;
+        for j in &p.joins {
+            prop_assert!(!in_flight.contains(j));
+        }
+        w.s = p.state;
+        w.guard = p.guard;
+        for j in p.joins {
+            w.join(j, *joins.next().expect("a join outcome"));
+        }
+        for l in p.leaves {
+            w.leave(l, *leaves.next().expect("a leave outcome"));
+        }
+        w.check_records()?;
+        last_good = Some(d);
+    }
+    // Polls have been good and stable long enough for every leave to have come round to a
+    // success: every namespace merod holds that MDMA no longer assigns (nor retains) has
+    // been left.
+    if let Some(d) = last_good {
+        let stray: Vec<_> = w.held.iter().filter(|h| !wanted(&d, h)).collect();
+        prop_assert!(stray.is_empty(), "still held after settling: {stray:?}");
+    }
+    Ok(())
+}
+
+/// Whether `d` assigns or retains `id`.
+fn wanted(d: &Desired, id: &GroupId) -> bool {
+    d.assigned.contains(id) || d.retain.contains(id)
+}
+
+/// Jitter of the simulated retries, fixed.
+const JITTER: f64 = 0.5;
+
+/// The simulated world around `plan`.
+struct World {
+    /// The daemon's records.
+    s: State,
+    /// What merod really holds.
+    held: BTreeSet<GroupId>,
+    guard: Guard,
+    /// Calls that hang: polls left until each ends as a failure.
+    hung: BTreeMap<GroupId, (u32, Task)>,
+    join_retry: crate::backoff::Retries,
+    leave_retry: crate::backoff::Retries,
+    now: Instant,
+    /// The model of observed absence: monotonic time between successful polls of one run
+    /// that both showed the namespace absent.
+    observed_absence: BTreeMap<GroupId, Duration>,
+    last_good_at: Option<Instant>,
+    /// The observed clock, for the leave budgets, and the leaves on it.
+    clock: Duration,
+    leave_times: Vec<Duration>,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        World {
+            s: State::default(),
+            held: BTreeSet::new(),
+            guard: Guard::default(),
+            hung: BTreeMap::new(),
+            join_retry: Default::default(),
+            leave_retry: Default::default(),
+            now: Instant::now(),
+            observed_absence: BTreeMap::new(),
+            last_good_at: None,
+            clock: Duration::ZERO,
+            leave_times: Vec::new(),
+        }
+    }
+}
+
+impl World {
+    /// Nothing runs and nothing `d` withdraws is held.
+    fn settled(&self, d: &Desired) -> bool {
+        self.hung.is_empty() && self.held.iter().all(|h| wanted(d, h))
+    }
+
+    /// A poll later: hung calls that end now end as failures.
+    fn end_hung(&mut self) {
         let mut ended = Vec::new();
-        hung.retain(|id, (left, task)| {
+        self.hung.retain(|id, (left, task)| {
             *left -= 1;
             if *left == 0 {
                 ended.push((*id, *task));
@@ -954,160 +1038,159 @@ fn simulate(
         });
         for (id, task) in ended {
             match task {
-                Task::Join => join_retry.fail(id, now, JITTER, None),
-                Task::Leave => leave_retry.fail(id, now, JITTER, None),
+                Task::Join => self.join_retry.fail(id, self.now, JITTER, None),
+                Task::Leave => self.leave_retry.fail(id, self.now, JITTER, None),
             };
         }
-        let (a, r) = match st {
-            Step::Good(a, r) => (a, r),
-            // A failed poll: the loop does not call plan; nothing may change.
-            Step::Failed => continue,
-            Step::Restart => {
-                let file = crate::state::render_state(&s);
-                let loaded = crate::state::parse_state(&file, std::path::Path::new("s"));
-                prop_assert_eq!(loaded.as_ref().ok(), Some(&s), "the state file round-trips");
-                guard = Guard::default();
-                hung.clear();
-                join_retry = Retries::default();
-                leave_retry = Retries::default();
-                last_good_at = None;
-                continue;
-            }
-        };
-        let d = desired(&a, &r);
-        let elapsed = last_good_at.map_or(Duration::ZERO, |t| now - t);
-        last_good_at = Some(now);
-        clock += elapsed;
-        let withdrawn: BTreeSet<GroupId> = s
+    }
+
+    /// A restart: the records come back from the state file; the rest starts anew.
+    fn restart(&mut self) -> Result<(), TestCaseError> {
+        let file = crate::state::render_state(&self.s);
+        let loaded = crate::state::parse_state(&file, std::path::Path::new("s"));
+        prop_assert_eq!(
+            loaded.as_ref().ok(),
+            Some(&self.s),
+            "the state file round-trips"
+        );
+        self.guard = Guard::default();
+        self.hung.clear();
+        self.join_retry = Default::default();
+        self.leave_retry = Default::default();
+        self.last_good_at = None;
+        Ok(())
+    }
+
+    /// A good poll answering `d`: the observed time and absences advance, and the retries
+    /// of what is no longer wanted that way are dropped (as `InFlight::backoffs` does).
+    fn observe(&mut self, d: &Desired) {
+        let elapsed = self.last_good_at.map_or(Duration::ZERO, |t| self.now - t);
+        self.last_good_at = Some(self.now);
+        self.clock += elapsed;
+        let withdrawn: BTreeSet<GroupId> = self
+            .s
             .admitted
             .iter()
-            .chain(&s.joining)
-            .filter(|id| !d.assigned.contains(id) && !d.retain.contains(id))
+            .chain(&self.s.joining)
+            .filter(|id| !wanted(d, id))
             .copied()
             .collect();
-        observed_absence.retain(|id, _| withdrawn.contains(id));
+        self.observed_absence.retain(|id, _| withdrawn.contains(id));
         for id in &withdrawn {
-            observed_absence
+            self.observed_absence
                 .entry(*id)
                 .and_modify(|o| *o += elapsed)
                 .or_insert(Duration::ZERO);
         }
-        // As the daemon does (`InFlight::backoffs`).
         let linger = crate::backoff::RETRY_MAX;
-        join_retry.keep_only(now, linger, |id| d.assigned.contains(id));
-        leave_retry.keep_only(now, linger, |id| {
-            !d.assigned.contains(id) && !d.retain.contains(id)
-        });
-        let in_flight: BTreeSet<GroupId> = hung.keys().copied().collect();
-        let leave_backoff = leave_retry.waiting(now);
-        let p = plan(PlanInput {
-            policy,
-            desired: &d,
-            state: &s,
-            in_flight: &in_flight,
-            join_backoff: &join_retry.waiting(now),
-            leave_backoff: &leave_backoff,
-            guard: &guard,
-            now,
-        });
+        self.join_retry
+            .keep_only(self.now, linger, |id| d.assigned.contains(id));
+        self.leave_retry
+            .keep_only(self.now, linger, |id| !wanted(d, id));
+    }
+
+    /// Every leave `p` plans is of a namespace withdrawn long enough, not running, not
+    /// backing off, and within the budgets of the observed clock, restarts included.
+    fn check_leaves(
+        &mut self,
+        policy: &LeavePolicy,
+        d: &Desired,
+        p: &Planned,
+        in_flight: &BTreeSet<GroupId>,
+        leave_backoff: &BTreeSet<GroupId>,
+    ) -> Result<(), TestCaseError> {
         for l in &p.leaves {
-            prop_assert!(
-                !d.assigned.contains(l) && !d.retain.contains(l),
-                "left a desired/retained id"
-            );
+            prop_assert!(!wanted(d, l), "left a desired/retained id");
             prop_assert!(!in_flight.contains(l));
             prop_assert!(!leave_backoff.contains(l), "left while backing off");
             prop_assert!(
-                observed_absence[l] >= policy.leave_grace,
+                self.observed_absence[l] >= policy.leave_grace,
                 "left {l} after {:?} of observed absence, before leave_grace",
-                observed_absence[l]
+                self.observed_absence[l]
             );
-            leave_times.push(clock);
+            self.leave_times.push(self.clock);
         }
         for (window, max) in [
             (MINUTE, policy.max_leaves_per_minute),
             (HOUR, policy.max_leaves_per_hour),
         ] {
-            let in_window = leave_times.iter().filter(|t| clock - **t < window).count();
+            let clock = self.clock;
+            let in_window = self
+                .leave_times
+                .iter()
+                .filter(|t| clock - **t < window)
+                .count();
             prop_assert!(
                 in_window <= max as usize,
                 "{in_window} leaves in a {window:?} window of the observed clock (max {max}), restarts included"
             );
         }
-        for j in &p.joins {
-            prop_assert!(!in_flight.contains(j));
-        }
-        s = p.state;
-        guard = p.guard;
-        for j in p.joins {
-            // As the daemon does: recorded before the fleet-join is sent.
-            apply(&mut s, Outcome::JoinStarted(j));
-            let r = joins[ji % joins.len()];
-            ji += 1;
-            match r {
-                JoinResult::AdmittedConfirmed => {
-                    held.insert(j);
-                    apply(&mut s, Outcome::Admitted(j));
-                    apply(&mut s, Outcome::Confirmed(j));
-                    join_retry.succeed(j);
-                }
-                JoinResult::AdmittedConfirmFailed => {
-                    held.insert(j);
-                    apply(&mut s, Outcome::Admitted(j));
-                    join_retry.fail(j, now, JITTER, None);
-                }
-                JoinResult::AdmittedUnrecorded => {
-                    held.insert(j);
-                    join_retry.fail(j, now, JITTER, None);
-                }
-                JoinResult::NotAdmitted | JoinResult::Error => {
-                    join_retry.fail(j, now, JITTER, None);
-                }
-                JoinResult::Hang => {
-                    hung.insert(j, (2, Task::Join));
-                }
+        Ok(())
+    }
+
+    /// A planned join, with the outcome `r`.
+    fn join(&mut self, j: GroupId, r: JoinResult) {
+        // As the daemon does: recorded before the fleet-join is sent.
+        apply(&mut self.s, Outcome::JoinStarted(j));
+        let now = self.now;
+        match r {
+            JoinResult::AdmittedConfirmed => {
+                self.held.insert(j);
+                apply(&mut self.s, Outcome::Admitted(j));
+                apply(&mut self.s, Outcome::Confirmed(j));
+                self.join_retry.succeed(j);
+            }
+            JoinResult::AdmittedConfirmFailed => {
+                self.held.insert(j);
+                apply(&mut self.s, Outcome::Admitted(j));
+                self.join_retry.fail(j, now, JITTER, None);
+            }
+            JoinResult::AdmittedUnrecorded => {
+                self.held.insert(j);
+                self.join_retry.fail(j, now, JITTER, None);
+            }
+            JoinResult::NotAdmitted | JoinResult::Error => {
+                self.join_retry.fail(j, now, JITTER, None);
+            }
+            JoinResult::Hang => {
+                self.hung.insert(j, (2, Task::Join));
             }
         }
-        for l in p.leaves {
-            let r = leaves[li % leaves.len()];
-            li += 1;
-            match r {
-                LeaveResult::Left => {
-                    held.remove(&l);
-                    apply(&mut s, Outcome::Left(l));
-                    leave_retry.succeed(l);
-                }
-                LeaveResult::Failed => {
-                    leave_retry.fail(l, now, JITTER, None);
-                }
-                LeaveResult::Hang => {
-                    hung.insert(l, (2, Task::Leave));
-                }
+    }
+
+    /// A planned leave, with the outcome `r`.
+    fn leave(&mut self, l: GroupId, r: LeaveResult) {
+        match r {
+            LeaveResult::Left => {
+                self.held.remove(&l);
+                apply(&mut self.s, Outcome::Left(l));
+                self.leave_retry.succeed(l);
+            }
+            LeaveResult::Failed => {
+                self.leave_retry.fail(l, self.now, JITTER, None);
+            }
+            LeaveResult::Hang => {
+                self.hung.insert(l, (2, Task::Leave));
             }
         }
+    }
+
+    /// The records' own rules, and everything merod holds tracked.
+    fn check_records(&self) -> Result<(), TestCaseError> {
+        let s = &self.s;
         prop_assert!(s.confirmed.is_subset(&s.admitted), "confirmed ⊆ admitted");
         prop_assert!(
             s.joining.is_disjoint(&s.admitted),
             "joining apart from admitted"
         );
         prop_assert!(
-            held.iter()
+            self.held
+                .iter()
                 .all(|h| s.admitted.contains(h) || s.joining.contains(h)),
             "everything merod holds is tracked (admitted, or joining)"
         );
-        last_good = Some(d);
+        Ok(())
     }
-    // Polls have been good and stable long enough for every leave to have come round to a
-    // success: every namespace merod holds that MDMA no longer assigns (nor retains) has
-    // been left.
-    if let Some(d) = last_good {
-        let stray: Vec<_> = held
-            .iter()
-            .filter(|h| !d.assigned.contains(h) && !d.retain.contains(h))
-            .collect();
-        prop_assert!(stray.is_empty(), "still held after settling: {stray:?}");
-    }
-    Ok(())
 }
 
 /// Cycles (1 s each) after which every withdrawn namespace of the simulation must have been
