@@ -90,11 +90,22 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
     let node = Node::start(Some(TOKEN)).await;
     node.merod.set_ready(false);
     node.mdma.set_reply(PollReply::assign([A, B]));
+    start_with_the_credential_and_the_probe(&sysd, &node).await;
+    let pid = start_up_waits_for_merod(&sysd, &node).await;
+    polls_carry_the_credential_and_the_mrtd(&sysd, &node).await;
+    an_mdma_outage_kills_nothing(&sysd, &node, &pid).await;
+    a_leave_then_a_log_reopen(&sysd, &node).await;
+    stop_exits_0_with_the_state_persisted(&sysd).await;
+    the_sandbox_as_the_probe_saw_it(&sysd, &node).await;
+}
+
+/// Starts the unit with the fleet token as a credential and the sandbox probe after it.
+async fn start_with_the_credential_and_the_probe(sysd: &Boot, node: &Node) {
     let config = node.config(&format!(
         "fleet_token_file = \"{CREDENTIAL_PATH}\"\nmax_backoff = \"2s\"\nleave_grace = \"0s\""
     ));
     let probe = node.path("probe.sh");
-    std::fs::write(&probe, probe_script(&node)).expect("probe script");
+    std::fs::write(&probe, probe_script(node)).expect("probe script");
     sysd.drop_in(&format!(
         "{}WatchdogSec={}s\nLoadCredential={CREDENTIAL}:{}\n\
          # A SystemCallFilter= denial kills (SIGSYS, in the journal) instead of failing with EPERM.\n\
@@ -115,9 +126,12 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
     ])
     .await;
     sysd.run(&["systemctl", "start", "--no-block", UNIT]).await;
+}
 
-    // 1. Start-up: activating while merod does not answer (no start deadline), with the
-    // waiting reason as StatusText, and no watchdog kill meanwhile.
+/// Behaviour 1, start-up: activating while merod does not answer (no start deadline), with the
+/// waiting reason as StatusText, and no watchdog kill meanwhile; active with both
+/// namespaces confirmed once it answers. Gives the daemon's PID.
+async fn start_up_waits_for_merod(sysd: &Boot, node: &Node) -> String {
     let first = sysd
         .until("the daemon started", SOON, |p| {
             prop(p, "StatusText").starts_with("waiting for merod")
@@ -150,8 +164,13 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
     assert!(state.contains("confirmed"), "{state}");
     assert_eq!(node.mdma.confirmed().len(), 2);
 
-    // 6. The token came from the credential: every poll carried it, and MDMA (which refuses
-    // any other) answered.
+    pid
+}
+
+/// Behaviour 6: the token came from the credential: every poll carried it, and MDMA (which
+/// refuses any other) answered. And behaviour 4: the MRTD path was readable, the polls
+/// carry it.
+async fn polls_carry_the_credential_and_the_mrtd(sysd: &Boot, node: &Node) {
     let polls = node.mdma.polls();
     assert!(polls.iter().all(|p| p.token.as_deref() == Some(TOKEN)));
     // systemd's own restriction of the credential: 0400, owned by the service user (root),
@@ -166,10 +185,11 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         ])
         .await;
     assert_eq!(modes, "400 root\n500 root\n");
-    // 4. The MRTD path was readable: the polls carry it.
     assert!(polls.iter().all(|p| p.mrtd.as_deref() == Some(MRTD_HEX)));
+}
 
-    // 2. MDMA outage: failed polls keep feeding the watchdog.
+/// Behaviour 2, an MDMA outage: failed polls keep feeding the watchdog.
+async fn an_mdma_outage_kills_nothing(sysd: &Boot, node: &Node, pid: &str) {
     node.mdma.set_reply(PollReply::Status(503));
     sysd.holds(
         "no watchdog kill during an MDMA outage",
@@ -183,9 +203,11 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         "{}",
         brief(&p)
     );
+}
 
-    // A leave (B withdrawn, left after leave_after_polls good polls; no grace in this
-    // config), then a SIGHUP reopen.
+/// A leave (B withdrawn, left after leave_after_polls good polls; no grace in this
+/// config), then a SIGHUP reopen.
+async fn a_leave_then_a_log_reopen(sysd: &Boot, node: &Node) {
     node.mdma.set_reply(PollReply::assign([A]));
     sysd.until_file(STATE_FILE, SOON, |s| s.contains(A) && !s.contains(B))
         .await;
@@ -196,8 +218,10 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         .until_file(LOG_FILE, SOON, |s| s.contains("log file reopened"))
         .await;
     assert!(log.contains("fleet-sidecar starting"), "{log}");
+}
 
-    // 3. Stop: within TimeoutStopSec, exit 0, state persisted, STOPPING=1 seen.
+/// Behaviour 3, stop: within TimeoutStopSec, exit 0, state persisted, STOPPING=1 seen.
+async fn stop_exits_0_with_the_state_persisted(sysd: &Boot) {
     let t = Instant::now();
     sysd.run(&["systemctl", "stop", UNIT]).await;
     let stop_took = t.elapsed();
@@ -230,7 +254,10 @@ async fn start_up_sandbox_outage_and_stop_under_the_shipped_unit() {
         sysd.read(LOG_FILE).await.unwrap_or_default()
     );
     assert!(!has("Watchdog timeout"), "{journal}");
-    // 4. Sandbox, as the probe saw it from inside.
+}
+
+/// Behaviour 4, the sandbox, as the probe saw it from inside; no seccomp denial over the whole scenario.
+async fn the_sandbox_as_the_probe_saw_it(sysd: &Boot, node: &Node) {
     // The probe's lines are read from the whole journal: journald may attribute the output
     // of a short-lived process to no unit (its cgroup is gone when the line is read).
     let all = sysd.journal_all().await;
