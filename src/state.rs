@@ -427,8 +427,7 @@ enum DocumentIn {
     Versioned(serde_json::Map<String, serde_json::Value>),
 }
 
-/// Version 3: absences as poll counts, no clock. Version 2 is the same without `joining`
-/// (refused there before this schema reads it).
+/// Version 3: absences as poll counts, no clock.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct V3 {
@@ -459,6 +458,29 @@ fn absences_from_polls(absent_polls: BTreeMap<GroupId, u32>) -> BTreeMap<GroupId
         .into_iter()
         .map(|(id, polls)| (id, Absence { polls, since_ms: 0 }))
         .collect()
+}
+
+/// Version 2: version 3 without `joining` (its own schema, so a `joining` key is refused as
+/// any unknown key is).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct V2 {
+    admitted: BTreeSet<GroupId>,
+    confirmed: BTreeSet<GroupId>,
+    #[serde(default)]
+    absent_polls: BTreeMap<GroupId, u32>,
+}
+
+impl From<V2> for State {
+    fn from(v2: V2) -> Self {
+        V3 {
+            admitted: v2.admitted,
+            confirmed: v2.confirmed,
+            joining: BTreeSet::new(),
+            absent_polls: v2.absent_polls,
+        }
+        .into()
+    }
 }
 
 /// Version 1: the confirmed set only (the reference's semantics).
@@ -696,9 +718,6 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
         .ok_or_else(|| corrupt("no \"version\" key".to_owned()))?
         .as_u64()
         .ok_or_else(|| corrupt("\"version\" is not a whole number".to_owned()))?;
-    if version == 2 && map.contains_key("joining") {
-        return Err(corrupt("unknown field `joining` in version 2".to_owned()));
-    }
     let value = serde_json::Value::Object(map);
     // Each version is read with its own schema, then taken as today's sets.
     fn read<V: serde::de::DeserializeOwned + Into<State>>(
@@ -708,7 +727,7 @@ fn parse_document(bytes: &[u8], path: &Path) -> Result<(StateFormat, State), Sta
     }
     let (format, read) = match version {
         1 => (StateFormat::V1, read::<V1>(value)),
-        2 => (StateFormat::V2, read::<V3>(value)),
+        2 => (StateFormat::V2, read::<V2>(value)),
         3 => (StateFormat::V3, read::<V3>(value)),
         4 => (StateFormat::V4, read::<State>(value)),
         version => {
