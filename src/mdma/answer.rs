@@ -160,7 +160,7 @@ impl<'de> Visitor<'de> for Text {
 }
 
 /// One element of an id array as read: its id, and for an `assignments` entry the admitter
-/// addresses to keep for it (empty: none kept); `None` past the array's end.
+/// addresses kept for it, if any; `None` past the array's end.
 type Next = Option<(GroupId, Option<Arc<[String]>>)>;
 
 /// How one element of an id array is written.
@@ -205,7 +205,7 @@ impl Element for Entries<'_> {
             Some(joined) if joined.contains(&id) => Arc::default(),
             _ => super::keep_admitter_addrs(listed.unwrap_or_default()),
         };
-        Ok(Some((id, Some(kept))))
+        Ok(Some((id, (!kept.is_empty()).then_some(kept))))
     }
 }
 
@@ -231,7 +231,7 @@ impl<'de, E: Element> Visitor<'de> for Ids<E> {
         while let Some((id, kept)) = self.0.next(&mut seq, &mut keys)? {
             ids.push(id);
             // A repeated entry's addresses are its last ones (as the two-step reading does).
-            match kept.filter(|kept| !kept.is_empty()) {
+            match kept {
                 Some(kept) => {
                     addrs.insert(id, kept);
                 }
