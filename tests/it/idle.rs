@@ -10,6 +10,10 @@ use fleet_sidecar::testing::sandbox::Sandbox;
 use crate::common::*;
 
 const LIMIT: Duration = Duration::from_secs(20);
+/// Poll cycles counted (1 s each: the sandbox's `poll_interval`).
+const POLLS: usize = 12;
+/// Half the sandbox's `poll_interval`.
+const HALF_A_CYCLE: Duration = Duration::from_millis(500);
 /// Past tokio's keep-alive of an idle blocking-pool thread (10 s), with a margin.
 const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(12);
 
@@ -45,12 +49,19 @@ async fn the_idle_binary_wakes_about_three_times_a_poll() {
     let spawned = std::time::Instant::now();
     let mut child = spawn_daemon(&cfg, false, &[]);
     let pid = child.id();
-    assert!(sb.mdma.wait_for_polls(2, LIMIT).await, "the daemon polls");
-    let (_, before) = threads_and_wake_ups(pid);
-    let from = sb.mdma.polls().len();
-    tokio::time::sleep(Duration::from_secs(6)).await;
-    let (_, after) = threads_and_wake_ups(pid);
-    let polls = sb.mdma.polls().len() - from;
+    // Counted over whole poll cycles: each edge half a cycle after MDMA saw a poll, when
+    // the daemon sleeps, so no poll's wake-ups are cut in two at either edge (a window of a
+    // fixed time, ending anywhere in a cycle, moved the figure by a poll's worth).
+    let quiet_after = |polls: usize| {
+        let mdma = &sb.mdma;
+        async move {
+            assert!(mdma.wait_for_polls(polls, LIMIT).await, "the daemon polls");
+            tokio::time::sleep(HALF_A_CYCLE).await;
+            threads_and_wake_ups(pid).1
+        }
+    };
+    let before = quiet_after(2).await;
+    let after = quiet_after(2 + POLLS).await;
     // The threads are counted once the start-up's blocking work has aged out: the jobs
     // that start with the daemon (the MRTD read, each job's first look at its files) may
     // each take a blocking-pool thread at once, and an idle one lingers for tokio's keep-
@@ -59,7 +70,7 @@ async fn the_idle_binary_wakes_about_three_times_a_poll() {
     let (threads, _) = threads_and_wake_ups(pid);
     let _ = child.kill();
     let _ = child.wait();
-    assert!(polls >= 4, "{polls} polls in 6 s");
+    let polls = POLLS;
     let per_poll = (after - before) as f64 / polls as f64;
     assert!(
         per_poll <= 4.5,
